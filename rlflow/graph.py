@@ -1,0 +1,562 @@
+"""The graph layer: load ONNX models as found in the wild, edit them through onnx-graphsurgeon, save them safely.
+
+A `Graph` wraps an editable onnx-graphsurgeon graph in which every tensor has a static shape: dynamic input dimensions
+are fixed for measurement (from `input_shapes`, else 1 with a warning).  It also remembers the model's original
+interface (input and output names, element types, dynamic dimensions) so that a written model keeps it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper, numpy_helper, shape_inference
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+from rlflow.errors import InputError
+
+log = logging.getLogger("rlflow")
+
+MIN_OPSET = 13
+"""Models below this opset are converted up on load, so rules meet one form of Split, Squeeze and friends."""
+
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+"""Initializer bytes above which a model is saved with external data (protobuf cannot hold 2 GB)."""
+
+_SMALL_CONSTANT = 1024
+"""Constants up to this many elements keep their values during shape inference (Reshape targets, Slice bounds)."""
+
+_COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"}
+
+
+@functools.lru_cache(maxsize=None)
+def max_ir_version() -> int:
+    """The newest IR version the installed onnxruntime accepts (onnx 1.23 writes 14; onnxruntime 1.31 takes 13)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return min(onnx.IR_VERSION, 10)
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    for ir in range(onnx.IR_VERSION, 6, -1):
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=ir)
+        try:
+            ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+            return ir
+        except Exception:  # noqa: BLE001 - any refusal means "too new"
+            continue
+    return 7
+
+
+def parse_input_shapes(specs: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """Parses `name:d0,d1,...` strings (the CLI's --input-shape) into a dict."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        name, sep, dims = spec.rpartition(":")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
+            if any(d <= 0 for d in shape):
+                raise ValueError
+        except ValueError:
+            raise InputError(f"bad --input-shape '{spec}': expected name:d0,d1,... with positive integers") from None
+        shapes[name] = shape
+    return shapes
+
+
+def load(path: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None) -> "Graph":
+    """Loads an ONNX model file (external data included) as a Graph with static shapes.
+
+    Raises:
+        InputError: the file is missing, unreadable, empty, not ONNX, or the onnx checker rejects the model.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, not an ONNX file")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not data:
+        raise InputError(f"{path}: empty file")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception:  # noqa: BLE001 - protobuf raises DecodeError or RuntimeWarning-like errors
+        raise InputError(f"{path}: not an ONNX model (the file cannot be parsed; truncated or another format)") from None
+    if not model.HasField("graph") or not model.opset_import:
+        raise InputError(f"{path}: not an ONNX model (no graph or no opset)")
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{path}: cannot read its external data ({exc})") from None
+    return Graph.from_model(model, input_shapes, source=str(path))
+
+
+class Graph:
+    """An ONNX model being rewritten: an onnx-graphsurgeon graph with static shapes plus the model's interface.
+
+    Rules edit `self.gs` through the helpers below; `rlflow.rewrites.apply` clones first, so a Graph handed to a user is
+    never modified by a rewrite.
+    """
+
+    def __init__(self, gs_graph: gs.Graph, *, interface: tuple[list, list], input_shapes: dict[str, tuple[int, ...]],
+                 model_info: dict, source: str | None = None):
+        self.gs = gs_graph
+        self.interface = interface
+        self.input_shapes = input_shapes
+        self.model_info = model_info
+        self.source = source
+
+    # ----------------------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_model(cls, model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None = None,
+                   source: str | None = None) -> "Graph":
+        """Builds a Graph from an in-memory model (which is not modified)."""
+        work = onnx.ModelProto()
+        work.CopyFrom(model)
+        _check(work)
+        work = _upgrade_opset(work)
+        initializer_names = {t.name for t in work.graph.initializer}
+        real_inputs = [vi for vi in work.graph.input if vi.name not in initializer_names]
+        interface = ([_copy(vi) for vi in real_inputs], [_copy(vi) for vi in work.graph.output])
+        fixed = _fix_input_dims(real_inputs, dict(input_shapes or {}))
+        # IR < 4 lists initializers as inputs; they are weights, not part of the interface.
+        kept = [vi for vi in work.graph.input if vi.name not in initializer_names]
+        del work.graph.input[:]
+        work.graph.input.extend(kept)
+        del work.graph.value_info[:]
+        info = {
+            "ir_version": work.ir_version,
+            "opset_import": [(o.domain, o.version) for o in work.opset_import],
+            "producer_name": work.producer_name,
+            "producer_version": work.producer_version,
+            "doc_string": work.doc_string,
+            "metadata_props": [(p.key, p.value) for p in work.metadata_props],
+            "functions": [_copy(f) for f in work.functions],
+        }
+        graph = cls(gs.import_onnx(work), interface=interface, input_shapes=fixed, model_info=info, source=source)
+        graph._name_nodes()
+        graph._lower_constant_nodes()
+        graph.gs.cleanup(remove_unused_graph_inputs=False).toposort()
+        graph.infer_shapes()
+        return graph
+
+    def clone(self) -> "Graph":
+        """A deep copy of the structure; constant arrays are shared (rules never edit arrays in place)."""
+        return Graph(self.gs.copy(), interface=self.interface, input_shapes=dict(self.input_shapes),
+                     model_info=self.model_info, source=self.source)
+
+    def _name_nodes(self) -> None:
+        """Gives every node a unique name: matches refer to nodes by name."""
+        seen: set[str] = set()
+        for i, node in enumerate(self.gs.nodes):
+            name = node.name or f"{node.op}_{i}"
+            while name in seen:
+                name = f"{name}_{i}"
+            node.name = name
+            seen.add(name)
+
+    def _lower_constant_nodes(self) -> None:
+        """Turns Constant nodes into constant tensors, so rules see weights one way whatever the exporter did."""
+        for node in list(self.gs.nodes):
+            if node.op != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attrs) != 1:
+                continue
+            (key, value), = node.attrs.items()
+            if key == "value" and isinstance(value, gs.Constant):
+                array = value.values
+            elif key in ("value_float", "value_int"):
+                array = np.array(value, dtype=np.float32 if key == "value_float" else np.int64)
+            elif key in ("value_floats", "value_ints"):
+                array = np.array(value, dtype=np.float32 if key == "value_floats" else np.int64)
+            else:
+                continue
+            out = node.outputs[0]
+            node.outputs.clear()
+            out.to_constant(np.asarray(array))
+
+    # ------------------------------------------------------------------------------------------------- shapes
+    def infer_shapes(self) -> None:
+        """Refreshes the shape and element type of every tensor with onnx shape inference at the fixed input shapes.
+
+        Large constants travel as typed graph inputs instead of initializers, so inference never copies weights.
+        """
+        skeleton = self._skeleton()
+        try:
+            inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
+        except Exception as exc:  # noqa: BLE001 - inference errors are reported, not fatal: ORT checks later
+            log.debug("shape inference failed: %s", exc)
+            return
+        tensors = self.gs.tensors()
+        for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+            tensor = tensors.get(vi.name)
+            if tensor is None or isinstance(tensor, gs.Constant):
+                continue
+            ttype = vi.type.tensor_type
+            if not ttype.elem_type:
+                continue
+            tensor.dtype = helper.tensor_dtype_to_np_dtype(ttype.elem_type)
+            if ttype.HasField("shape"):
+                dims = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
+                tensor.shape = None if None in dims else dims
+
+    def _skeleton(self) -> onnx.ModelProto:
+        nodes = [OnnxExporter.export_node(n) for n in self.gs.nodes]
+        inputs = [OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in self.gs.inputs]
+        initializers = []
+        for tensor in self.gs.tensors().values():
+            if not isinstance(tensor, gs.Constant):
+                continue
+            if tensor.values.size <= _SMALL_CONSTANT:
+                initializers.append(OnnxExporter.export_tensor_proto(tensor))
+            else:
+                elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+                inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(tensor.shape)))
+        outputs = [helper.make_empty_tensor_value_info(t.name) for t in self.gs.outputs]
+        graph = helper.make_graph(nodes, "skeleton", inputs, outputs, initializer=initializers)
+        return helper.make_model(graph, opset_imports=self._opset_imports(), ir_version=max_ir_version())
+
+    def shape(self, tensor: gs.Tensor) -> tuple[int, ...] | None:
+        """The static shape of a tensor, or None where inference could not tell."""
+        shape = tensor.shape
+        if shape is None or any(not isinstance(d, (int, np.integer)) for d in shape):
+            return None
+        return tuple(int(d) for d in shape)
+
+    # ------------------------------------------------------------------------------------------------- export
+    def _opset_imports(self) -> list[onnx.OperatorSetIdProto]:
+        versions = dict(self.model_info["opset_import"])
+        for node in self.gs.nodes:  # rules may emit contrib operators
+            if node.domain == "com.microsoft":
+                versions.setdefault("com.microsoft", 1)
+        return [helper.make_opsetid(domain, version) for domain, version in versions.items()]
+
+    @property
+    def opset(self) -> int:
+        """The default-domain opset version."""
+        return dict(self.model_info["opset_import"]).get("", dict(self.model_info["opset_import"]).get("ai.onnx", 0))
+
+    def to_model(self, *, static: bool = True) -> onnx.ModelProto:
+        """Exports an onnx model.
+
+        Args:
+            static: True gives the measurement model (inputs fixed to `input_shapes`, every shape recorded); False gives
+                the model to write, whose inputs and outputs are the original interface with dynamic dimensions.
+        """
+        model = gs.export_onnx(self.gs, do_type_check=False)
+        info = self.model_info
+        del model.opset_import[:]
+        model.opset_import.extend(self._opset_imports())
+        model.ir_version = max_ir_version()
+        model.producer_name = info["producer_name"] or "rlflow"
+        model.producer_version = info["producer_version"]
+        model.doc_string = info["doc_string"]
+        for key, value in info["metadata_props"]:
+            model.metadata_props.add(key=key, value=value)
+        model.functions.extend(info["functions"])
+        if not static:
+            inputs, outputs = self.interface
+            extra = [vi for vi in model.graph.input if vi.name not in {i.name for i in inputs}]
+            del model.graph.input[:]
+            model.graph.input.extend([_copy(vi) for vi in inputs] + extra)
+            del model.graph.output[:]
+            model.graph.output.extend(_copy(vi) for vi in outputs)
+            del model.graph.value_info[:]
+        return model
+
+    def save(self, path: str | os.PathLike, *, static: bool = False) -> Path:
+        """Writes the model atomically (temporary file, then rename); see `save_model`."""
+        return save_model(self.to_model(static=static), path)
+
+    def check(self, provider: str = "CPUExecutionProvider") -> None:
+        """Raises InputError unless the onnx checker accepts the model and onnxruntime can build a session for it."""
+        model = self.to_model(static=True)
+        _check(model)
+        from rlflow.measure.session import create_session  # measure imports graph, not the other way at import time
+
+        create_session(model, provider=provider)
+
+    # ----------------------------------------------------------------------------------------------- identity
+    def fingerprint(self) -> str:
+        """A structural hash: equal for graphs that differ only in node and tensor names (or commutative operand order)."""
+        digests: dict[str, bytes] = {}
+        for index, tensor in enumerate(self.gs.inputs):
+            digests[tensor.name] = _digest("input", index, tensor.dtype, tensor.shape)
+        for tensor in self.gs.tensors().values():
+            if isinstance(tensor, gs.Constant):
+                digests[tensor.name] = _constant_digest(tensor)
+        digests[""] = _digest("absent")
+        for node in self.gs.nodes:
+            operands = [digests.get(t.name, _digest("unknown", t.name)) for t in node.inputs]
+            if node.op in _COMMUTATIVE:
+                operands.sort()
+            attrs = sorted((k, _attr_repr(v)) for k, v in node.attrs.items())
+            base = _digest(node.domain, node.op, attrs, *operands)
+            for k, tensor in enumerate(node.outputs):
+                digests[tensor.name] = _digest(base, k)
+        return hashlib.blake2b(b"".join(digests[t.name] for t in self.gs.outputs), digest_size=16).hexdigest()
+
+    # ------------------------------------------------------------------------------------- editing helpers for rules
+    def node_map(self) -> dict[str, gs.Node]:
+        """Nodes by name."""
+        return {n.name: n for n in self.gs.nodes}
+
+    def tensor_map(self) -> dict[str, gs.Tensor]:
+        """Tensors by name."""
+        return self.gs.tensors()
+
+    @staticmethod
+    def producer(tensor: gs.Tensor) -> gs.Node | None:
+        """The node that writes a tensor (None for inputs and constants)."""
+        return tensor.inputs[0] if tensor.inputs else None
+
+    @staticmethod
+    def consumers(tensor: gs.Tensor) -> list[gs.Node]:
+        """The nodes that read a tensor."""
+        return list(tensor.outputs)
+
+    @staticmethod
+    def constant(tensor: gs.Tensor) -> np.ndarray | None:
+        """The value of a constant tensor, else None."""
+        return np.asarray(tensor.values) if isinstance(tensor, gs.Constant) else None
+
+    def is_output(self, tensor: gs.Tensor) -> bool:
+        """True for graph outputs: their names belong to the interface and must survive every rewrite."""
+        return any(t is tensor for t in self.gs.outputs)
+
+    def fresh_name(self, hint: str) -> str:
+        """A tensor or node name not used yet."""
+        used = getattr(self, "_used_names", None)
+        if used is None:
+            used = set(self.gs.tensors()) | {n.name for n in self.gs.nodes}
+            self._used_names = used
+        k = 0
+        name = hint
+        while name in used:
+            k += 1
+            name = f"{hint}_{k}"
+        used.add(name)
+        return name
+
+    def add_constant(self, values: np.ndarray, hint: str = "const") -> gs.Constant:
+        """A new constant tensor."""
+        return gs.Constant(self.fresh_name(hint), np.ascontiguousarray(values))
+
+    def add_node(self, op: str, inputs: Sequence[gs.Tensor], outputs: int | Sequence[gs.Tensor] = 1,
+                 attrs: dict | None = None, domain: str = "", hint: str | None = None) -> list[gs.Tensor]:
+        """Appends a node and returns its outputs (new variables when `outputs` is a count)."""
+        name = self.fresh_name(hint or op)
+        if isinstance(outputs, int):
+            outputs = [gs.Variable(self.fresh_name(f"{name}_out{k}" if outputs > 1 else f"{name}_out"))
+                       for k in range(outputs)]
+        node = gs.Node(op=op, name=name, attrs=dict(attrs or {}), inputs=list(inputs), outputs=list(outputs),
+                       domain=domain or None)
+        self.gs.nodes.append(node)
+        return list(outputs)
+
+    def replace_uses(self, old: gs.Tensor, new: gs.Tensor) -> None:
+        """Makes every reader of `old` read `new` instead; a graph output keeps its name.
+
+        When `old` is a graph output, `new` takes over old's name by having its producer write `old` directly (or, for
+        a constant or graph input, through an Identity), so the interface is unchanged.
+        """
+        for node in list(old.outputs):
+            for i, tensor in enumerate(node.inputs):
+                if tensor is old:
+                    node.inputs[i] = new
+        if not self.is_output(old):
+            return
+        old_producer = self.producer(old)
+        if old_producer is not None:
+            index = next(i for i, t in enumerate(old_producer.outputs) if t is old)
+            old_producer.outputs[index] = gs.Variable(self.fresh_name(f"{old.name}_replaced"))
+        new_producer = self.producer(new)
+        if new_producer is None or self.is_output(new) or any(t is new for t in self.gs.inputs):
+            self.add_node("Identity", [new], [old])
+            return
+        index = next(i for i, t in enumerate(new_producer.outputs) if t is new)
+        new_producer.outputs[index] = old
+        for node in list(new.outputs):
+            for i, tensor in enumerate(node.inputs):
+                if tensor is new:
+                    node.inputs[i] = old
+
+    def finish_edit(self) -> None:
+        """Removes dead nodes, restores topological order and refreshes shapes after a rule has edited the graph."""
+        self.gs.cleanup(remove_unused_graph_inputs=False).toposort()
+        self._used_names = None
+        self.infer_shapes()
+
+    # ------------------------------------------------------------------------------------------------- summary
+    def op_counts(self) -> dict[str, int]:
+        """Number of nodes per operator type."""
+        counts: dict[str, int] = {}
+        for node in self.gs.nodes:
+            counts[node.op] = counts.get(node.op, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def __len__(self) -> int:
+        return len(self.gs.nodes)
+
+    def __repr__(self) -> str:
+        return f"Graph({self.source or 'in-memory'}, {len(self)} nodes, opset {self.opset})"
+
+
+# ----------------------------------------------------------------------------------------------------- helpers
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
+    """Writes a model atomically: a temporary file in the same folder, then a rename, so nothing is half-written.
+
+    Models whose weights exceed EXTERNAL_DATA_THRESHOLD are written with their weights in `<name>.data` beside them.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weight_bytes = sum(_tensor_bytes(t) for t in model.graph.initializer)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
+        tmp_model = Path(tmp) / path.name
+        if weight_bytes > EXTERNAL_DATA_THRESHOLD:
+            data_name = f"{path.name}.data"
+            big = onnx.ModelProto()
+            big.CopyFrom(model)
+            onnx.save_model(big, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=data_name, size_threshold=1024)
+            os.replace(Path(tmp) / data_name, path.parent / data_name)
+        else:
+            tmp_model.write_bytes(model.SerializeToString())
+        os.replace(tmp_model, path)
+    return path
+
+
+def _tensor_bytes(tensor: onnx.TensorProto) -> int:
+    if tensor.raw_data:
+        return len(tensor.raw_data)
+    count = int(np.prod(tensor.dims)) if tensor.dims else 1
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+
+
+def _check(model: onnx.ModelProto) -> None:
+    try:
+        if model.ByteSize() < 2**31 - 1:
+            onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"the onnx checker rejects the model: {first}") from None
+
+
+def _upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if version is None or version >= MIN_OPSET:
+        return model
+    try:
+        from onnx import version_converter
+
+        converted = version_converter.convert_version(model, MIN_OPSET)
+        onnx.checker.check_model(converted)
+        return converted
+    except Exception as exc:  # noqa: BLE001 - keep the original opset; rules check the opset they need
+        log.warning("could not convert opset %d to %d (%s); rules needing opset %d are skipped",
+                    version, MIN_OPSET, str(exc).splitlines()[0] if str(exc) else exc, MIN_OPSET)
+        return model
+
+
+def _fix_input_dims(inputs: list[onnx.ValueInfoProto], given: dict[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """Fixes dynamic input dimensions in place (given, else 1 with a warning) and returns the fixed shapes."""
+    names = {vi.name for vi in inputs}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise InputError(f"--input-shape names unknown input(s) {', '.join(unknown)}; inputs are {', '.join(sorted(names))}")
+    fixed: dict[str, tuple[int, ...]] = {}
+    for vi in inputs:
+        if not vi.type.HasField("tensor_type"):
+            raise InputError(f"input '{vi.name}' is not a tensor (sequences, maps and optionals are not supported)")
+        ttype = vi.type.tensor_type
+        want = given.get(vi.name)
+        if not ttype.HasField("shape"):
+            if want is None:
+                raise InputError(f"input '{vi.name}' has no shape; give it with --input-shape {vi.name}:d0,d1,...")
+            ttype.shape.SetInParent()
+            for _ in want:
+                ttype.shape.dim.add()
+        dims = list(ttype.shape.dim)
+        if want is not None and len(want) != len(dims):
+            raise InputError(f"--input-shape {vi.name} has {len(want)} dimensions; the model's input has {len(dims)}")
+        shape = []
+        for k, dim in enumerate(dims):
+            static = dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else None
+            if want is not None:
+                if static is not None and static != want[k]:
+                    raise InputError(f"--input-shape {vi.name}: dimension {k} is fixed to {static} in the model, "
+                                     f"not {want[k]}")
+                value = int(want[k])
+            elif static is not None:
+                value = static
+            else:
+                label = dim.dim_param or "?"
+                log.warning("input '%s' dimension %d ('%s') is dynamic; measuring with 1 (set it with "
+                            "--input-shape %s:...)", vi.name, k, label, vi.name)
+                value = 1
+            dim.Clear()
+            dim.dim_value = value
+            shape.append(value)
+        fixed[vi.name] = tuple(shape)
+    return fixed
+
+
+def _copy(proto):
+    clone = type(proto)()
+    clone.CopyFrom(proto)
+    return clone
+
+
+def _digest(*parts) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else repr(part).encode())
+        h.update(b"\x00")
+    return h.digest()
+
+
+_constant_digests: dict[int, tuple[weakref.ref, bytes]] = {}
+
+
+def _constant_digest(tensor: gs.Constant) -> bytes:
+    """Hash of a constant's values, cached per array: clones share arrays, so re-hashing weights would dominate.
+
+    The cache holds weak references only, so it never keeps a dropped graph's weights alive.
+    """
+    values = tensor.values
+    cached = _constant_digests.get(id(values))
+    if cached is not None and cached[0]() is values:
+        return cached[1]
+    array = np.ascontiguousarray(np.asarray(values))
+    digest = _digest("const", str(array.dtype), array.shape, hashlib.blake2b(array.tobytes(), digest_size=16).digest())
+    try:
+        ref = weakref.ref(values)
+    except TypeError:
+        return digest
+    if len(_constant_digests) > 100_000:
+        _constant_digests.clear()
+    _constant_digests[id(values)] = (ref, digest)
+    return digest
+
+
+def _attr_repr(value) -> str:
+    if isinstance(value, gs.Constant):
+        return repr((str(value.values.dtype), value.values.shape, value.values.tobytes()))
+    if isinstance(value, gs.Graph):
+        return repr(gs.export_onnx(value, do_type_check=False).graph.SerializeToString())
+    if isinstance(value, np.ndarray):
+        return repr((str(value.dtype), value.shape, value.tobytes()))
+    return repr(value)

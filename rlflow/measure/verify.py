@@ -1,0 +1,126 @@
+"""Numerical equivalence of two models on random inputs: the gate every rewritten model passes before it is written."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from rlflow.measure.inputs import random_inputs
+from rlflow.measure.session import SessionSettings, create_session
+
+FLOAT32_TOLERANCE = 1e-4
+HALF_TOLERANCE = 1e-2
+
+
+def default_tolerance(dtype: np.dtype) -> float:
+    """Relative-norm tolerance by element type: 1e-4 for float32/64, 1e-2 for float16/bfloat16, 0 for the rest."""
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f" and str(dtype) != "bfloat16":
+        return 0.0
+    return HALF_TOLERANCE if dtype.itemsize <= 2 else FLOAT32_TOLERANCE
+
+
+@dataclass
+class OutputCheck:
+    """The worst error seen on one output over all seeds and shapes."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    rel_norm: float
+    tolerance: float
+    ok: bool
+
+
+@dataclass
+class Verification:
+    """Whether two models agree, with the errors per output and the settings used."""
+
+    ok: bool
+    outputs: list[OutputCheck]
+    seeds: tuple[int, ...]
+    shapes: list[dict]
+    opt_level: str
+    message: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def max_rel_norm(self) -> float:
+        return max((o.rel_norm for o in self.outputs), default=0.0)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Sequence[int] = (0, 1, 2),
+           shapes: Sequence[Mapping[str, Sequence[int]] | None] = (None,), tolerance: float | None = None,
+           opt_level: str = "disable") -> Verification:
+    """Runs both models on the same random inputs and compares every output.
+
+    Args:
+        reference: the model whose outputs are the truth.
+        candidate: the model to check; it must have the same input and output names.
+        seeds: one set of random inputs per seed.
+        shapes: input shapes to try (None: the models' static shapes, dynamic dimensions set to 1). Give a second set
+            for models with dynamic dimensions, so that a shape baked into the candidate is caught.
+        tolerance: relative-norm tolerance for every float output (default: by element type, see default_tolerance).
+        opt_level: onnxruntime optimisation level for both sessions; `disable` checks the rewrite itself, not
+            onnxruntime's own fusions.
+    """
+    settings = SessionSettings(opt_level=opt_level)
+    ref_session = create_session(reference, settings)
+    cand_session = create_session(candidate, settings)
+    ref_names = [o.name for o in ref_session.get_outputs()]
+    cand_names = {o.name for o in cand_session.get_outputs()}
+    missing = [n for n in ref_names if n not in cand_names]
+    if missing:
+        return Verification(False, [], tuple(seeds), [dict(s or {}) for s in shapes], opt_level,
+                            f"candidate lacks output(s) {', '.join(missing)}")
+    worst: dict[str, OutputCheck] = {}
+    for shape in shapes:
+        for seed in seeds:
+            feeds = random_inputs(reference, seed, shape)
+            expected = ref_session.run(ref_names, feeds)
+            actual = cand_session.run(ref_names, feeds)
+            for name, a, b in zip(ref_names, expected, actual):
+                check = compare_arrays(name, np.asarray(a), np.asarray(b), tolerance)
+                if name not in worst or _worse(check, worst[name]):
+                    worst[name] = check
+    checks = [worst[n] for n in ref_names]
+    bad = [c for c in checks if not c.ok]
+    message = "" if not bad else "; ".join(
+        f"{c.name}: relative error {c.rel_norm:.2e} > {c.tolerance:.0e}" for c in bad)
+    return Verification(not bad, checks, tuple(seeds), [dict(s or {}) for s in shapes], opt_level, message)
+
+
+def compare_arrays(name: str, expected: np.ndarray, actual: np.ndarray, tolerance: float | None = None) -> OutputCheck:
+    """Errors of `actual` against `expected`; shapes must agree and NaNs must sit in the same places."""
+    tol = default_tolerance(expected.dtype) if tolerance is None else tolerance
+    if expected.shape != actual.shape:
+        return OutputCheck(name, float("inf"), float("inf"), float("inf"), tol, False)
+    if expected.dtype.kind not in "fc" and str(expected.dtype) != "bfloat16":
+        equal = bool(np.array_equal(expected, actual))
+        return OutputCheck(name, 0.0 if equal else float("inf"), 0.0 if equal else float("inf"),
+                           0.0 if equal else float("inf"), 0.0, equal)
+    e = expected.astype(np.float64)
+    a = actual.astype(np.float64)
+    nan_e, nan_a = np.isnan(e), np.isnan(a)
+    if not np.array_equal(nan_e, nan_a):
+        return OutputCheck(name, float("inf"), float("inf"), float("inf"), tol, False)
+    e, a = np.where(nan_e, 0.0, e), np.where(nan_a, 0.0, a)
+    diff = np.abs(e - a)
+    if e.size == 0:
+        return OutputCheck(name, 0.0, 0.0, 0.0, tol, True)
+    max_abs = float(diff.max())
+    max_rel = float((diff / np.maximum(np.abs(e), 1e-6)).max())
+    norm = float(np.linalg.norm(e))
+    rel_norm = float(np.linalg.norm(e - a) / max(norm, 1e-12 * np.sqrt(e.size)))
+    if not np.isfinite(rel_norm):
+        rel_norm = float("inf")
+    return OutputCheck(name, max_abs, max_rel, rel_norm, tol, rel_norm <= tol)
+
+
+def _worse(a: OutputCheck, b: OutputCheck) -> bool:
+    return (not a.ok and b.ok) or a.rel_norm > b.rel_norm

@@ -1,0 +1,53 @@
+"""The rewrite rule library.
+
+`RULES` is the ordered registry: its order is the action id space of the environment and the agent, so it is
+append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record).
+
+Example:
+    >>> import rlflow
+    >>> from rlflow.rewrites import RULES, find_matches, apply
+    >>> graph = rlflow.load("model.onnx")            # doctest: +SKIP
+    >>> matches = find_matches(graph)                # doctest: +SKIP
+    >>> better = apply(graph, matches[0])            # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from rlflow.graph import Graph
+from rlflow.rewrites import base, fold, layout
+from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
+
+RULES: tuple[Rule, ...] = (
+    layout.TransposeTranspose(),
+    fold.ConvBatchNorm(),
+)
+"""Every rule, in action-id order.  Append only."""
+
+REGISTRY_VERSION = registry_version(RULES)
+
+_names = [r.name for r in RULES]
+if len(set(_names)) != len(_names):
+    raise TypeError(f"duplicate rule names in RULES: {sorted(n for n in _names if _names.count(n) > 1)}")
+
+
+def find_matches(graph: Graph, rules: Sequence[Rule] = RULES) -> list[Match]:
+    """Every match of every rule in `graph` (pure), in rule order then node order."""
+    return base.find_matches(graph, rules)
+
+
+def apply(graph: Graph, match: Match, rules: Sequence[Rule] = RULES) -> Graph:
+    """A new graph with `match` applied; `graph` is left untouched."""
+    return base.apply(graph, match, rules)
+
+
+def rule(name: str) -> Rule:
+    """The rule with this name."""
+    for candidate in RULES:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(f"no rule named {name!r}")
+
+
+__all__ = ["RULES", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
+           "apply", "rule"]

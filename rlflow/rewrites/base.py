@@ -1,0 +1,168 @@
+"""Rule, Match and NoMatch: the vocabulary of the rewrite library.
+
+A rule is a small declarative object (as in the onnxscript rewriter and egg): `check` looks at one root node and says
+either how to rewrite there (a Match carrying everything `rewrite` needs) or why not (a NoMatch with a reason);
+`rewrite` edits a clone of the graph.  Nothing is stored on the rule between the two.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Iterable, Sequence
+
+import onnx_graphsurgeon as gs
+
+from rlflow.graph import Graph
+
+CATEGORIES = ("merge", "algebra", "fold", "layout", "fusion", "cleanup")
+"""merge: combine parallel work; algebra: identities that change the computation; fold: absorb constants into
+weights; layout: transposes/reshapes/concat/split; fusion: onnxruntime contrib operators; cleanup: remove no-ops."""
+
+_KEBAB = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Match:
+    """Where and how a rule applies.
+
+    Attributes:
+        rule: the rule's name.
+        nodes: names of the nodes the rewrite consumes; the first is the root (the location an agent chooses).
+        params: whatever else `rewrite` needs, as plain hashable values (ints, strings, tuples), never arrays.
+    """
+
+    rule: str
+    nodes: tuple[str, ...]
+    params: tuple[tuple[str, object], ...] = ()
+
+    def param(self, key: str, default=None):
+        """One parameter by name."""
+        return dict(self.params).get(key, default)
+
+    @property
+    def root(self) -> str:
+        """The name of the root node."""
+        return self.nodes[0]
+
+    def __str__(self) -> str:
+        return f"{self.rule}@{self.root}"
+
+
+@dataclass(frozen=True)
+class NoMatch:
+    """Why a rule does not apply at a node; falsy, so `if rule.check(...)` reads naturally."""
+
+    rule: str
+    node: str
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class RewriteError(RuntimeError):
+    """A match could not be applied (stale, or from another graph)."""
+
+
+class Rule:
+    """Base class of every rewrite rule.  Subclasses set the class attributes and implement `check` and `rewrite`.
+
+    Class attributes:
+        name: unique kebab-case name.
+        category: one of CATEGORIES.
+        root_ops: operator types a match can be rooted at (the index `find` uses).
+        contrib: True when the rewrite emits onnxruntime contrib operators (com.microsoft domain).
+    The class docstring's first line says what it does: "Replaces `A(B(x))` with `C(x)`."
+    """
+
+    name: ClassVar[str] = ""
+    category: ClassVar[str] = ""
+    root_ops: ClassVar[tuple[str, ...]] = ()
+    contrib: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        cls = type(self)
+        problems = []
+        if not _KEBAB.match(self.name or ""):
+            problems.append(f"name {self.name!r} is not kebab-case")
+        if self.category not in CATEGORIES:
+            problems.append(f"category {self.category!r} is not one of {CATEGORIES}")
+        if not self.root_ops or not all(isinstance(op, str) for op in self.root_ops):
+            problems.append("root_ops must be a non-empty tuple of operator types")
+        if not self.description.startswith("Replaces ") or not self.description.endswith("."):
+            problems.append("the docstring's first line must read 'Replaces ... .'")
+        if problems:
+            raise TypeError(f"rule {cls.__name__}: " + "; ".join(problems))
+
+    @property
+    def description(self) -> str:
+        """The docstring's first line."""
+        doc = (type(self).__doc__ or "").strip()
+        return doc.splitlines()[0].strip() if doc else ""
+
+    # -- to implement ------------------------------------------------------------------------------------------
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        """Pure: whether and how the rule applies with `node` as root."""
+        raise NotImplementedError
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        """Edits `graph` (a clone owned by `apply`) in place; `nodes` maps node names to nodes."""
+        raise NotImplementedError
+
+    # -- provided ----------------------------------------------------------------------------------------------
+    def find(self, graph: Graph) -> list[Match]:
+        """Every match in the graph, in node order."""
+        return [m for m in self._checks(graph) if m]
+
+    def reasons(self, graph: Graph) -> list[NoMatch]:
+        """Why the rule does not apply at each candidate root that it rejects."""
+        return [m for m in self._checks(graph) if not m]
+
+    def _checks(self, graph: Graph) -> Iterable[Match | NoMatch]:
+        for node in graph.gs.nodes:
+            if node.op in self.root_ops:
+                yield self.check(graph, node)
+
+    def no(self, node: gs.Node, reason: str) -> NoMatch:
+        """A NoMatch at `node`."""
+        return NoMatch(self.name, node.name, reason)
+
+    def match(self, nodes: Sequence[gs.Node], **params) -> Match:
+        """A Match over `nodes` (root first) with plain parameters."""
+        return Match(self.name, tuple(n.name for n in nodes), tuple(sorted(params.items())))
+
+    def __repr__(self) -> str:
+        return f"<rule {self.name}>"
+
+
+def find_matches(graph: Graph, rules: Sequence[Rule]) -> list[Match]:
+    """Every match of every rule, in rule order then node order.  Pure: the graph is not modified."""
+    return [m for rule in rules for m in rule.find(graph)]
+
+
+def apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph:
+    """Applies a match to a clone of `graph` and returns the clone; `graph` itself is untouched.
+
+    The match is checked again on the clone, so a stale match (or one from another graph) raises RewriteError rather
+    than corrupting the result.
+    """
+    rule = next((r for r in rules if r.name == match.rule), None)
+    if rule is None:
+        raise RewriteError(f"unknown rule {match.rule!r}")
+    result = graph.clone()
+    nodes = result.node_map()
+    root = nodes.get(match.root)
+    if root is None:
+        raise RewriteError(f"{match}: node {match.root!r} is not in the graph")
+    again = rule.check(result, root)
+    if again != match:
+        raise RewriteError(f"{match}: the match no longer holds ({getattr(again, 'reason', 'different match')})")
+    rule.rewrite(result, match, nodes)
+    result.finish_edit()
+    return result
+
+
+def registry_version(rules: Sequence[Rule]) -> str:
+    """A short hash of the ordered rule names: checkpoints trained on one action space refuse another."""
+    return hashlib.sha256("\n".join(r.name for r in rules).encode()).hexdigest()[:12]
