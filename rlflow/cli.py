@@ -1,0 +1,159 @@
+"""The `rlflow` command: thin wrappers that parse options, call the library and print.
+
+Problems the user can act on print one line on stderr and exit 2; `--debug` (anywhere on the line) shows tracebacks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from rlflow.errors import RlflowError
+
+EXIT_BAD_INPUT = 2
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="rlflow")
+def cli() -> None:
+    """Make ONNX models faster with verified graph rewrites."""
+
+
+@cli.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output file [default: MODEL.rlflow.onnx].")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Execution provider to optimise for.")
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
+              help="onnxruntime intra-op threads for every measurement.")
+@click.option("--method", type=click.Choice(["greedy"]), default="greedy", show_default=True, help="Search method.")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Seconds for the search (verification and the final measurement come on top).")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",
+              help="Fix a dynamic input's dimensions for measurement (repeatable); the output keeps them dynamic.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
+@click.option("--quiet", is_flag=True, help="Print only the output path.")
+def optimize(model, output, provider, threads, method, time_limit, input_shapes, json_path, seed, quiet) -> None:
+    """Optimise MODEL and write the verified result."""
+    from rlflow.graph import parse_input_shapes, save_model
+    from rlflow.optimize import format_report, optimize as run
+
+    output = output or model.with_name(model.name[: -len(".onnx")] + ".rlflow.onnx" if model.name.endswith(".onnx")
+                                       else model.name + ".rlflow.onnx")
+    if output.resolve() == model.resolve():
+        raise RlflowError("the output path is the input path; rlflow never overwrites its input")
+    result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
+                 input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet)
+    result.save(output)
+    if json_path:
+        report = {**result.as_dict(), "output": str(output)}
+        save_text(json_path, json.dumps(report, indent=2, default=str))
+    click.echo(str(output) if quiet else format_report(result) + f"\n  written     {output}")
+
+
+@cli.command()
+@click.option("--model", type=click.Path(path_type=Path), help="Count matches of every rule in this model.")
+@click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...")
+def rules(model, input_shapes) -> None:
+    """List the rewrite rules (with --model: how often each matches)."""
+    from rlflow.graph import load, parse_input_shapes
+    from rlflow.rewrites import RULES, find_matches
+
+    counts = None
+    if model:
+        counts = {}
+        for match in find_matches(load(model, parse_input_shapes(input_shapes))):
+            counts[match.rule] = counts.get(match.rule, 0) + 1
+    width = max(len(r.name) for r in RULES)
+    for index, rule in enumerate(RULES):
+        count = "" if counts is None else f"{counts.get(rule.name, 0):>6}  "
+        contrib = " [contrib]" if rule.contrib else ""
+        click.echo(f"{index:>3}  {rule.name:<{width}}  {rule.category:<8}  {count}{rule.description}{contrib}")
+    if counts is not None:
+        click.echo(f"{sum(counts.values())} matches of {len(counts)} rules in {model}")
+
+
+@cli.group()
+def zoo() -> None:
+    """The model zoo: real architectures defined in PyTorch, exported to ONNX offline."""
+
+
+@zoo.command("list")
+@click.option("--tiny/--no-tiny", default=False, show_default=True, help="Include the small test variants.")
+def zoo_list(tiny) -> None:
+    """Name, parameters, FLOPs, node count and input shapes of every zoo model."""
+    from rlflow import zoo as registry
+
+    click.echo(f"{'name':<22}{'family':<13}{'params':>12}{'GFLOPs':>10}{'nodes':>7}  inputs")
+    for name in registry.names(include_tiny=tiny):
+        row = registry.summary(name)
+        shapes = ", ".join(f"{k}:{list(v)}" for k, v in row["input_shapes"].items())
+        click.echo(f"{name:<22}{row['family']:<13}{row['params']:>12,}{row['flops'] / 1e9:>10.3f}{row['nodes']:>7}  {shapes}")
+
+
+@zoo.command("build")
+@click.argument("names", nargs=-1)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("models"), show_default=True)
+@click.option("--force", is_flag=True, help="Rebuild even when the definition is unchanged.")
+@click.option("--tiny/--no-tiny", default=False, show_default=True, help="With no NAMES: also build tiny variants.")
+def zoo_build(names, out, force, tiny) -> None:
+    """Build zoo models (all full-size ones by default) into --out."""
+    from rlflow import zoo as registry
+
+    for name in names or registry.names(include_tiny=tiny):
+        result = registry.build(name, out, force=force)
+        state = "unchanged" if result.skipped else f"built in {result.seconds:.1f} s"
+        click.echo(f"{result.path}  {state}  ({result.nodes} nodes, {result.params:,} params)")
+
+
+def save_text(path: Path, text: str) -> None:
+    """Writes a text file atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: runs the click group and turns errors into one line and an exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("rlflow").setLevel(logging.DEBUG if debug else logging.INFO)
+    for noisy in ("onnx_graphsurgeon", "onnxscript", "torch"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        cli.main(args=argv, prog_name="rlflow", standalone_mode=False)
+        return 0
+    except click.exceptions.Abort:
+        click.echo("interrupted; nothing was written", err=True)
+        return 130
+    except click.exceptions.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except RlflowError as exc:
+        if debug:
+            raise
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        click.echo("interrupted; nothing was written", err=True)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - no traceback without --debug
+        if debug:
+            raise
+        click.echo(f"error: internal error ({type(exc).__name__}: {exc}); run again with --debug for details", err=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Timing through onnxruntime: single-model statistics and interleaved comparisons with bootstrap intervals.
+
+On small shared machines run-to-run drift is larger than most rewrite effects, so models are compared interleaved in
+one process (round-robin, order shuffled every round) and a speedup is claimed only when the interval excludes 1.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+
+from rlflow.measure.inputs import random_inputs
+from rlflow.measure.session import SessionSettings, create_session
+
+MIN_ROUND_SECONDS = 0.01
+"""Each model runs enough times per round to take at least this long, so clock resolution never matters."""
+
+
+@dataclass
+class Timing:
+    """Latency statistics of one model, with the settings they were measured under (milliseconds)."""
+
+    label: str
+    median_ms: float
+    iqr_ms: float
+    min_ms: float
+    mean_ms: float
+    samples: int
+    warmup: int
+    settings: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Ratio:
+    """Speedup of a model over the baseline (baseline time / model time) with a bootstrap confidence interval."""
+
+    median: float
+    low: float
+    high: float
+    confidence: float
+
+    @property
+    def faster(self) -> bool:
+        """A speedup is claimed only when the whole interval lies above 1."""
+        return self.low > 1.0
+
+    @property
+    def slower(self) -> bool:
+        return self.high < 1.0
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f}x [{self.low:.3f}, {self.high:.3f}]"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Comparison:
+    """An interleaved comparison: `timings[i]` per model, `ratios[i]` = speedup of model i over model 0."""
+
+    timings: list[Timing]
+    ratios: list[Ratio]
+    rounds: int
+    runs_per_round: int
+    warmup: int
+    settings: dict
+    seed: int
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Runner:
+    """One model ready to run repeatedly: a session and its inputs, bound to the device on CUDA.
+
+    On CUDA, inputs and outputs are bound to the GPU once (IOBinding) so host-device copies stay out of timings, and
+    each run ends with a synchronisation before the clock is read.
+    """
+
+    def __init__(self, model: onnx.ModelProto | bytes, settings: SessionSettings, feeds: Mapping[str, np.ndarray]):
+        self.settings = settings
+        self.session = create_session(model, settings)
+        names = {i.name for i in self.session.get_inputs()}
+        self.feeds = {k: v for k, v in feeds.items() if k in names}
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self._binding = None
+        if settings.provider == "CUDAExecutionProvider":
+            import onnxruntime as ort
+
+            binding = self.session.io_binding()
+            for name, array in self.feeds.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+            for name in self.outputs:
+                binding.bind_output(name, "cuda")
+            self._binding = binding
+
+    def run(self) -> None:
+        if self._binding is not None:
+            self.session.run_with_iobinding(self._binding)
+            self._binding.synchronize_outputs()
+        else:
+            self.session.run(self.outputs, self.feeds)
+
+    def time(self, runs: int) -> float:
+        """Seconds per run, averaged over `runs` back-to-back runs."""
+        start = time.perf_counter()
+        for _ in range(runs):
+            self.run()
+        return (time.perf_counter() - start) / runs
+
+
+def _stats(label: str, seconds: Sequence[float], warmup: int, settings: SessionSettings) -> Timing:
+    ms = np.asarray(seconds) * 1e3
+    q1, q3 = np.percentile(ms, [25, 75])
+    return Timing(label, float(np.median(ms)), float(q3 - q1), float(ms.min()), float(ms.mean()), len(ms), warmup,
+                  settings.as_dict())
+
+
+def time_model(model: onnx.ModelProto, settings: SessionSettings | None = None, *, warmup: int = 5,
+               repeats: int = 30, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
+               label: str = "model") -> Timing:
+    """Latency of one model: `warmup` untimed runs, then `repeats` timed runs."""
+    settings = settings or SessionSettings()
+    runner = Runner(model, settings, random_inputs(model, seed, shapes))
+    for _ in range(warmup):
+        runner.run()
+    return _stats(label, [runner.time(1) for _ in range(repeats)], warmup, settings)
+
+
+def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None = None, *, rounds: int = 30,
+            warmup: int = 5, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
+            labels: Sequence[str] | None = None, confidence: float = 0.95,
+            deadline: float | None = None, progress: Callable[[int, int], None] | None = None) -> Comparison:
+    """Interleaved comparison of models on the same inputs.
+
+    Every round runs each model (in a freshly shuffled order) enough times to take MIN_ROUND_SECONDS; the speedup of
+    model i over model 0 is the ratio of their times within a round, summarised by the median over rounds with a
+    bootstrap interval.
+
+    Args:
+        models: model 0 is the baseline.
+        rounds: timed rounds (at least 3; fewer are run if `deadline` passes first).
+        deadline: a time.monotonic() value after which no new round starts.
+        progress: called with (round done, rounds) after each round.
+    """
+    if len(models) < 2:
+        raise ValueError("compare needs at least two models")
+    settings = settings or SessionSettings()
+    labels = list(labels or [f"model{i}" for i in range(len(models))])
+    feeds = random_inputs(models[0], seed, shapes)
+    runners = [Runner(m, settings, feeds) for m in models]
+    for runner in runners:
+        for _ in range(warmup):
+            runner.run()
+    slowest = max(r.time(1) for r in runners)
+    runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(slowest, 1e-9)))
+    rng = np.random.default_rng(seed)
+    times = [[] for _ in runners]
+    for done in range(rounds):
+        if deadline is not None and done >= 3 and time.monotonic() > deadline:
+            break
+        for i in rng.permutation(len(runners)):
+            times[i].append(runners[i].time(runs))
+        if progress:
+            progress(done + 1, rounds)
+    base = np.asarray(times[0])
+    ratios = [bootstrap_ratio(base, np.asarray(t), confidence, rng) for t in times]
+    timings = [_stats(label, t, warmup, settings) for label, t in zip(labels, times)]
+    return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed)
+
+
+def bootstrap_ratio(baseline: np.ndarray, candidate: np.ndarray, confidence: float = 0.95,
+                    rng: np.random.Generator | None = None, resamples: int = 2000) -> Ratio:
+    """Median of per-round ratios baseline/candidate with a percentile-bootstrap interval of that median."""
+    rng = rng or np.random.default_rng(0)
+    ratios = baseline / candidate
+    index = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
+    medians = np.median(ratios[index], axis=1)
+    alpha = (1 - confidence) / 2
+    low, high = np.quantile(medians, [alpha, 1 - alpha])
+    return Ratio(float(np.median(ratios)), float(low), float(high), confidence)

@@ -1,0 +1,212 @@
+"""The optimize pipeline: load, search for rewrites, gate the result on verification and measurement, report.
+
+The output is the rewritten model only if it verifies against the input on random data AND is measured not slower
+than the input (interleaved, on the target provider); otherwise it is the input unchanged, and the report says why.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import onnx
+
+from rlflow.errors import InputError, ProviderError
+from rlflow.graph import Graph, load, save_model
+from rlflow.measure.session import SessionSettings, create_session, resolve_provider
+from rlflow.measure.timing import Comparison, Ratio, compare
+from rlflow.measure.verify import Verification, verify
+from rlflow.rewrites import REGISTRY_VERSION, RULES, Rule
+from rlflow.search.greedy import GreedyConfig, greedy
+
+log = logging.getLogger("rlflow")
+
+METHODS = ("greedy",)
+
+
+@dataclass
+class Result:
+    """Everything `rlflow optimize` reports, plus the model to write.
+
+    Attributes:
+        graph: the output graph (the input's graph when nothing was kept).
+        rewritten: whether the output differs from the input.
+        reason: why the output is what it is.
+        applied: the rewrites applied, in order (`rule@node`).
+        comparison: interleaved input-vs-output measurement (ratios[1] is the speedup; about 1 when unchanged).
+        verification: the rewritten model checked against the input (None when no rewrite was found).
+    """
+
+    graph: Graph
+    rewritten: bool
+    reason: str
+    applied: list[str]
+    comparison: Comparison
+    verification: Verification | None
+    op_counts_before: dict[str, int]
+    op_counts_after: dict[str, int]
+    seconds: float
+    search_seconds: float
+    candidates_measured: int
+    settings: dict
+    source: str | None = None
+    output_model: onnx.ModelProto | None = field(default=None, repr=False)
+
+    @property
+    def speedup(self) -> Ratio:
+        return self.comparison.ratios[1]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Writes the output model atomically."""
+        return save_model(self.output_model, path)
+
+    def as_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "rewritten": self.rewritten,
+            "reason": self.reason,
+            "applied": self.applied,
+            "speedup": self.speedup.as_dict(),
+            "latency_ms": {"before": self.comparison.timings[0].as_dict(), "after": self.comparison.timings[1].as_dict()},
+            "measurement": {k: v for k, v in self.comparison.as_dict().items() if k not in ("timings", "ratios")},
+            "verification": self.verification.as_dict() if self.verification else None,
+            "op_counts": {"before": self.op_counts_before, "after": self.op_counts_after},
+            "seconds": {"total": self.seconds, "search": self.search_seconds},
+            "candidates_measured": self.candidates_measured,
+            "settings": self.settings,
+        }
+
+
+def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "greedy",
+             time_limit: float = 60.0, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
+             rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False) -> Result:
+    """Optimises a model for the target execution provider.
+
+    Args:
+        model: a path to an .onnx file or a Graph.
+        provider: `auto` (CUDA when usable, else CPU), `cpu` or `cuda`.
+        threads: onnxruntime intra-op threads used for every measurement.
+        method: search method (see METHODS).
+        time_limit: seconds for the search; the final verification and measurement come on top.
+        input_shapes: fixes dynamic input dimensions for measurement (the written model keeps them dynamic).
+        seed: random inputs and measurement order.
+        rounds: interleaved rounds of the final input-vs-output measurement.
+        rules: the rules the search may use.
+
+    Raises:
+        InputError: the model cannot be loaded.
+        ProviderError: the provider is unavailable or cannot run the model.
+    """
+    if method not in METHODS:
+        raise InputError(f"unknown method '{method}': choose from {', '.join(METHODS)}")
+    start = time.monotonic()
+    graph = model if isinstance(model, Graph) else load(model, input_shapes)
+    settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
+    input_model = graph.to_model(static=True)
+    create_session(input_model, settings)  # the provider must run the input at all: ProviderError otherwise
+
+    search = greedy(graph, settings, GreedyConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
+    recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
+                "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
+                "rules": len(rules), "registry_version": REGISTRY_VERSION}
+    common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
+                  candidates_measured=search.candidates_measured, settings=recorded, source=graph.source)
+
+    verification, keep = None, False
+    if not search.applied:
+        reason = f"input kept: {search.stop_reason}"
+    else:
+        candidate = search.graph.to_model(static=False)
+        verification = verify(_reference_model(graph), candidate, seeds=(seed, seed + 1, seed + 2),
+                              shapes=verification_shapes(graph))
+        reason = f"input kept: the rewritten model does not verify ({verification.message})"
+    if verification is not None and verification.ok:
+        comparison = compare([input_model, search.graph.to_model(static=True)], settings, rounds=rounds, seed=seed,
+                             labels=["input", "output"])
+        ratio = comparison.ratios[1]
+        keep = ratio.median >= 1.0 and not ratio.slower
+        if not keep:
+            reason = f"input kept: the rewritten model is not faster ({ratio})"
+        elif ratio.faster:
+            reason = "rewritten: measurably faster"
+        else:
+            reason = "rewritten: verified and not slower (the interval includes 1, so no speedup is claimed)"
+    if not keep:  # the written model is the input: report its latency against itself, honestly ~1x
+        comparison = compare([input_model, input_model], settings, rounds=rounds, seed=seed,
+                             labels=["input", "output"])
+    output = search.graph if keep else graph
+    return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
+                  op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
+                  output_model=candidate if keep else _unchanged_model(graph), **common)
+
+
+def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
+    """The measurement shapes, plus a second set with every dynamic dimension changed, so baked shapes are caught."""
+    fixed = dict(graph.input_shapes)
+    other = {}
+    for vi in graph.interface[0]:
+        dims = vi.type.tensor_type.shape.dim
+        shape = list(fixed[vi.name])
+        for k, dim in enumerate(dims):
+            if not (dim.HasField("dim_value") and dim.dim_value > 0):
+                shape[k] = shape[k] + 1
+        other[vi.name] = tuple(shape)
+    return [fixed] if other == fixed else [fixed, other]
+
+
+def _reference_model(graph: Graph) -> onnx.ModelProto:
+    """The user's own file when onnxruntime can run it, so verification also covers rlflow's loading; else the graph."""
+    if graph.source:
+        try:
+            original = onnx.load(graph.source)
+            create_session(original, SessionSettings(opt_level="disable"))
+            return original
+        except (ProviderError, OSError, ValueError) as exc:
+            log.debug("verifying against the loaded graph instead of the file: %s", exc)
+    return graph.to_model(static=False)
+
+
+def _unchanged_model(graph: Graph) -> onnx.ModelProto:
+    """The model written when nothing is kept: the input file's model as it was, else the graph's export."""
+    if graph.source:
+        try:
+            return onnx.load(graph.source)
+        except (OSError, ValueError) as exc:
+            log.debug("re-exporting the graph: %s", exc)
+    return graph.to_model(static=False)
+
+
+def format_report(result: Result) -> str:
+    """The terminal report: decision, latency, rewrites, op counts, verification and settings."""
+    lines = [f"rlflow optimize: {result.source or 'in-memory graph'}", f"  result      {result.reason}"]
+    before, after = result.comparison.timings
+    lines.append(f"  latency     {before.median_ms:.3f} ms -> {after.median_ms:.3f} ms (medians, IQR "
+                 f"{before.iqr_ms:.3f} / {after.iqr_ms:.3f} ms)")
+    lines.append(f"  speedup     {result.speedup} ({int(result.speedup.confidence * 100)}% bootstrap interval, "
+                 f"{result.comparison.rounds} interleaved rounds)")
+    if result.verification is None:
+        lines.append("  verified    output is the input file unchanged")
+    else:
+        v = result.verification
+        lines.append(f"  verified    {'yes' if v.ok else 'NO'}: max relative error {v.max_rel_norm:.2e} over seeds "
+                     f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)")
+        for check in v.outputs:
+            lines.append(f"              {check.name}: max abs {check.max_abs:.2e}, rel-norm {check.rel_norm:.2e} "
+                         f"(tolerance {check.tolerance:.0e})")
+    lines.append(f"  rewrites    {len(result.applied)}" + (": " + ", ".join(result.applied) if result.applied else ""))
+    ops = sorted(set(result.op_counts_before) | set(result.op_counts_after))
+    lines.append("  operators   " + f"{'op':<24}{'before':>8}{'after':>8}")
+    for op in ops:
+        b, a = result.op_counts_before.get(op, 0), result.op_counts_after.get(op, 0)
+        lines.append(f"              {op:<24}{b:>8}{a:>8}" + ("" if a == b else "  *"))
+    lines.append(f"              {'total':<24}{sum(result.op_counts_before.values()):>8}"
+                 f"{sum(result.op_counts_after.values()):>8}")
+    s = result.settings
+    lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
+                 f"{result.candidates_measured} candidates measured")
+    lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
+                 f"method {s['method']}, seed {s['seed']}, input shapes {s['input_shapes']}")
+    return "\n".join(lines)
