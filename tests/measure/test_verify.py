@@ -1,0 +1,57 @@
+"""Verification: equal models pass, different ones fail, integer inputs stay in range."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from rlflow.measure.inputs import index_bound, random_inputs
+from rlflow.measure.verify import compare_arrays, default_tolerance, verify
+from tests.conftest import tiny_model
+
+
+def test_identical_models_verify(matmul_model):
+    result = verify(matmul_model, matmul_model, shapes=[{"x": (1, 8)}, {"x": (3, 8)}])
+    assert result.ok and result.max_rel_norm == 0.0 and len(result.shapes) == 2
+
+
+def test_changed_weight_fails(matmul_model):
+    changed = onnx.ModelProto()
+    changed.CopyFrom(matmul_model)
+    w = numpy_helper.to_array(changed.graph.initializer[0]).copy()
+    w[0, 0] += 0.5
+    changed.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "W"))
+    result = verify(matmul_model, changed)
+    assert not result.ok and "relative error" in result.message
+    assert result.outputs[0].max_abs > 0
+
+
+def test_missing_output_fails(matmul_model):
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(matmul_model)
+    renamed.graph.node[-1].output[0] = "z"
+    renamed.graph.output[0].name = "z"
+    result = verify(matmul_model, renamed)
+    assert not result.ok and "lacks output" in result.message
+
+
+def test_token_ids_stay_below_the_table_size():
+    table = numpy_helper.from_array(np.zeros((7, 4), np.float32), "emb")
+    model = tiny_model([helper.make_node("Cast", ["ids"], ["ids64"], to=TensorProto.INT64),
+                        helper.make_node("Gather", ["emb", "ids64"], ["y"])],
+                       [helper.make_tensor_value_info("ids", TensorProto.INT32, [1, 50])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 50, 4])], [table])
+    assert index_bound(model, "ids") == 7
+    feeds = random_inputs(model, seed=3)
+    assert feeds["ids"].dtype == np.int32 and 0 <= feeds["ids"].min() and feeds["ids"].max() < 7
+    assert verify(model, model).ok
+
+
+def test_tolerances_and_comparisons():
+    assert default_tolerance(np.float32) == 1e-4 and default_tolerance(np.float16) == 1e-2
+    assert default_tolerance(np.int64) == 0.0
+    a = np.array([1.0, np.nan, 3.0], np.float32)
+    assert compare_arrays("a", a, a.copy()).ok
+    assert not compare_arrays("a", a, np.array([1.0, 2.0, 3.0], np.float32)).ok
+    assert not compare_arrays("i", np.array([1, 2]), np.array([1, 3])).ok
+    assert not compare_arrays("s", np.zeros(3), np.zeros(4)).ok

@@ -1,0 +1,166 @@
+"""The graph layer: loading models as found in the wild, shapes, fingerprints, saving."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import rlflow
+from rlflow import graph as graph_module
+from rlflow.errors import InputError
+from rlflow.graph import Graph, load, max_ir_version, parse_input_shapes
+from rlflow.measure.verify import verify
+from tests.conftest import save, tiny_model
+
+
+def test_dynamic_dimension_defaults_to_one_with_warning(tmp_path, matmul_model, caplog):
+    path = save(matmul_model, tmp_path / "m.onnx")
+    with caplog.at_level(logging.WARNING, logger="rlflow"):
+        graph = load(path)
+    assert graph.input_shapes == {"x": (1, 8)}
+    assert "dynamic" in caplog.text and "--input-shape x:" in caplog.text
+    assert all(graph.shape(t) is not None for t in graph.gs.tensors().values())
+
+
+def test_input_shape_fixes_dimensions_and_output_stays_dynamic(tmp_path, matmul_model):
+    graph = load(save(matmul_model, tmp_path / "m.onnx"), {"x": (5, 8)})
+    assert graph.input_shapes == {"x": (5, 8)}
+    assert graph.shape(graph.tensor_map()["h"]) == (5, 4)
+    written = graph.to_model(static=False)
+    dims = written.graph.input[0].type.tensor_type.shape.dim
+    assert dims[0].dim_param == "batch" and dims[1].dim_value == 8
+    assert written.graph.output[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    session = ort.InferenceSession(written.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"x": np.ones((3, 8), np.float32)})[0].shape == (3, 4)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ({"nope": (1, 8)}, "unknown input"),
+    ({"x": (1, 8, 1)}, "has 3 dimensions"),
+    ({"x": (1, 9)}, "fixed to 8"),
+])
+def test_bad_input_shapes(tmp_path, matmul_model, shapes, message):
+    with pytest.raises(InputError, match=message):
+        load(save(matmul_model, tmp_path / "m.onnx"), shapes)
+
+
+def test_parse_input_shapes():
+    assert parse_input_shapes(["x:1,3,224,224", "ids:1,128"]) == {"x": (1, 3, 224, 224), "ids": (1, 128)}
+    for bad in ["x", "x:1,a", ":1", "x:0,2"]:
+        with pytest.raises(InputError, match="bad --input-shape"):
+            parse_input_shapes([bad])
+
+
+def test_constant_nodes_become_constants_and_unused_inputs_are_kept(tmp_path):
+    rng = np.random.default_rng(1)
+    weight = helper.make_tensor("wv", TensorProto.FLOAT, [4, 4], rng.standard_normal(16).astype(np.float32))
+    model = tiny_model(
+        [helper.make_node("Constant", [], ["w"], value=weight), helper.make_node("MatMul", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("unused", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    graph = load(save(model, tmp_path / "c.onnx"))
+    assert graph.op_counts() == {"MatMul": 1}
+    assert [t.name for t in graph.gs.inputs] == ["x", "unused"]
+    assert verify(model, graph.to_model(static=False)).ok
+
+
+def test_ir3_opset9_model_with_initializers_as_inputs(cnn_opset9_ir3_path):
+    raw = onnx.load(cnn_opset9_ir3_path)
+    assert raw.ir_version == 3 and len(raw.graph.input) > 1
+    graph = load(cnn_opset9_ir3_path)
+    assert graph.opset >= graph_module.MIN_OPSET
+    written = graph.to_model(static=False)
+    assert [i.name for i in written.graph.input] == ["image"]
+    assert written.ir_version == max_ir_version()
+    assert verify(raw, written).ok
+
+
+def test_fingerprint_ignores_names_and_sees_structure(tmp_path, matmul_model):
+    graph = load(save(matmul_model, tmp_path / "m.onnx"))
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(matmul_model)
+    mapping = {"h": "hidden", "a": "act", "W": "weight"}
+    for node in renamed.graph.node:
+        node.name = "n_" + node.name
+        node.input[:] = [mapping.get(i, i) for i in node.input]
+        node.output[:] = [mapping.get(o, o) for o in node.output]
+    for init in renamed.graph.initializer:
+        init.name = mapping.get(init.name, init.name)
+    other = Graph.from_model(renamed)
+    assert graph.fingerprint() == other.fingerprint()
+    changed = onnx.ModelProto()
+    changed.CopyFrom(matmul_model)
+    changed.graph.node[2].op_type = "Sigmoid"
+    assert Graph.from_model(changed).fingerprint() != graph.fingerprint()
+    swapped = onnx.ModelProto()
+    swapped.CopyFrom(matmul_model)
+    swapped.graph.node[1].input[:] = ["b", "h"]  # Add is commutative
+    assert Graph.from_model(swapped).fingerprint() == graph.fingerprint()
+
+
+def test_clone_is_independent(tmp_path, matmul_model):
+    graph = load(save(matmul_model, tmp_path / "m.onnx"))
+    before = graph.fingerprint()
+    clone = graph.clone()
+    clone.gs.nodes[-1].op = "Sigmoid"
+    assert graph.fingerprint() == before != clone.fingerprint()
+
+
+def test_save_is_atomic_and_uses_accepted_ir(tmp_path, matmul_model):
+    graph = load(save(matmul_model, tmp_path / "m.onnx"))
+    out = graph.save(tmp_path / "out" / "m2.onnx")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m2.onnx"]
+    assert onnx.load(str(out)).ir_version == max_ir_version()
+    ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+
+
+def test_external_data_load_and_save(tmp_path, monkeypatch):
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "W")
+    matmul_model = tiny_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [weight])
+    path = tmp_path / "ext.onnx"
+    external = onnx.ModelProto()
+    external.CopyFrom(matmul_model)  # save_model moves the weights of the proto it is given out of it
+    onnx.save_model(external, str(path), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    graph = load(path)
+    assert graph.op_counts()["MatMul"] == 1
+    monkeypatch.setattr(graph_module, "EXTERNAL_DATA_THRESHOLD", 10)  # as if the weights exceeded 2 GB
+    out = graph.save(tmp_path / "out" / "big.onnx")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["big.onnx", "big.onnx.data"]
+    reloaded = onnx.load(str(out))
+    assert verify(matmul_model, reloaded).ok
+
+
+def test_checker_rejection_is_an_input_error(tmp_path, matmul_model):
+    bad = onnx.ModelProto()
+    bad.CopyFrom(matmul_model)
+    bad.graph.node[0].input[1] = "missing_tensor"
+    with pytest.raises(InputError, match="onnx checker rejects"):
+        load(save(bad, tmp_path / "bad.onnx"))
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), (b"", "empty file"), (b"hello, I am not a model" * 10, "not an ONNX model"),
+])
+def test_unreadable_files(tmp_path, content, message):
+    path = tmp_path / "x.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
+        load(path)
+
+
+def test_directory_is_rejected(tmp_path):
+    with pytest.raises(InputError, match="is a directory"):
+        load(tmp_path)
+
+
+def test_public_api():
+    assert callable(rlflow.optimize) and callable(rlflow.load)
+    assert max_ir_version() >= 7

@@ -1,0 +1,104 @@
+"""`rlflow optimize` end to end: real exports, the verification gate, the report."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import rlflow
+from rlflow.cli import main
+from rlflow.graph import load
+from rlflow.measure.verify import verify
+from rlflow.optimize import format_report, verification_shapes
+from tests.conftest import save
+
+
+def _optimize_cli(model_path, tmp_path, *extra):
+    out = tmp_path / "out.onnx"
+    report = tmp_path / "report.json"
+    code = main(["optimize", str(model_path), "-o", str(out), "--json", str(report), "--time-limit", "8",
+                 "--quiet", *extra])
+    return code, out, json.loads(report.read_text())
+
+
+def test_transformer_from_pytorch(transformer_path, tmp_path):
+    before = open(transformer_path, "rb").read()
+    code, out, report = _optimize_cli(transformer_path, tmp_path, "--input-shape", "x:2,16,32")
+    assert code == 0 and out.exists()
+    assert open(transformer_path, "rb").read() == before, "the input must never be modified"
+    written = onnx.load(str(out))
+    assert written.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch", "dynamic dims stay dynamic"
+    ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    check = verify(onnx.load(transformer_path), written, seeds=(11, 12), shapes=[{"x": (1, 16, 32)}, {"x": (3, 16, 32)}])
+    assert check.ok, check.message
+    assert report["settings"]["threads"] == 1 and report["settings"]["opt_level"] == "all"
+    assert report["settings"]["input_shapes"] == {"x": [2, 16, 32]}
+    assert report["speedup"]["low"] <= report["speedup"]["median"] <= report["speedup"]["high"]
+    assert report["op_counts"]["before"]["MatMul"] >= 6
+
+
+def test_cnn_opset9_ir3(cnn_opset9_ir3_path, tmp_path):
+    code, out, report = _optimize_cli(cnn_opset9_ir3_path, tmp_path)
+    assert code == 0
+    written = onnx.load(str(out))
+    assert [i.name for i in written.graph.input] == ["image"] or report["rewritten"] is False
+    check = verify(onnx.load(cnn_opset9_ir3_path), written, seeds=(21, 22))
+    assert check.ok, check.message
+
+
+def test_library_call_and_report(tmp_path, matmul_model):
+    path = save(matmul_model, tmp_path / "m.onnx")
+    result = rlflow.optimize(path, time_limit=2, rounds=5)
+    assert result.comparison.rounds == 5
+    assert result.settings["provider"] == "CPUExecutionProvider"
+    text = format_report(result)
+    for heading in ("result", "latency", "speedup", "verified", "rewrites", "operators", "settings"):
+        assert f"  {heading}" in text
+    out = result.save(tmp_path / "o.onnx")
+    assert verify(matmul_model, onnx.load(str(out)), shapes=[{"x": (4, 8)}]).ok
+
+
+def test_verification_shapes_vary_dynamic_dimensions(tmp_path, matmul_model):
+    graph = load(save(matmul_model, tmp_path / "m.onnx"), {"x": (2, 8)})
+    assert verification_shapes(graph) == [{"x": (2, 8)}, {"x": (3, 8)}]
+
+
+def test_rewrites_are_kept_only_when_verified(cnn_opset9_ir3_path, monkeypatch):
+    """A rewrite that breaks the numbers must never reach the output, whatever it measures."""
+    from rlflow.rewrites import fold
+
+    pipeline = importlib.import_module("rlflow.optimize")  # `rlflow.optimize` itself is the function
+
+    original = fold.ConvBatchNorm.rewrite
+
+    def broken(self, graph, match, nodes):
+        original(self, graph, match, nodes)
+        for node in reversed(graph.gs.nodes):  # the Conv the rewrite just added
+            if node.op == "Conv":
+                weight = node.inputs[1]
+                node.inputs[1] = graph.add_constant(np.asarray(weight.values) * 1.5, "broken")
+                break
+
+    monkeypatch.setattr(fold.ConvBatchNorm, "rewrite", broken)
+    # Accept any candidate so the gate, not the measurement, must stop it.
+    monkeypatch.setattr(pipeline, "greedy", _accept_first_candidate)
+    result = rlflow.optimize(cnn_opset9_ir3_path, time_limit=5, rounds=5)
+    assert not result.rewritten and "does not verify" in result.reason
+    assert result.verification is not None and not result.verification.ok
+
+
+def _accept_first_candidate(graph, settings, config, rules, progress=False):
+    from rlflow.search.candidates import expand
+    from rlflow.search.greedy import SearchResult
+
+    first = expand(graph, rules)[0]
+    return SearchResult(first.graph, [first.match], 0, 0.0, "test")
+
+
+def test_unknown_method():
+    with pytest.raises(rlflow.InputError, match="unknown method"):
+        rlflow.optimize("whatever.onnx", method="magic")
