@@ -173,7 +173,7 @@ class Graph:
     def _lower_constant_nodes(self) -> None:
         """Turns Constant nodes into constant tensors, so rules see weights one way whatever the exporter did."""
         for node in list(self.gs.nodes):
-            if node.op != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attrs) != 1:
+            if node.op != "Constant" or node.domain not in (None, "", "ai.onnx") or len(node.attrs) != 1:
                 continue
             (key, value), = node.attrs.items()
             if key == "value" and isinstance(value, gs.Constant):
@@ -432,7 +432,8 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
             big.CopyFrom(model)
             onnx.save_model(big, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=data_name, size_threshold=1024)
-            os.replace(Path(tmp) / data_name, path.parent / data_name)
+            if (Path(tmp) / data_name).exists():  # absent when every tensor is small
+                os.replace(Path(tmp) / data_name, path.parent / data_name)
         else:
             tmp_model.write_bytes(model.SerializeToString())
         os.replace(tmp_model, path)
