@@ -15,12 +15,13 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlflow.graph import Graph
-from rlflow.rewrites import base, fold, layout
+from rlflow.rewrites import base, cleanup, fold, layout
 from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
 
 RULES: tuple[Rule, ...] = (
     layout.TransposeTranspose(),
     fold.ConvBatchNorm(),
+    *cleanup.RULES,
 )
 """Every rule, in action-id order.  Append only."""
 
@@ -41,6 +42,11 @@ def apply(graph: Graph, match: Match, rules: Sequence[Rule] = RULES) -> Graph:
     return base.apply(graph, match, rules)
 
 
+def match_counts(graph: Graph, rules: Sequence[Rule] = RULES) -> dict[str, int]:
+    """How many matches each rule has in `graph` (every rule listed, zeros included), in rule order."""
+    return {r.name: len(r.find(graph)) for r in rules}
+
+
 def rule(name: str) -> Rule:
     """The rule with this name."""
     for candidate in RULES:
@@ -50,4 +56,4 @@ def rule(name: str) -> Rule:
 
 
 __all__ = ["RULES", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
-           "apply", "rule"]
+           "apply", "match_counts", "rule"]

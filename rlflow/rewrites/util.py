@@ -1,10 +1,25 @@
-"""Small graph queries shared by rules: who produces and reads a tensor, constants, attribute defaults."""
+"""Small graph queries shared by rules: who produces and reads a tensor, constants, attribute defaults, shapes."""
 from __future__ import annotations
+
+import weakref
+from typing import Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper, shape_inference
 
 from rlflow.graph import Graph
+
+UNARY_ELEMENTWISE = frozenset({
+    "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Abs", "Neg", "Sqrt", "Erf", "LeakyRelu", "Elu", "Selu", "HardSigmoid",
+    "Softplus", "Softsign", "Reciprocal", "Floor", "Ceil", "Round", "Sin", "Cos", "Sign", "HardSwish", "Celu",
+})
+"""Single-input operators applied to each element independently (attributes, if any, are scalars)."""
+
+BINARY_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Pow"})
+"""Two-input broadcasting elementwise operators."""
+
+COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min"})
 
 
 def only_consumer(tensor: gs.Tensor) -> gs.Node | None:
@@ -17,12 +32,14 @@ def private(graph: Graph, tensor: gs.Tensor) -> bool:
     return len(tensor.outputs) == 1 and not graph.is_output(tensor)
 
 
-def input_producer(node: gs.Node, index: int, op: str | None = None) -> gs.Node | None:
-    """The node producing input `index` of `node` (of type `op` if given), else None."""
+def input_producer(node: gs.Node, index: int, op: str | Sequence[str] | None = None) -> gs.Node | None:
+    """The node producing input `index` of `node` (of type `op`, or one of several, if given), else None."""
     if index >= len(node.inputs):
         return None
     producer = Graph.producer(node.inputs[index])
-    if producer is None or (op is not None and producer.op != op):
+    if producer is None:
+        return None
+    if op is not None and producer.op not in ((op,) if isinstance(op, str) else tuple(op)):
         return None
     return producer
 
@@ -34,6 +51,11 @@ def constant_input(node: gs.Node, index: int) -> np.ndarray | None:
     return Graph.constant(node.inputs[index])
 
 
+def has_input(node: gs.Node, index: int) -> bool:
+    """True when optional input `index` is present."""
+    return index < len(node.inputs) and node.inputs[index].name != ""
+
+
 def is_float(tensor: gs.Tensor) -> bool:
     """True for float16/32/64 tensors (bfloat16 too); the algebra rules assume real arithmetic."""
     dtype = tensor.dtype
@@ -43,3 +65,220 @@ def is_float(tensor: gs.Tensor) -> bool:
         return np.dtype(dtype).kind == "f" or str(dtype) == "bfloat16"
     except TypeError:
         return False
+
+
+def np_dtype(tensor: gs.Tensor) -> np.dtype | None:
+    """The numpy element type of a tensor, or None when unknown."""
+    try:
+        return np.dtype(tensor.dtype) if tensor.dtype is not None else None
+    except TypeError:
+        return None
+
+
+def onnx_dtype_to_np(elem: int) -> np.dtype | None:
+    """numpy dtype of an ONNX TensorProto element type, or None."""
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(int(elem)))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def single_output(node: gs.Node) -> gs.Tensor | None:
+    """The node's only output, or None when it has several (or none)."""
+    return node.outputs[0] if len(node.outputs) == 1 else None
+
+
+def used_outputs(graph: Graph, node: gs.Node) -> list[gs.Tensor]:
+    """The outputs of `node` that something reads (a consumer or the graph's outputs)."""
+    return [t for t in node.outputs if t.outputs or graph.is_output(t)]
+
+
+def has_dynamic_inputs(graph: Graph) -> bool:
+    """True when some input dimension of the original interface is dynamic (the static shapes are then only one
+    instance, so a rule must not rely on the value of a dimension that might change)."""
+    for vi in graph.interface[0]:
+        ttype = vi.type.tensor_type
+        if not ttype.HasField("shape"):
+            return True
+        if any(not (d.HasField("dim_value") and d.dim_value > 0) for d in ttype.shape.dim):
+            return True
+    return False
+
+
+_dynamic_cache: "weakref.WeakKeyDictionary[Graph, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+
+
+def dynamic_axes(graph: Graph, tensor: gs.Tensor) -> tuple[bool, ...] | None:
+    """Which dimensions of `tensor` follow the model's dynamic input dimensions (True) rather than being fixed.
+
+    Found by inferring shapes again with every dynamic input dimension one larger and seeing which dimensions move;
+    None when the shape is unknown.  Where the second inference fails, every dimension counts as dynamic.
+    """
+    shape = graph.shape(tensor)
+    if shape is None:
+        return None
+    if not has_dynamic_inputs(graph):
+        return (False,) * len(shape)
+    key = tuple(n.name for n in graph.gs.nodes)
+    cached = _dynamic_cache.get(graph)
+    if cached is None or cached[0] != key:
+        cached = (key, _moved_shapes(graph))
+        _dynamic_cache[graph] = cached
+    moved = cached[1]
+    if moved is None:
+        return (True,) * len(shape)
+    other = moved.get(tensor.name)
+    if other is None:
+        if isinstance(tensor, gs.Constant):
+            return (False,) * len(shape)
+        return (True,) * len(shape)
+    if len(other) != len(shape):
+        return (True,) * len(shape)
+    return tuple(a != b for a, b in zip(shape, other))
+
+
+def _moved_shapes(graph: Graph) -> dict[str, tuple] | None:
+    skeleton = graph._skeleton()  # weights travel as typed inputs: no copy of large arrays
+    interface = {vi.name: vi for vi in graph.interface[0]}
+    for vi in skeleton.graph.input:
+        original = interface.get(vi.name)
+        if original is None:
+            continue
+        for dim, orig in zip(vi.type.tensor_type.shape.dim, original.type.tensor_type.shape.dim):
+            if not (orig.HasField("dim_value") and orig.dim_value > 0):
+                dim.dim_value = dim.dim_value + 1
+    try:
+        inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=True, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference refusing the other sizes: be conservative
+        return None
+    moved = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
+        ttype = vi.type.tensor_type
+        if ttype.HasField("shape"):
+            moved[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim)
+    return moved
+
+
+def broadcast_shape(*shapes: Sequence[int] | None) -> tuple[int, ...] | None:
+    """numpy broadcasting of static shapes, or None when a shape is unknown or they do not broadcast."""
+    if any(s is None for s in shapes):
+        return None
+    try:
+        return tuple(int(d) for d in np.broadcast_shapes(*[tuple(s) for s in shapes]))
+    except ValueError:
+        return None
+
+
+def scalar(array: np.ndarray | None) -> float | None:
+    """The value of a constant whose elements are all the same (a scalar in any shape), else None."""
+    if array is None or array.size == 0 or array.dtype.kind not in "fiub":
+        return None
+    flat = array.reshape(-1)
+    first = flat[0]
+    return float(first) if np.all(flat == first) else None
+
+
+def normalize_axis(axis: int, rank: int) -> int | None:
+    """A non-negative axis, or None when out of range."""
+    axis = int(axis)
+    if axis < 0:
+        axis += rank
+    return axis if 0 <= axis < rank else None
+
+
+def int_list(array: np.ndarray | None) -> tuple[int, ...] | None:
+    """A 0-d or 1-d integer constant as a tuple of ints."""
+    if array is None or array.dtype.kind not in "iu" or array.ndim > 1:
+        return None
+    return tuple(int(v) for v in array.reshape(-1))
+
+
+def attrs_key(node: gs.Node) -> tuple:
+    """The node's attributes as a comparable value (for 'same operator with the same attributes')."""
+    items = []
+    for key, value in sorted(node.attrs.items()):
+        if isinstance(value, (gs.Graph, gs.Constant)):
+            return ("<unhashable>", id(node))
+        if isinstance(value, np.ndarray):
+            value = (str(value.dtype), value.shape, value.tobytes())
+        elif isinstance(value, list):
+            value = tuple(value)
+        items.append((key, repr(value)))
+    return tuple(items)
+
+
+def same_op(a: gs.Node, b: gs.Node) -> bool:
+    """Same operator type, domain and attributes."""
+    return a.op == b.op and (a.domain or "") == (b.domain or "") and attrs_key(a) == attrs_key(b)
+
+
+def same_value(a: gs.Tensor, b: gs.Tensor) -> bool:
+    """The same tensor, or two constants with equal values."""
+    if a is b:
+        return True
+    va, vb = Graph.constant(a), Graph.constant(b)
+    return (va is not None and vb is not None and va.dtype == vb.dtype and va.shape == vb.shape
+            and bool(np.array_equal(va, vb)))
+
+
+def bypass(graph: Graph, node: gs.Node, source: gs.Tensor) -> None:
+    """Makes every reader of the node's first output read `source` instead (the node then dies in cleanup)."""
+    graph.replace_uses(node.outputs[0], source)
+
+
+def conv_params(graph: Graph, node: gs.Node) -> dict | None:
+    """A Conv's geometry with defaults filled in (kernel, strides, pads, dilations, group), or None when it uses
+    auto_pad SAME or its weight shape is unknown."""
+    wshape = graph.shape(node.inputs[1]) if len(node.inputs) > 1 else None
+    if wshape is None or len(wshape) < 3:
+        return None
+    nd = len(wshape) - 2
+    auto_pad = node.attrs.get("auto_pad", "NOTSET")
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    if auto_pad not in ("NOTSET", "VALID", ""):
+        return None
+    kernel = tuple(int(k) for k in node.attrs.get("kernel_shape", wshape[2:]))
+    if kernel != tuple(wshape[2:]):
+        return None
+    return {
+        "kernel": kernel,
+        "strides": tuple(int(s) for s in node.attrs.get("strides", [1] * nd)),
+        "pads": tuple(int(p) for p in node.attrs.get("pads", [0] * (2 * nd))) if auto_pad != "VALID" else (0,) * (2 * nd),
+        "dilations": tuple(int(d) for d in node.attrs.get("dilations", [1] * nd)),
+        "group": int(node.attrs.get("group", 1)),
+    }
+
+
+def conv_attrs(params: dict) -> dict:
+    """Conv attributes from `conv_params` output."""
+    return {"kernel_shape": list(params["kernel"]), "strides": list(params["strides"]), "pads": list(params["pads"]),
+            "dilations": list(params["dilations"]), "group": params["group"]}
+
+
+def conv_weights(node: gs.Node) -> tuple[np.ndarray, np.ndarray] | None:
+    """Constant (weight, bias) of a Conv, the bias zero-filled when absent; None when either is not constant."""
+    weight = constant_input(node, 1)
+    if weight is None:
+        return None
+    if has_input(node, 2):
+        bias = constant_input(node, 2)
+        if bias is None:
+            return None
+    else:
+        bias = np.zeros(weight.shape[0], weight.dtype)
+    return weight, bias
+
+
+def per_channel(array: np.ndarray, out_shape: Sequence[int], axis: int) -> np.ndarray | None:
+    """A constant broadcast against a tensor of `out_shape` as a vector along `axis` (length out_shape[axis]), or
+    None when it varies along any other axis or would change the tensor's shape."""
+    rank = len(out_shape)
+    if array.ndim > rank:
+        return None
+    full = array.reshape((1,) * (rank - array.ndim) + array.shape)
+    for d, size in enumerate(full.shape):
+        if size != 1 and (d != axis or size != out_shape[d]):
+            return None
+    vector = full.reshape(-1)
+    return np.full(out_shape[axis], vector[0], dtype=array.dtype) if vector.size == 1 else vector.copy()
