@@ -29,7 +29,8 @@ def cli() -> None:
               help="Execution provider to optimise for.")
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
               help="onnxruntime intra-op threads for every measurement.")
-@click.option("--method", type=click.Choice(["greedy"]), default="greedy", show_default=True, help="Search method.")
+@click.option("--method", type=click.Choice(["greedy", "taso", "random"]), default="greedy", show_default=True,
+              help="Search method: measured greedy, TASO-style cost-model backtracking, or random walks.")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds for the search (verification and the final measurement come on top).")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",

@@ -20,11 +20,15 @@ from rlflow.measure.session import SessionSettings, create_session, resolve_prov
 from rlflow.measure.timing import Comparison, Ratio, compare
 from rlflow.measure.verify import Verification, verify
 from rlflow.rewrites import REGISTRY_VERSION, RULES, Rule
+from rlflow.search.candidates import SearchResult
 from rlflow.search.greedy import GreedyConfig, greedy
+from rlflow.search.random_walk import RandomConfig, random_walk
+from rlflow.search.taso import TasoConfig, taso
 
 log = logging.getLogger("rlflow")
 
-METHODS = ("greedy",)
+METHODS = ("greedy", "taso", "random")
+"""greedy: best measured single rewrite, repeated; taso: cost-model backtracking search (TASO); random: random walks."""
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Result:
     seconds: float
     search_seconds: float
     candidates_measured: int
+    candidates_estimated: int
     settings: dict
     source: str | None = None
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
@@ -76,6 +81,7 @@ class Result:
             "op_counts": {"before": self.op_counts_before, "after": self.op_counts_after},
             "seconds": {"total": self.seconds, "search": self.search_seconds},
             "candidates_measured": self.candidates_measured,
+            "candidates_estimated": self.candidates_estimated,
             "settings": self.settings,
         }
 
@@ -108,12 +114,13 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     input_model = graph.to_model(static=True)
     create_session(input_model, settings)  # the provider must run the input at all: ProviderError otherwise
 
-    search = greedy(graph, settings, GreedyConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
+    search = _search(graph, settings, method, time_limit, seed, rules, progress)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "rules": len(rules), "registry_version": REGISTRY_VERSION}
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
-                  candidates_measured=search.candidates_measured, settings=recorded, source=graph.source)
+                  candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
+                  settings=recorded, source=graph.source)
 
     verification, keep = None, False
     if not search.applied:
@@ -141,6 +148,15 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
                   output_model=candidate if keep else _unchanged_model(graph), **common)
+
+
+def _search(graph: Graph, settings: SessionSettings, method: str, time_limit: float, seed: int,
+            rules: Sequence[Rule], progress: bool) -> SearchResult:
+    if method == "taso":
+        return taso(graph, settings, TasoConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
+    if method == "random":
+        return random_walk(graph, settings, RandomConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
+    return greedy(graph, settings, GreedyConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
 
 
 def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
@@ -206,7 +222,8 @@ def format_report(result: Result) -> str:
                  f"{sum(result.op_counts_after.values()):>8}")
     s = result.settings
     lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
-                 f"{result.candidates_measured} candidates measured")
+                 f"{result.candidates_measured} candidates measured end to end, "
+                 f"{result.candidates_estimated} estimated")
     lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
                  f"method {s['method']}, seed {s['seed']}, input shapes {s['input_shapes']}")
     return "\n".join(lines)

@@ -92,8 +92,7 @@ def test_rewrites_are_kept_only_when_verified(cnn_opset9_ir3_path, monkeypatch):
 
 
 def _accept_first_candidate(graph, settings, config, rules, progress=False):
-    from rlflow.search.candidates import expand
-    from rlflow.search.greedy import SearchResult
+    from rlflow.search.candidates import SearchResult, expand
 
     first = expand(graph, rules)[0]
     return SearchResult(first.graph, [first.match], 0, 0.0, "test")

@@ -1,0 +1,84 @@
+"""Random walks with restarts: the baseline any learned policy must beat.
+
+Each walk starts from the input and applies uniformly random rewrites; every graph visited is scored with the cost
+model, and the best few are measured end to end against the input at the end.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from rlflow.graph import Graph
+from rlflow.measure.session import SessionSettings
+from rlflow.rewrites import RULES, Rule, find_matches
+from rlflow.search.candidates import Candidate, SearchResult, select_measured, try_apply
+
+
+@dataclass
+class RandomConfig:
+    """Settings of the random walks.
+
+    Attributes:
+        walks: restarts from the input.
+        length: rewrites per walk at most.
+        time_limit: seconds for the whole search, final measurements included.
+        top_k: best-estimated graphs measured end to end at the end.
+        rounds: interleaved rounds of those final measurements.
+        seed: the walks, the inputs and the round order.
+    """
+
+    walks: int = 20
+    length: int = 10
+    time_limit: float = 60.0
+    top_k: int = 6
+    rounds: int = 15
+    seed: int = 0
+
+
+def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | None = None,
+                rules: Sequence[Rule] = RULES, cost_model=None, progress: bool = False) -> SearchResult:
+    """Random walks with restarts; see the module docstring."""
+    from rlflow.measure.costmodel import CostModel
+
+    config = config or RandomConfig()
+    cost_model = cost_model or CostModel(settings)
+    rng = np.random.default_rng(config.seed)
+    start = time.monotonic()
+    search_deadline = start + 0.75 * config.time_limit
+    order = itertools.count()
+    root_fingerprint = graph.fingerprint()
+    pool: list[tuple[float, int, Candidate]] = []
+    pooled = {root_fingerprint}
+    estimated, stop = 0, "all walks done"
+    with tqdm(total=config.walks, desc="random", unit="walk", disable=not progress, leave=False) as bar:
+        for _ in range(config.walks):
+            current = Candidate(graph, (), root_fingerprint)
+            for _ in range(config.length):
+                if time.monotonic() > search_deadline:
+                    break
+                matches = find_matches(current.graph, rules)
+                if not matches:
+                    break
+                match = matches[int(rng.integers(len(matches)))]
+                child = try_apply(current.graph, match, rules)
+                if child is None:
+                    continue
+                current = Candidate(child, current.applied + (match,), child.fingerprint())
+                if current.fingerprint in pooled:
+                    continue
+                pooled.add(current.fingerprint)
+                estimated += 1
+                pool = heapq.nsmallest(config.top_k, pool + [(cost_model.graph_cost(child), next(order), current)])
+            bar.update(1)
+            if time.monotonic() > search_deadline:
+                stop = "time limit"
+                break
+    cost_model.save()
+    return select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
+                           deadline=start + config.time_limit, start=start, stop_reason=stop, estimated=estimated)

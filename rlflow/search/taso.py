@@ -1,0 +1,91 @@
+"""TASO-style backtracking search: a priority queue ordered by estimated cost, relaxed by alpha.
+
+As in TASO (Jia et al., SOSP'19): pop the cheapest graph, apply every rewrite, keep children whose estimated cost is
+below alpha x the best so far (alpha > 1 lets the search pass through slightly worse graphs), deduplicate by
+fingerprint, and stop at a budget.  Estimates come from the cost model; the few best graphs are then measured end to
+end against the input and the fastest one that is measurably faster wins.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from tqdm import tqdm
+
+from rlflow.graph import Graph
+from rlflow.measure.session import SessionSettings
+from rlflow.rewrites import RULES, Rule
+from rlflow.search.candidates import Candidate, SearchResult, expand, select_measured
+
+
+@dataclass
+class TasoConfig:
+    """Settings of the backtracking search.
+
+    Attributes:
+        alpha: children costing up to alpha x the best estimate stay in the queue (TASO uses 1.0-1.05).
+        budget: graphs expanded at most.
+        time_limit: seconds for the whole search, final measurements included.
+        max_growth: children with more than this factor x the input's node count are dropped (TASO: 2).
+        top_k: best-estimated graphs measured end to end at the end.
+        rounds: interleaved rounds of those final measurements.
+        seed: inputs and round order.
+    """
+
+    alpha: float = 1.05
+    budget: int = 200
+    time_limit: float = 60.0
+    max_growth: float = 2.0
+    top_k: int = 6
+    rounds: int = 15
+    seed: int = 0
+
+
+def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = None, rules: Sequence[Rule] = RULES,
+         cost_model=None, progress: bool = False) -> SearchResult:
+    """Backtracking search guided by the cost model; see the module docstring."""
+    from rlflow.measure.costmodel import CostModel
+
+    config = config or TasoConfig()
+    cost_model = cost_model or CostModel(settings)
+    start = time.monotonic()
+    search_deadline = start + 0.75 * config.time_limit  # keep a quarter for the final end-to-end measurements
+    root = Candidate(graph, (), graph.fingerprint())
+    best_cost = cost_model.graph_cost(graph)
+    order = itertools.count()
+    queue = [(best_cost, next(order), root)]
+    seen = {root.fingerprint}
+    pool: list[tuple[float, int, Candidate]] = []  # the top_k cheapest rewritten graphs
+    expanded, estimated, stop = 0, 0, "queue exhausted"
+    with tqdm(total=config.budget, desc="taso", unit="graph", disable=not progress, leave=False) as bar:
+        while queue:
+            if expanded >= config.budget:
+                stop = "budget"
+                break
+            if time.monotonic() > search_deadline:
+                stop = "time limit"
+                break
+            cost, _, parent = heapq.heappop(queue)
+            if cost > config.alpha * best_cost:
+                continue
+            expanded += 1
+            bar.update(1)
+            for child in expand(parent, rules, seen, search_deadline):
+                if len(child.graph) > config.max_growth * len(graph):
+                    continue
+                child_cost = cost_model.graph_cost(child.graph)
+                estimated += 1
+                entry = (child_cost, next(order), child)
+                if child_cost < best_cost:
+                    best_cost = child_cost
+                    bar.set_postfix_str(f"best {best_cost:.3f} ms (estimated)")
+                if child_cost < config.alpha * best_cost:
+                    heapq.heappush(queue, entry)
+                pool = heapq.nsmallest(config.top_k, pool + [entry])
+    cost_model.save()
+    return select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
+                           deadline=start + config.time_limit, start=start,
+                           stop_reason=f"{stop} after {expanded} expanded", estimated=estimated)
