@@ -1,7 +1,6 @@
 """Exact FLOP and parameter counts on small hand-made graphs."""
 
 import numpy as np
-
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
