@@ -22,6 +22,7 @@ RULES: tuple[Rule, ...] = (
     layout.TransposeTranspose(),
     fold.ConvBatchNorm(),
     *cleanup.RULES,
+    *layout.RULES,
 )
 """Every rule, in action-id order.  Append only."""
 

@@ -1,18 +1,18 @@
 """Layout rules: transposes, reshapes, concatenations and splits that can cancel or move."""
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import input_producer
+from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, bypass, constant_input, conv_params,
+                                  conv_weights, dynamic_axes, emit, input_producer, int_list, inverse_perm,
+                                  normalize_axis, perm_of, private, split_sizes, to_rank)
 
 
 def _perm(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
-    perm = node.attrs.get("perm")
-    if perm is not None:
-        return tuple(int(p) for p in perm)
-    return tuple(reversed(range(rank))) if rank is not None else None
+    return perm_of(node, rank)
 
 
 class TransposeTranspose(Rule):
@@ -41,3 +41,266 @@ class TransposeTranspose(Rule):
         else:
             (out,) = graph.add_node("Transpose", [source], attrs={"perm": list(perm)})
             graph.replace_uses(outer.outputs[0], out)
+
+
+def _axes(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
+    """Normalised constant axes of a Squeeze/Unsqueeze against `rank` (input rank for Squeeze, output for Unsqueeze)."""
+    axes = int_list(constant_input(node, 1)) if len(node.inputs) > 1 else node.attrs.get("axes")
+    if axes is None or rank is None:
+        return None
+    normal = [normalize_axis(a, rank) for a in axes]
+    return None if None in normal else tuple(sorted(normal))
+
+
+def _rank(graph: Graph, tensor: gs.Tensor) -> int | None:
+    shape = graph.shape(tensor)
+    return len(shape) if shape is not None else None
+
+
+class ReshapeChain(Rule):
+    """Replaces `Reshape(r(x), s)`, r a Reshape, Squeeze, Unsqueeze or Flatten, with `Reshape(x, s)`."""
+
+    name = "reshape-chain"
+    category = "layout"
+    root_ops = ("Reshape",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        inner = input_producer(node, 0, ("Reshape", "Squeeze", "Unsqueeze", "Flatten"))
+        if inner is None:
+            return self.no(node, "input is not produced by a Reshape, Squeeze, Unsqueeze or Flatten")
+        if not private(graph, inner.outputs[0]):
+            return self.no(node, "the inner result is read elsewhere too")
+        target = int_list(constant_input(node, 1))
+        if target is None or node.attrs.get("allowzero", 0):
+            return self.no(node, "the target shape is not constant (or allowzero is set)")
+        for i, t in enumerate(target):
+            if t == 0 and not self._keeps_dim(graph, inner, i):
+                return self.no(node, "the target copies a dimension (0) that the inner operator moves")
+        return self.match([node, inner])
+
+    @staticmethod
+    def _keeps_dim(graph: Graph, inner: gs.Node, i: int) -> bool:
+        if inner.op == "Reshape":
+            target = int_list(constant_input(inner, 1))
+            return target is not None and i < len(target) and target[i] == 0 and not inner.attrs.get("allowzero", 0)
+        if inner.op == "Flatten":
+            rank = _rank(graph, inner.inputs[0])
+            return rank is not None and i == 0 and normalize_axis(inner.attrs.get("axis", 1), rank + 1) == 1
+        rank = _rank(graph, inner.inputs[0] if inner.op == "Squeeze" else inner.outputs[0])
+        axes = _axes(inner, rank)
+        return axes is not None and all(a > i for a in axes)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        outer, inner = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        graph.replace_uses(outer.outputs[0], emit(graph, "Reshape", [inner.inputs[0], outer.inputs[1]]))
+
+
+class SqueezeUnsqueezeCancel(Rule):
+    """Replaces `Unsqueeze(Squeeze(x, a), a)` and `Squeeze(Unsqueeze(x, a), a)` with `x`."""
+
+    name = "squeeze-unsqueeze-cancel"
+    category = "layout"
+    root_ops = ("Squeeze", "Unsqueeze")
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        other = "Unsqueeze" if node.op == "Squeeze" else "Squeeze"
+        inner = input_producer(node, 0, other)
+        if inner is None:
+            return self.no(node, f"input is not produced by an {other}")
+        middle = _rank(graph, node.inputs[0])
+        outer_rank = middle if node.op == "Squeeze" else _rank(graph, node.outputs[0])
+        inner_rank = _rank(graph, inner.inputs[0]) if inner.op == "Squeeze" else middle
+        a, b = _axes(inner, inner_rank), _axes(node, outer_rank)
+        if a is None or b is None:
+            return self.no(node, "axes not constant (or rank unknown)")
+        if a != b:
+            return self.no(node, "the axes differ")
+        return self.match([node, inner])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        bypass(graph, nodes[match.nodes[0]], nodes[match.nodes[1]].inputs[0])
+
+
+class ConcatSplitCancel(Rule):
+    """Replaces `Split(Concat(x1, ..., xn))` along the same axis and sizes with `x1, ..., xn`."""
+
+    name = "concat-split-cancel"
+    category = "layout"
+    root_ops = ("Split",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        concat = input_producer(node, 0, "Concat")
+        if concat is None:
+            return self.no(node, "input is not produced by a Concat")
+        info = split_sizes(graph, node)
+        shapes = [graph.shape(t) for t in concat.inputs]
+        if info is None or None in shapes:
+            return self.no(node, "split sizes or shapes unknown")
+        axis, sizes = info
+        if normalize_axis(concat.attrs.get("axis", 0), len(shapes[0])) != axis:
+            return self.no(node, "the Split and the Concat use different axes")
+        if tuple(s[axis] for s in shapes) != sizes:
+            return self.no(node, "the Split's parts are not the Concat's inputs")
+        if len(node.inputs) < 2 and any(any(d) for d in (dynamic_axes(graph, t) or (True,)) for t in concat.inputs):
+            return self.no(node, "an equal Split of dynamic inputs may cut elsewhere at other sizes")
+        return self.match([node, concat])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        split, concat = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        for out, source in zip(list(split.outputs), list(concat.inputs)):
+            if out.outputs or graph.is_output(out):
+                graph.replace_uses(out, source)
+
+
+class SplitConcatCancel(Rule):
+    """Replaces `Concat(Split(x))` of all the parts, in order and along the same axis, with `x`."""
+
+    name = "split-concat-cancel"
+    category = "layout"
+    root_ops = ("Concat",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        split = input_producer(node, 0, "Split")
+        if split is None:
+            return self.no(node, "input is not produced by a Split")
+        if len(node.inputs) != len(split.outputs) or any(a is not b for a, b in zip(node.inputs, split.outputs)):
+            return self.no(node, "the Concat does not join all the Split's parts in order")
+        rank = _rank(graph, split.inputs[0])
+        if rank is None or normalize_axis(split.attrs.get("axis", 0), rank) != normalize_axis(node.attrs["axis"], rank):
+            return self.no(node, "the Split and the Concat use different axes")
+        return self.match([node, split])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        bypass(graph, nodes[match.nodes[0]], nodes[match.nodes[1]].inputs[0])
+
+
+class ConcatFlatten(Rule):
+    """Replaces `Concat(a, Concat(b, c), d)` along one axis with `Concat(a, b, c, d)`."""
+
+    name = "concat-flatten"
+    category = "layout"
+    root_ops = ("Concat",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        rank = _rank(graph, node.outputs[0])
+        if rank is None:
+            return self.no(node, "rank unknown")
+        axis = normalize_axis(node.attrs["axis"], rank)
+        inner = [p for i in range(len(node.inputs)) if (p := input_producer(node, i, "Concat")) is not None
+                 and private(graph, p.outputs[0]) and normalize_axis(p.attrs["axis"], rank) == axis]
+        if not inner:
+            return self.no(node, "no input is a private Concat along the same axis")
+        return self.match([node, *inner])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        outer = nodes[match.root]
+        inner = {id(nodes[n].outputs[0]): nodes[n] for n in match.nodes[1:]}
+        inputs = [t for s in outer.inputs for t in (inner[id(s)].inputs if id(s) in inner else [s])]
+        graph.replace_uses(outer.outputs[0], emit(graph, "Concat", inputs, {"axis": outer.attrs["axis"]}))
+
+
+class TransposeUnarySink(Rule):
+    """Replaces `f(Transpose(x))` with `Transpose(f(x))` for an elementwise f, so transposes can meet and cancel."""
+
+    name = "transpose-unary-sink"
+    category = "layout"
+    root_ops = tuple(sorted(UNARY_ELEMENTWISE))
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        transpose = input_producer(node, 0, "Transpose")
+        if transpose is None:
+            return self.no(node, "input is not produced by a Transpose")
+        if not private(graph, transpose.outputs[0]):
+            return self.no(node, "the Transpose is read elsewhere too")
+        if len(node.inputs) != 1:
+            return self.no(node, "the operator has more than one input")
+        return self.match([node, transpose])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, transpose = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        inner = emit(graph, node.op, [transpose.inputs[0]], dict(node.attrs), domain=node.domain or "")
+        graph.replace_uses(node.outputs[0], emit(graph, "Transpose", [inner], dict(transpose.attrs)))
+
+
+class TransposeBinarySink(Rule):
+    """Replaces `f(Transpose(x, p), Transpose(y, p))` (or a constant for y) with `Transpose(f(x, y), p)`."""
+
+    name = "transpose-binary-sink"
+    category = "layout"
+    root_ops = tuple(sorted(BINARY_ELEMENTWISE))
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        rank = _rank(graph, node.outputs[0])
+        transposes = [input_producer(node, i, "Transpose") for i in range(2)]
+        if rank is None or all(t is None for t in transposes):
+            return self.no(node, "no input is produced by a Transpose")
+        perms = [perm_of(t, rank) if t is not None else None for t in transposes]
+        for t in transposes:
+            if t is not None and not private(graph, t.outputs[0]):
+                return self.no(node, "a Transpose is read elsewhere too")
+        if all(t is not None for t in transposes):
+            if perms[0] != perms[1] or any(_rank(graph, t.inputs[0]) != rank for t in transposes):
+                return self.no(node, "the two Transposes differ")
+            return self.match([node, *transposes])
+        side = 0 if transposes[0] is not None else 1
+        constant = constant_input(node, 1 - side)
+        if constant is None:
+            return self.no(node, "the other input is neither a Transpose nor a constant")
+        if constant.ndim > rank or _rank(graph, transposes[side].inputs[0]) != rank:
+            return self.no(node, "the constant broadcasts to a higher rank")
+        return self.match([node, transposes[side]], side=side)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        transposes = [nodes[n] for n in match.nodes[1:]]
+        rank = len(graph.shape(node.outputs[0]))
+        perm = perm_of(transposes[0], rank)
+        if len(transposes) == 2:
+            inputs = [t.inputs[0] for t in transposes]
+        else:
+            side = match.param("side")
+            constant = np.ascontiguousarray(np.transpose(to_rank(constant_input(node, 1 - side), rank), inverse_perm(perm)))
+            inputs = [transposes[0].inputs[0]] * 2
+            inputs[1 - side] = graph.add_constant(constant, f"{node.name}_const")
+        inner = emit(graph, node.op, inputs, dict(node.attrs))
+        graph.replace_uses(node.outputs[0], emit(graph, "Transpose", [inner], {"perm": list(perm)}))
+
+
+class Conv1x1NhwcMatmul(Rule):
+    """Replaces `Transpose(Conv1x1(Transpose(x, NHWC->NCHW)), NCHW->NHWC)` with `MatMul(x, W') + b`."""
+
+    name = "conv1x1-nhwc-matmul"
+    category = "layout"
+    root_ops = ("Transpose",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        conv = input_producer(node, 0, "Conv")
+        if conv is None or perm_of(node, 4) != (0, 2, 3, 1):
+            return self.no(node, "not an NCHW->NHWC Transpose of a Conv")
+        into = input_producer(conv, 0, "Transpose")
+        if into is None or perm_of(into, 4) != (0, 3, 1, 2):
+            return self.no(node, "the Conv input is not an NHWC->NCHW Transpose")
+        if not private(graph, conv.outputs[0]):
+            return self.no(node, "the Conv output is read elsewhere too")
+        params = conv_params(graph, conv)
+        if params is None or len(params["kernel"]) != 2:
+            return self.no(node, "not a 2-D Conv with known geometry")
+        if params["kernel"] != (1, 1) or params["strides"] != (1, 1) or any(params["pads"]) or params["group"] != 1:
+            return self.no(node, "not a 1x1 Conv with stride 1, no padding and one group")
+        if conv_weights(conv) is None:
+            return self.no(node, "Conv weights or bias are not constant")
+        return self.match([node, conv, into])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, conv, into = (nodes[n] for n in match.nodes)
+        weight, bias = conv_weights(conv)
+        matrix = np.ascontiguousarray(weight[:, :, 0, 0].T)
+        out = emit(graph, "MatMul", [into.inputs[0], graph.add_constant(matrix, f"{conv.name}_W")])
+        if len(conv.inputs) > 2 and conv.inputs[2].name:
+            out = emit(graph, "Add", [out, graph.add_constant(bias.copy(), f"{conv.name}_B")])
+        graph.replace_uses(node.outputs[0], out)
+
+
+RULES = (ReshapeChain(), SqueezeUnsqueezeCancel(), ConcatSplitCancel(), SplitConcatCancel(), ConcatFlatten(),
+         TransposeUnarySink(), TransposeBinarySink(), Conv1x1NhwcMatmul())
+"""The layout rules after transpose-transpose (which the registry lists first), in registry order."""

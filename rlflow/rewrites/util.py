@@ -282,3 +282,68 @@ def per_channel(array: np.ndarray, out_shape: Sequence[int], axis: int) -> np.nd
             return None
     vector = full.reshape(-1)
     return np.full(out_shape[axis], vector[0], dtype=array.dtype) if vector.size == 1 else vector.copy()
+
+
+def split_sizes(graph: Graph, node: gs.Node) -> tuple[int, tuple[int, ...]] | None:
+    """A Split's (axis, part sizes) from its static input shape, or None when unknown or uneven."""
+    shape = graph.shape(node.inputs[0])
+    if shape is None:
+        return None
+    axis = normalize_axis(node.attrs.get("axis", 0), len(shape))
+    if axis is None:
+        return None
+    if has_input(node, 1):
+        sizes = int_list(constant_input(node, 1))
+        if sizes is None:
+            return None
+    elif "split" in node.attrs:
+        sizes = tuple(int(s) for s in node.attrs["split"])
+    else:
+        parts = len(node.outputs)
+        if shape[axis] % parts:
+            return None
+        sizes = (shape[axis] // parts,) * parts
+    if len(sizes) != len(node.outputs) or sum(sizes) != shape[axis]:
+        return None
+    return axis, tuple(sizes)
+
+
+def inverse_perm(perm: Sequence[int]) -> tuple[int, ...]:
+    """q with q[perm[j]] = j."""
+    inverse = [0] * len(perm)
+    for j, p in enumerate(perm):
+        inverse[p] = j
+    return tuple(inverse)
+
+
+def perm_of(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
+    """A Transpose's permutation (reversed axes when the attribute is absent and the rank known)."""
+    perm = node.attrs.get("perm")
+    if perm is not None:
+        return tuple(int(p) for p in perm)
+    return tuple(reversed(range(rank))) if rank is not None else None
+
+
+def to_rank(array: np.ndarray, rank: int) -> np.ndarray:
+    """A constant with leading 1s added up to `rank` (numpy broadcasting's view of it)."""
+    return array.reshape((1,) * (rank - array.ndim) + array.shape)
+
+
+def emit_split(graph: Graph, source: gs.Tensor, axis: int, sizes: Sequence[int] | None, parts: int,
+               outputs: Sequence[gs.Tensor] | None = None) -> list[gs.Tensor]:
+    """Adds a Split of `source` along `axis` into `sizes` (or `parts` equal parts when sizes is None, which keeps a
+    dynamic dimension dynamic) in the form the graph's opset wants."""
+    attrs: dict = {"axis": int(axis)}
+    inputs = [source]
+    if sizes is not None:
+        inputs.append(graph.add_constant(np.array(list(sizes), dtype=np.int64), "split_sizes"))
+    elif graph.opset >= 18:
+        attrs["num_outputs"] = int(parts)
+    return graph.add_node("Split", inputs, list(outputs) if outputs is not None else parts, attrs=attrs)
+
+
+def emit(graph: Graph, op: str, inputs: Sequence[gs.Tensor], attrs: dict | None = None, domain: str = "",
+         hint: str | None = None) -> gs.Tensor:
+    """Adds a single-output node and returns its output."""
+    (out,) = graph.add_node(op, list(inputs), attrs=attrs, domain=domain, hint=hint)
+    return out

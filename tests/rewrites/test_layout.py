@@ -1,0 +1,92 @@
+"""Layout rules: transposes, reshapes, concatenations and splits that cancel or move."""
+from __future__ import annotations
+
+import pytest
+
+from .helpers import assert_refuses, assert_rewrites, graph, ints, node, weights
+
+X = {"x": [2, 3, 4]}
+NHWC = {"x": [1, 5, 5, 3]}
+
+
+def _conv_nhwc(kernel=1, stride=1):
+    return graph([node("Transpose", ["x"], "a", perm=[0, 3, 1, 2]),
+                  node("Conv", ["a", "w", "b"], "c", kernel_shape=[kernel, kernel], strides=[stride, stride]),
+                  node("Transpose", ["c"], perm=[0, 2, 3, 1])], NHWC,
+                 consts={"w": weights(6, 3, kernel, kernel), "b": weights(6)})
+
+
+CASES = {
+    "transpose-transpose": (
+        lambda: graph([node("Transpose", ["x"], "t", perm=[1, 0, 2]), node("Transpose", ["t"], perm=[2, 0, 1])], X),
+        lambda: graph([node("Relu", ["x"], "t"), node("Transpose", ["t"], perm=[2, 0, 1])], X),
+        "not produced by a Transpose"),
+    "reshape-chain": (
+        lambda: graph([node("Reshape", ["x", "s1"], "t"), node("Reshape", ["t", "s2"])], {"x": ["b", 3, 4]},
+                      consts={"s1": ints(0, 12), "s2": ints(0, 2, 6)}),
+        lambda: graph([node("Unsqueeze", ["x", "a"], "t"), node("Reshape", ["t", "s2"])], {"x": ["b", 3, 4]},
+                      consts={"a": ints(0), "s2": ints(0, -1)}),
+        "copies a dimension (0)"),
+    "squeeze-unsqueeze-cancel": (
+        lambda: graph([node("Unsqueeze", ["x", "a"], "t"), node("Relu", ["t"], "r"), node("Squeeze", ["t", "b"], "s"),
+                       node("Add", ["s", "x"])], X, consts={"a": ints(1), "b": ints(-3)}),
+        lambda: graph([node("Unsqueeze", ["x", "a"], "t"), node("Squeeze", ["t", "b"])], {"x": [2, 1, 4]},
+                      consts={"a": ints(1), "b": ints(2)}),
+        "the axes differ"),
+    "concat-split-cancel": (
+        lambda: graph([node("Concat", ["x", "z"], "c", axis=2), node("Split", ["c", "s"], ["p", "q"], axis=-1),
+                       node("Mul", ["p", "q"])], {"x": [2, 3, 4], "z": [2, 3, 4]}, consts={"s": ints(4, 4)}),
+        lambda: graph([node("Concat", ["x", "z"], "c", axis=2), node("Split", ["c", "s"], ["p", "q"], axis=2),
+                       node("Concat", ["q", "p"], axis=2)], {"x": [2, 3, 4], "z": [2, 3, 4]}, consts={"s": ints(2, 6)}),
+        "not the Concat's inputs"),
+    "split-concat-cancel": (
+        lambda: graph([node("Split", ["x"], ["p", "q"], axis=1), node("Concat", ["p", "q"], "c", axis=1),
+                       node("Relu", ["c"])], {"x": [2, 4, 4]}),
+        lambda: graph([node("Split", ["x"], ["p", "q"], axis=1), node("Concat", ["q", "p"], axis=1)], {"x": [2, 4, 4]}),
+        "in order"),
+    "concat-flatten": (
+        lambda: graph([node("Concat", ["x", "x"], "c", axis=1), node("Concat", ["c", "x"], axis=-2)], X),
+        lambda: graph([node("Concat", ["x", "x"], "c", axis=1), node("Concat", ["c", "c"], axis=1)], X),
+        "no input is a private Concat"),
+    "transpose-unary-sink": (
+        lambda: graph([node("Transpose", ["x"], "t", perm=[2, 0, 1]), node("LeakyRelu", ["t"], alpha=0.2)], X),
+        lambda: graph([node("Transpose", ["x"], "t", perm=[2, 0, 1]), node("Relu", ["t"], "r"), node("Add", ["r", "t"])],
+                      X),
+        "read elsewhere too"),
+    "transpose-binary-sink": (
+        lambda: graph([node("Transpose", ["x"], "t", perm=[2, 0, 1]), node("Sub", ["c", "t"])], X,
+                      consts={"c": weights(4, 1, 3)}),
+        lambda: graph([node("Transpose", ["x"], "t", perm=[2, 0, 1]), node("Transpose", ["x"], "u", perm=[2, 1, 0]),
+                       node("Add", ["t", "u"])], {"x": [3, 3, 3]}),
+        "the two Transposes differ"),
+    "conv1x1-nhwc-matmul": (lambda: _conv_nhwc(), lambda: _conv_nhwc(kernel=3), "not a 1x1 Conv"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_and_keeps_numbers(name):
+    assert_rewrites(CASES[name][0](), name)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_refuses_with_reason(name):
+    _, negative, reason = CASES[name]
+    assert_refuses(negative(), name, reason)
+
+
+def test_transpose_pair_cancels():
+    g = graph([node("Transpose", ["x"], "t", perm=[1, 0, 2]), node("Transpose", ["t"], "u", perm=[1, 0, 2]),
+               node("Relu", ["u"])], X)
+    assert assert_rewrites(g, "transpose-transpose").op_counts() == {"Relu": 1}
+
+
+def test_binary_sink_of_two_transposes_leaves_one():
+    g = graph([node("Transpose", ["x"], "t", perm=[2, 0, 1]), node("Transpose", ["z"], "u", perm=[2, 0, 1]),
+               node("Div", ["t", "u"])], {"x": [2, 3, 4], "z": [1, 3, 4]})
+    assert assert_rewrites(g, "transpose-binary-sink").op_counts() == {"Div": 1, "Transpose": 1}
+
+
+def test_conv1x1_without_bias_and_nhwc_removes_transposes():
+    g = graph([node("Transpose", ["x"], "a", perm=[0, 3, 1, 2]), node("Conv", ["a", "w"], "c"),
+               node("Transpose", ["c"], perm=[0, 2, 3, 1])], NHWC, consts={"w": weights(6, 3, 1, 1)})
+    assert assert_rewrites(g, "conv1x1-nhwc-matmul").op_counts() == {"MatMul": 1}
