@@ -40,7 +40,8 @@ def cli() -> None:
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
 def optimize(model, output, provider, threads, method, time_limit, input_shapes, json_path, seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
-    from rlflow.graph import parse_input_shapes, save_model
+    from rlflow.files import write_text_atomic
+    from rlflow.graph import parse_input_shapes
     from rlflow.optimize import format_report, optimize as run
 
     output = output or model.with_name(model.name[: -len(".onnx")] + ".rlflow.onnx" if model.name.endswith(".onnx")
@@ -52,7 +53,7 @@ def optimize(model, output, provider, threads, method, time_limit, input_shapes,
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}
-        save_text(json_path, json.dumps(report, indent=2, default=str))
+        write_text_atomic(json_path, json.dumps(report, indent=2, default=str) + "\n")
     click.echo(str(output) if quiet else format_report(result) + f"\n  written     {output}")
 
 
@@ -76,6 +77,30 @@ def rules(model, input_shapes) -> None:
         click.echo(f"{index:>3}  {rule.name:<{width}}  {rule.category:<8}  {count}{rule.description}{contrib}")
     if counts is not None:
         click.echo(f"{sum(counts.values())} matches of {len(counts)} rules in {model}")
+
+
+@cli.command()
+@click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--methods", default="greedy,taso,random", show_default=True, help="Comma-separated search methods.")
+@click.option("--peers", is_flag=True, help="Also run onnxsim, onnxoptimizer, onnxslim and the onnxscript optimizer.")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--time-limit", type=click.FloatRange(min=0), default=120.0, show_default=True,
+              help="Seconds of search per model and method.")
+@click.option("--rounds", type=click.IntRange(min=3), default=30, show_default=True,
+              help="Interleaved rounds per input-vs-output measurement.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
+def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, out) -> None:
+    """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
+    from rlflow.bench import BenchConfig, find_models, run_bench
+
+    config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
+                         provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed)
+    results = run_bench(find_models(models), config, out)
+    failed = sum(r["status"] != "ok" for r in results["rows"])
+    click.echo(f"{len(results['rows'])} runs ({failed} not ok) in {results['seconds']:.0f} s; results in {out}/: "
+               "results.json, results.csv, results.md, speedup.png, time.png")
 
 
 @cli.group()
@@ -109,15 +134,6 @@ def zoo_build(names, out, force, tiny) -> None:
         result = registry.build(name, out, force=force)
         state = "unchanged" if result.skipped else f"built in {result.seconds:.1f} s"
         click.echo(f"{result.path}  {state}  ({result.nodes} nodes, {result.params:,} params)")
-
-
-def save_text(path: Path, text: str) -> None:
-    """Writes a text file atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:

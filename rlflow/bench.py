@@ -1,0 +1,336 @@
+"""Batch benchmarking: every method (and peer tool) on every model, measured the same way.
+
+Each row is one model under one method: the method's output measured interleaved against the input in one process
+(speedup with its bootstrap interval), verified on random data, with its optimisation time.  A model that fails under
+one method is reported as failed in that row and the run goes on.  Results: results.json (every setting recorded),
+results.csv, results.md and two plots.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from tqdm import tqdm
+
+from rlflow.errors import RlflowError
+from rlflow.files import write_text_atomic
+from rlflow.graph import Graph, load, max_ir_version
+from rlflow.measure.flops import count_flops, count_params
+from rlflow.measure.session import SessionSettings, resolve_provider
+from rlflow.measure.timing import compare, time_model
+from rlflow.measure.verify import verify
+from rlflow.optimize import METHODS, optimize, verification_shapes
+
+log = logging.getLogger("rlflow")
+
+PEAK_MATMUL_SIZE = 512
+
+
+@dataclass
+class BenchConfig:
+    """Settings of a benchmark run, all recorded in results.json.
+
+    Attributes:
+        methods: rlflow search methods to run on every model.
+        peers: also run the peer tools (onnxsim, onnxoptimizer, onnxslim, onnxscript optimizer) when installed.
+        provider: execution provider (`auto`, `cpu`, `cuda`).
+        threads: onnxruntime intra-op threads.
+        time_limit: seconds of search per model and method.
+        rounds: interleaved rounds of every input-vs-output measurement.
+        seed: random inputs and measurement order.
+    """
+
+    methods: tuple[str, ...] = ("greedy", "taso", "random")
+    peers: bool = False
+    provider: str = "auto"
+    threads: int = 1
+    time_limit: float = 120.0
+    rounds: int = 30
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    """One model under one method."""
+
+    model: str
+    method: str
+    status: str
+    error: str = ""
+    kind: str = "rlflow"
+    params: int = 0
+    flops: int = 0
+    baseline_ms: float = float("nan")
+    latency_ms: float = float("nan")
+    speedup: float = float("nan")
+    speedup_low: float = float("nan")
+    speedup_high: float = float("nan")
+    faster: bool = False
+    rewritten: bool = False
+    verified: bool = False
+    max_rel_error: float = float("nan")
+    seconds: float = float("nan")
+    candidates_measured: int = 0
+    rewrites: list[str] = field(default_factory=list)
+    baseline_peak_fraction: float = float("nan")
+    peak_fraction: float = float("nan")
+
+
+def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """ONNX files named directly or found (not recursively) in folders; rlflow's own outputs are skipped."""
+    models = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            models += sorted(p for p in path.glob("*.onnx") if not p.name.endswith(".rlflow.onnx"))
+        elif path.exists():
+            models.append(path)
+        else:
+            raise RlflowError(f"{path}: no such file or folder")
+    if not models:
+        raise RlflowError("no .onnx models found in " + ", ".join(map(str, paths)))
+    return models
+
+
+def measure_peak(settings: SessionSettings, size: int = PEAK_MATMUL_SIZE) -> dict:
+    """The machine's matrix-product throughput through onnxruntime (GFLOP/s) with the bench's own settings."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((size, size)).astype(np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "peak",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [size, size])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version())
+    timing = time_model(model, settings, warmup=3, repeats=20)
+    gflops = 2 * size ** 3 / (timing.min_ms * 1e-3) / 1e9
+    return {"gflops": gflops, "matmul": [size, size, size], "best_ms": timing.min_ms, "median_ms": timing.median_ms}
+
+
+def environment(settings: SessionSettings) -> dict:
+    """The machine and software versions the results were measured with."""
+    import onnxruntime
+
+    from rlflow import __version__
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__, "rlflow": __version__,
+            "provider": settings.provider}
+
+
+def _peer_tools() -> dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]]:
+    def onnxsim(model):
+        from onnxsim import simplify
+
+        simplified, ok = simplify(model)
+        if not ok:
+            raise RuntimeError("onnxsim's own check failed")
+        return simplified
+
+    def onnxoptimizer(model):
+        import onnxoptimizer as tool
+
+        return tool.optimize(model)
+
+    def onnxslim(model):
+        import onnxslim as tool
+
+        return tool.slim(model)
+
+    def onnxscript(model):
+        from onnxscript import optimizer
+
+        return optimizer.optimize(model)
+
+    return {"onnxsim": onnxsim, "onnxoptimizer": onnxoptimizer, "onnxslim": onnxslim, "onnxscript": onnxscript}
+
+
+def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
+    """Benchmarks every model under every method (and peer); writes and returns the results."""
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise RlflowError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
+    peak = measure_peak(settings)
+    peers = _peer_tools() if config.peers else {}
+    rows: list[Row] = []
+    jobs = [(m, method) for m in models for method in (*config.methods, *peers)]
+    started = time.monotonic()
+    with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
+        for model in models:
+            try:
+                graph = load(model)
+                static = graph.to_model(static=True)
+                flops, params = count_flops(static), count_params(static)
+            except RlflowError as exc:
+                for method in (*config.methods, *peers):
+                    rows.append(Row(model.stem, method, "failed", f"load: {exc}"))
+                    bar.update(1)
+                continue
+            for method in (*config.methods, *peers):
+                bar.set_postfix_str(f"{model.stem} / {method}")
+                try:
+                    if method in peers:
+                        row = _run_peer(graph, method, peers[method], settings, config)
+                    else:
+                        row = _run_method(graph, method, settings, config)
+                except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
+                    log.debug("%s / %s failed", model.stem, method, exc_info=True)
+                    row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                row.params, row.flops = params, flops
+                if row.status == "ok":
+                    row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
+                    row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
+                rows.append(row)
+                bar.update(1)
+    results = {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
+               "peak": peak, "seconds": time.monotonic() - started, "rows": [asdict(r) for r in rows]}
+    write_results(results, Path(out_dir))
+    return results
+
+
+def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:
+    start = time.monotonic()
+    result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
+                      threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
+                      rounds=config.rounds)
+    before, after = result.comparison.timings
+    ratio = result.speedup
+    verification = result.verification
+    return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
+               latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
+               faster=ratio.faster, rewritten=result.rewritten,
+               verified=verification.ok if verification else True,
+               max_rel_error=verification.max_rel_norm if verification else 0.0,
+               seconds=time.monotonic() - start, candidates_measured=result.candidates_measured,
+               rewrites=result.applied)
+
+
+def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings, config: BenchConfig) -> Row:
+    """A peer tool on the model with its measurement shapes fixed, checked and measured exactly like rlflow's output."""
+    start = time.monotonic()
+    source = graph.to_model(static=True)
+    try:
+        output = tool(source)
+    except ImportError:
+        return Row(Path(graph.source or "graph").stem, name, "not installed", "pip install 'rlflow[peers]'", "peer")
+    seconds = time.monotonic() - start
+    output.ir_version = min(output.ir_version, max_ir_version())
+    verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
+                          shapes=verification_shapes(graph)[:1])
+    comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
+    ratio = comparison.ratios[1]
+    return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
+               verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
+               latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
+               speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
+               max_rel_error=verification.max_rel_norm, seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+CSV_FIELDS = [f for f in Row.__dataclass_fields__]
+
+
+def write_results(results: dict, out_dir: Path) -> None:
+    """results.json, results.csv, results.md, speedup.png and time.png, each written atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str) + "\n")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS)
+    writer.writeheader()
+    for row in results["rows"]:
+        writer.writerow({**row, "rewrites": ";".join(row["rewrites"])})
+    write_text_atomic(out_dir / "results.csv", buffer.getvalue())
+    write_text_atomic(out_dir / "results.md", markdown_table(results))
+    plot_results(results, out_dir)
+
+
+def markdown_table(results: dict) -> str:
+    """The results as a markdown table, with the settings they were measured under."""
+    env, cfg, peak = results["environment"], results["config"], results["peak"]
+    lines = [
+        "# rlflow bench results", "",
+        f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), {env['provider']}, "
+        f"{results['settings']['threads']} thread(s), graph optimisation '{results['settings']['opt_level']}', "
+        f"onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, rlflow {env['rlflow']}. "
+        f"Search time limit {cfg['time_limit']:.0f} s per model and method; {cfg['rounds']} interleaved rounds per "
+        f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s.",
+        "",
+        "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "
+        "bootstrap interval; **bold** where the interval lies above 1. `peak` = achieved FLOP/s of the output as a "
+        "fraction of the measured peak. Error = worst relative-norm error of the output against the input on random "
+        "inputs.", "",
+        "| model | method | status | input ms | output ms | speedup [95% CI] | peak | error | rewrites | time s |",
+        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["rows"]:
+        if r["status"] not in ("ok", "wrong output"):
+            lines.append(f"| {r['model']} | {r['method']} | {r['status']}: {r['error']} | | | | | | | |")
+            continue
+        speed = f"{r['speedup']:.3f} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]"
+        if r["faster"]:
+            speed = f"**{speed}**"
+        lines.append(f"| {r['model']} | {r['method']} | {r['status']} | {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
+                     f"| {speed} | {r['peak_fraction']:.1%} | {r['max_rel_error']:.1e} "
+                     f"| {len(r['rewrites']) if r['kind'] == 'rlflow' else 'peer'} "
+                     f"| {r['seconds']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict, out_dir: Path) -> None:
+    """speedup.png (per model and method, with intervals) and time.png (optimisation time, log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["status"] == "ok"]
+    if not rows:
+        return
+    models = sorted({r["model"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / len(methods)
+    x = np.arange(len(models))
+    for name, value, ylabel, log in (("speedup.png", "speedup", "speedup over ORT_ENABLE_ALL", False),
+                                     ("time.png", "seconds", "optimisation time (s)", True)):
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(models) + 2), 4))
+        for k, method in enumerate(methods):
+            by_model = {r["model"]: r for r in rows if r["method"] == method}
+            ys = [by_model[m][value] if m in by_model else np.nan for m in models]
+            kwargs = {}
+            if value == "speedup":
+                low = [by_model[m]["speedup"] - by_model[m]["speedup_low"] if m in by_model else 0 for m in models]
+                high = [by_model[m]["speedup_high"] - by_model[m]["speedup"] if m in by_model else 0 for m in models]
+                kwargs["yerr"] = [low, high]
+                kwargs["capsize"] = 2
+            ax.bar(x + (k - (len(methods) - 1) / 2) * width, ys, width, label=method, **kwargs)
+        if value == "speedup":
+            ax.axhline(1.0, color="black", linewidth=0.8)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xticks(x, models, rotation=30, ha="right")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        tmp = out_dir / f".{name}.tmp.png"
+        fig.savefig(tmp, dpi=120)
+        plt.close(fig)
+        tmp.replace(out_dir / name)

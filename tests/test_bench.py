@@ -1,0 +1,54 @@
+"""`rlflow bench`: every output file, failures reported per row, settings recorded."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from rlflow.bench import find_models
+from rlflow.cli import main
+from rlflow.errors import RlflowError
+from tests.conftest import save
+
+
+def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, capsys):
+    models = tmp_path / "models"
+    models.mkdir()
+    save(matmul_model, models / "mlp.onnx")
+    (models / "cnn.onnx").write_bytes(open(cnn_opset9_ir3_path, "rb").read())
+    (models / "broken.onnx").write_bytes(b"not a model")
+    out = tmp_path / "results"
+    code = main(["bench", str(models), "--methods", "greedy", "--peers", "--time-limit", "2", "--rounds", "5",
+                 "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json", "results.md", "speedup.png",
+                                                     "time.png"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["threads"] == 1 and results["config"]["time_limit"] == 2
+    assert results["peak"]["gflops"] > 0 and results["environment"]["onnxruntime"]
+    rows = {(r["model"], r["method"]): r for r in results["rows"]}
+    assert len(rows) == 3 * 5  # 3 models x (greedy + 4 peers)
+    assert all(r["status"] == "failed" and "load" in r["error"] for (m, _), r in rows.items() if m == "broken")
+    for model in ("mlp", "cnn"):
+        greedy = rows[(model, "greedy")]
+        assert greedy["status"] == "ok" and greedy["verified"]
+        assert greedy["speedup_low"] <= greedy["speedup"] <= greedy["speedup_high"]
+        assert greedy["flops"] > 0 and 0 < greedy["peak_fraction"]
+        for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
+            assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
+    with open(out / "results.csv") as handle:
+        assert len(list(csv.DictReader(handle))) == 15
+    table = (out / "results.md").read_text()
+    assert "| mlp | greedy | ok |" in table and "1 thread(s)" in table
+
+
+def test_find_models(tmp_path, matmul_model):
+    save(matmul_model, tmp_path / "a.onnx")
+    save(matmul_model, tmp_path / "a.rlflow.onnx")
+    assert [p.name for p in find_models([tmp_path])] == ["a.onnx"]
+    with pytest.raises(RlflowError, match="no such file"):
+        find_models([tmp_path / "nope"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RlflowError, match="no .onnx models"):
+        find_models([tmp_path / "empty"])
