@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first, pinned, so that nothing later pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip install -q -e '.[cpu,dev,peers]'
 	touch $@
 
 demo: $(STAMP)
@@ -27,6 +27,14 @@ test: $(STAMP)
 
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
+
+# The whole zoo on this machine's CPU, every method and peer, 1 thread; results under docs/results/ (about an hour
+# on 2 cores: 60 s of search per model and method, recorded in results.json).
+BENCH_TIME_LIMIT ?= 60
+bench: $(STAMP)
+	$(BIN)/rlflow zoo build --out models
+	$(BIN)/rlflow bench models --methods greedy,taso,random --peers --threads 1 \
+		--time-limit $(BENCH_TIME_LIMIT) --out docs/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info
