@@ -152,7 +152,7 @@ def _entries() -> list[ZooEntry]:
                  description="ViT (tiny)"),
         ZooEntry("gpt2-small", "transformer", published={"params": 124e6, "flops": 128 * (
             2 * 12 * 12 * 768**2 + 2 * 12 * 128 * 768 + 2 * 768 * 50257), "source": (
-            "params: OpenAI GPT-2 small release, 124M (the paper's 117M predates a recount); FLOPs: Kaplan et al. "
+            "params: openai/gpt-2 README, 124M (it retracts the paper's 117M as an error); FLOPs: Kaplan et al. "
             "2020, Table 1, forward FLOPs per token 2N + 2 n_layer n_ctx d_attn + 2 d_model n_vocab (de-embedding), "
             "N = 12 n_layer d_model^2, times 128 tokens")}, module="gpt2", config=dict(seq=128),
                  description="GPT-2 small style decoder with tied LM head, sequence 128", **tokens(128, 50257)),
