@@ -67,6 +67,9 @@ class ZooEntry:
     def dtype(self, input_name: str) -> str:
         return self.input_dtypes.get(input_name, "float32")
 
+    def __hash__(self) -> int:  # the dict fields are not hashable; names are unique
+        return hash(self.name)
+
 
 @dataclass
 class BuildResult:
