@@ -347,3 +347,45 @@ def emit(graph: Graph, op: str, inputs: Sequence[gs.Tensor], attrs: dict | None 
     """Adds a single-output node and returns its output."""
     (out,) = graph.add_node(op, list(inputs), attrs=attrs, domain=domain, hint=hint)
     return out
+
+
+_NUMPY_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Max": np.maximum,
+                 "Min": np.minimum, "MatMul": np.matmul}
+
+
+def combine(graph: Graph, op: str, a: gs.Tensor, b: gs.Tensor, hint: str = "const") -> gs.Tensor:
+    """`op(a, b)`: computed now when both are constants (a new constant), else a new node."""
+    va, vb = Graph.constant(a), Graph.constant(b)
+    if va is not None and vb is not None and op in _NUMPY_BINARY and va.dtype == vb.dtype and va.dtype.kind == "f":
+        value = _NUMPY_BINARY[op](va.astype(np.float64), vb.astype(np.float64)).astype(va.dtype)
+        return graph.add_constant(value, hint)
+    return emit(graph, op, [a, b])
+
+
+def matmul_shapes(graph: Graph, node: gs.Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Static shapes of a MatMul's operands when both have rank >= 2 (1-D operands follow other rules)."""
+    a, b = graph.shape(node.inputs[0]), graph.shape(node.inputs[1])
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return None
+    return a, b
+
+
+def matmul_result(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...] | None:
+    """The shape of MatMul(a, b) for rank >= 2 operands, or None when they do not fit."""
+    batch = broadcast_shape(a[:-2], b[:-2])
+    if batch is None or a[-1] != b[-2]:
+        return None
+    return (*batch, a[-2], b[-1])
+
+
+def matmul_flops(a: Sequence[int], b: Sequence[int]) -> int:
+    """Multiply-adds times two of MatMul(a, b) (rank >= 2 operands that fit)."""
+    batch = broadcast_shape(a[:-2], b[:-2]) or ()
+    return 2 * int(np.prod(batch, dtype=np.int64)) * a[-2] * a[-1] * b[-1]
+
+
+def clone_node(graph: Graph, node: gs.Node, inputs: Sequence[gs.Tensor], outputs: int | Sequence[gs.Tensor] = 1
+               ) -> list[gs.Tensor]:
+    """Adds a node with the same operator, domain and attributes as `node` on new inputs."""
+    return graph.add_node(node.op, list(inputs), outputs, attrs=dict(node.attrs), domain=node.domain or "",
+                          hint=node.name)

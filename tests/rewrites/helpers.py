@@ -83,7 +83,7 @@ def assert_rewrites(g: Graph, name: str, *, dynamic: Mapping[str, Sequence[int]]
         onnx.checker.check_model(candidate)
         if not the_rule.contrib:
             assert all((n.domain or "") in ("", "ai.onnx") for n in new.gs.nodes), f"{match} emitted a contrib op"
-        shapes = (None,) if static else (None, dynamic)
+        shapes = (None,) if static else (dict(g.input_shapes), dynamic)
         result = verify(reference, candidate, shapes=shapes)
         assert result.ok, f"{match}: {result.message}"
         first = first or new

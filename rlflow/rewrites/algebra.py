@@ -1,0 +1,491 @@
+"""Algebra rules: associativity, distributivity and commuting elementwise operators with Concat, Split and layout."""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from rlflow.graph import Graph
+from rlflow.rewrites.base import Match, NoMatch, Rule
+from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, broadcast_shape, clone_node, combine,
+                                  constant_input, dynamic_axes, emit, input_producer, is_float, matmul_flops,
+                                  matmul_result, matmul_shapes, perm_of, private, same_op, split_sizes, to_rank)
+
+_LAYOUT = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
+
+
+def _private_producer(graph: Graph, node: gs.Node, index: int, op) -> gs.Node | None:
+    producer = input_producer(node, index, op)
+    return producer if producer is not None and private(graph, producer.outputs[0]) else None
+
+
+class MatMulAssoc(Rule):
+    """Replaces `(A.B).C` with `A.(B.C)`, or the reverse, when the other order needs fewer FLOPs."""
+
+    name = "matmul-assoc"
+    category = "algebra"
+    root_ops = ("MatMul",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        found = False
+        for side in (0, 1):
+            inner = _private_producer(graph, node, side, "MatMul")
+            if inner is None:
+                continue
+            found = True
+            if side == 0:
+                shapes = [graph.shape(inner.inputs[0]), graph.shape(inner.inputs[1]), graph.shape(node.inputs[1])]
+            else:
+                shapes = [graph.shape(node.inputs[0]), graph.shape(inner.inputs[0]), graph.shape(inner.inputs[1])]
+            if any(s is None or len(s) < 2 for s in shapes):
+                continue
+            a, b, c = shapes
+            ab, bc = matmul_result(a, b), matmul_result(b, c)
+            if ab is None or bc is None:
+                continue
+            left = matmul_flops(a, b) + matmul_flops(ab, c)
+            right = matmul_flops(b, c) + matmul_flops(a, bc)
+            if (right < left) if side == 0 else (left < right):
+                return self.match([node, inner], side=side)
+        if not found:
+            return self.no(node, "no input is a private MatMul")
+        return self.no(node, "the other order needs no fewer FLOPs (or shapes are unknown)")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, inner = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        if match.param("side") == 0:
+            (a, b), c = inner.inputs, node.inputs[1]
+            out = emit(graph, "MatMul", [a, emit(graph, "MatMul", [b, c])])
+        else:
+            a, (b, c) = node.inputs[0], inner.inputs
+            out = emit(graph, "MatMul", [emit(graph, "MatMul", [a, b]), c])
+        graph.replace_uses(node.outputs[0], out)
+
+
+class MatMulConstChainFold(Rule):
+    """Replaces `(X.B).C` with `X.(BC)` (and `C.(B.X)` with `(CB).X`) where B and C are constants."""
+
+    name = "matmul-const-chain-fold"
+    category = "algebra"
+    root_ops = ("MatMul",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        for side in (0, 1):
+            inner = _private_producer(graph, node, side, "MatMul")
+            if inner is None or constant_input(node, 1 - side) is None or constant_input(inner, 1 - side) is None:
+                continue
+            b, c = constant_input(inner, 1 - side), constant_input(node, 1 - side)
+            if b.ndim < 2 or c.ndim < 2 or b.dtype != c.dtype or not is_float(node.outputs[0]):
+                return self.no(node, "the constants are not float matrices of one type")
+            first, second = (b, c) if side == 0 else (c, b)
+            if matmul_result(first.shape, second.shape) is None:
+                return self.no(node, "the constants' shapes do not fit")
+            if first.shape[-1] * (first.shape[-2] + second.shape[-1]) < first.shape[-2] * second.shape[-1]:
+                return self.no(node, "folding a low-rank chain would add FLOPs")
+            return self.match([node, inner], side=side)
+        return self.no(node, "not a chain of a private MatMul and two constant operands")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, inner = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        side = match.param("side")
+        b, c = inner.inputs[1 - side], node.inputs[1 - side]
+        folded = combine(graph, "MatMul", *((b, c) if side == 0 else (c, b)), hint=f"{node.name}_W")
+        inputs = [inner.inputs[side], folded] if side == 0 else [folded, inner.inputs[side]]
+        graph.replace_uses(node.outputs[0], emit(graph, "MatMul", inputs))
+
+
+class _MatMulFactor(Rule):
+    """`Add(MatMul(., .), MatMul(., .))` sharing the operand at `shared`: one MatMul of the summed other operands."""
+
+    shared: int = 0
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        left, right = (_private_producer(graph, node, i, "MatMul") for i in (0, 1))
+        if left is None or right is None or left is right:
+            return self.no(node, "the Add's inputs are not two private MatMuls")
+        if left.inputs[self.shared] is not right.inputs[self.shared]:
+            return self.no(node, "the MatMuls share no operand on that side")
+        other = 1 - self.shared
+        shapes = [graph.shape(t) for t in (left.inputs[other], right.inputs[other], node.outputs[0],
+                                           left.outputs[0], right.outputs[0])]
+        if any(s is None for s in shapes) or shapes[0] != shapes[1] or not shapes[2] == shapes[3] == shapes[4]:
+            return self.no(node, "the other operands (or the products) differ in shape")
+        return self.match([node, left, right])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, left, right = (nodes[n] for n in match.nodes)
+        other = 1 - self.shared
+        total = combine(graph, "Add", left.inputs[other], right.inputs[other], hint=f"{node.name}_sum")
+        inputs = [left.inputs[0], total] if self.shared == 0 else [total, left.inputs[1]]
+        graph.replace_uses(node.outputs[0], emit(graph, "MatMul", inputs))
+
+
+class MatMulFactorLhs(_MatMulFactor):
+    """Replaces `X.W1 + X.W2` with `X.(W1 + W2)`."""
+
+    name = "matmul-factor-lhs"
+    category = "algebra"
+    root_ops = ("Add",)
+    shared = 0
+
+
+class MatMulFactorRhs(_MatMulFactor):
+    """Replaces `A.W + B.W` with `(A + B).W`."""
+
+    name = "matmul-factor-rhs"
+    category = "algebra"
+    root_ops = ("Add",)
+    shared = 1
+
+
+class MulFactor(Rule):
+    """Replaces `a*b + a*c` with `a*(b + c)`."""
+
+    name = "mul-factor"
+    category = "algebra"
+    root_ops = ("Add",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        left, right = (_private_producer(graph, node, i, "Mul") for i in (0, 1))
+        if left is None or right is None or left is right:
+            return self.no(node, "the Add's inputs are not two private Muls")
+        if not is_float(node.outputs[0]):
+            return self.no(node, "not a float tensor")
+        for i in (0, 1):
+            for j in (0, 1):
+                if left.inputs[i] is right.inputs[j]:
+                    a, b, c = left.inputs[i], left.inputs[1 - i], right.inputs[1 - j]
+                    shape = broadcast_shape(graph.shape(a), broadcast_shape(graph.shape(b), graph.shape(c)))
+                    if shape is None or shape != graph.shape(node.outputs[0]):
+                        return self.no(node, "the factored form broadcasts to another shape")
+                    return self.match([node, left, right], left=i, right=j)
+        return self.no(node, "the Muls share no operand")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, left, right = (nodes[n] for n in match.nodes)
+        i, j = match.param("left"), match.param("right")
+        total = combine(graph, "Add", left.inputs[1 - i], right.inputs[1 - j], hint=f"{node.name}_sum")
+        graph.replace_uses(node.outputs[0], emit(graph, "Mul", [left.inputs[i], total]))
+
+
+def _swaps_last_two(perm: tuple[int, ...] | None) -> bool:
+    return perm is not None and len(perm) >= 2 and perm == (*range(len(perm) - 2), len(perm) - 1, len(perm) - 2)
+
+
+def _transposed(graph: Graph, tensor: gs.Tensor) -> gs.Tensor:
+    """`tensor` with its last two axes swapped: a new constant when it is one, else a Transpose node."""
+    value = Graph.constant(tensor)
+    rank = len(graph.shape(tensor))
+    perm = [*range(rank - 2), rank - 1, rank - 2]
+    if value is not None:
+        return graph.add_constant(np.ascontiguousarray(np.transpose(value, perm)), f"{tensor.name}_T")
+    producer = Graph.producer(tensor)
+    if producer is not None and producer.op == "Transpose" and perm_of(producer, rank) == tuple(perm):
+        return producer.inputs[0]
+    return emit(graph, "Transpose", [tensor], {"perm": perm})
+
+
+class TransposeMatMul(Rule):
+    """Replaces `Transpose(A.B)` (last two axes swapped) with `B^T.A^T`.
+
+    Only where a constant or transposed operand absorbs its transpose.
+    """
+
+    name = "transpose-matmul"
+    category = "algebra"
+    root_ops = ("Transpose",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        matmul = _private_producer(graph, node, 0, "MatMul")
+        if matmul is None:
+            return self.no(node, "input is not a private MatMul")
+        shapes = matmul_shapes(graph, matmul)
+        out = graph.shape(node.outputs[0])
+        if shapes is None or out is None or not len(shapes[0]) == len(shapes[1]) == len(out):
+            return self.no(node, "operands of different or unknown ranks")
+        if not _swaps_last_two(perm_of(node, len(out))):
+            return self.no(node, "the Transpose does not swap the last two axes only")
+        absorbs = [Graph.constant(t) is not None or (input_producer(matmul, i, "Transpose") is not None and _swaps_last_two(
+            perm_of(input_producer(matmul, i), len(out)))) for i, t in enumerate(matmul.inputs)]
+        if not any(absorbs):
+            return self.no(node, "neither operand is a constant or a transpose (the rewrite would add a Transpose)")
+        return self.match([node, matmul])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, matmul = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        a, b = matmul.inputs
+        graph.replace_uses(node.outputs[0], emit(graph, "MatMul", [_transposed(graph, b), _transposed(graph, a)]))
+
+
+class MatMulTransposeFactor(Rule):
+    """Replaces `A^T.B^T` (last two axes swapped) with `Transpose(B.A)`."""
+
+    name = "matmul-transpose-factor"
+    category = "algebra"
+    root_ops = ("MatMul",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        shapes = matmul_shapes(graph, node)
+        if shapes is None or len(shapes[0]) != len(shapes[1]):
+            return self.no(node, "operands of different or unknown ranks")
+        rank = len(shapes[0])
+        ts = [_private_producer(graph, node, i, "Transpose") for i in (0, 1)]
+        if any(t is None or not _swaps_last_two(perm_of(t, rank)) for t in ts) or ts[0] is ts[1]:
+            return self.no(node, "the operands are not both private transposes of their last two axes")
+        return self.match([node, *ts])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, ta, tb = (nodes[n] for n in match.nodes)
+        rank = len(graph.shape(node.outputs[0]))
+        product = emit(graph, "MatMul", [tb.inputs[0], ta.inputs[0]])
+        graph.replace_uses(node.outputs[0], emit(graph, "Transpose", [product],
+                                                 {"perm": [*range(rank - 2), rank - 1, rank - 2]}))
+
+
+class ConcatUnaryCommute(Rule):
+    """Replaces `Concat(f(a), f(b), ...)` with `f(Concat(a, b, ...))` for an elementwise f."""
+
+    name = "concat-unary-commute"
+    category = "algebra"
+    root_ops = ("Concat",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        producers = [_private_producer(graph, node, i, tuple(UNARY_ELEMENTWISE)) for i in range(len(node.inputs))]
+        if len(producers) < 2 or any(p is None for p in producers):
+            return self.no(node, "not every input is a private elementwise operator")
+        if not all(same_op(p, producers[0]) and len(p.inputs) == 1 for p in producers):
+            return self.no(node, "the inputs come from different operators or attributes")
+        return self.match([node, *producers])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, *producers = (nodes[n] for n in match.nodes)
+        joined = emit(graph, "Concat", [p.inputs[0] for p in producers], dict(node.attrs))
+        graph.replace_uses(node.outputs[0], clone_node(graph, producers[0], [joined])[0])
+
+
+class ConcatBinaryCommute(Rule):
+    """Replaces `Concat(f(a1, b1), f(a2, b2))` with `f(Concat(a1, a2), Concat(b1, b2))` for an elementwise f.
+
+    Only where no operand broadcasts.
+    """
+
+    name = "concat-binary-commute"
+    category = "algebra"
+    root_ops = ("Concat",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        producers = [_private_producer(graph, node, i, tuple(BINARY_ELEMENTWISE)) for i in range(len(node.inputs))]
+        if len(producers) < 2 or any(p is None for p in producers):
+            return self.no(node, "not every input is a private elementwise binary operator")
+        if not all(same_op(p, producers[0]) for p in producers):
+            return self.no(node, "the inputs come from different operators")
+        for p in producers:
+            out = graph.shape(p.outputs[0])
+            if out is None or any(graph.shape(t) != out for t in p.inputs):
+                return self.no(node, "an operator broadcasts (operand shapes differ from its result)")
+        return self.match([node, *producers])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, *producers = (nodes[n] for n in match.nodes)
+        sides = [emit(graph, "Concat", [p.inputs[k] for p in producers], dict(node.attrs)) for k in (0, 1)]
+        graph.replace_uses(node.outputs[0], clone_node(graph, producers[0], sides)[0])
+
+
+def _split_readers(graph: Graph, node: gs.Node, ops) -> list[gs.Node] | None:
+    readers = []
+    for out in node.outputs:
+        if not private(graph, out) or out.outputs[0].op not in ops:
+            return None
+        readers.append(out.outputs[0])
+    return readers
+
+
+class SplitUnaryHoist(Rule):
+    """Replaces `f(p1), ..., f(pn)` on every part of `Split(x)` with the parts of `Split(f(x))`."""
+
+    name = "split-unary-hoist"
+    category = "algebra"
+    root_ops = ("Split",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        readers = _split_readers(graph, node, UNARY_ELEMENTWISE)
+        if readers is None or len(readers) < 2:
+            return self.no(node, "not every part is read by one elementwise operator alone")
+        if not all(same_op(r, readers[0]) and len(r.inputs) == 1 for r in readers):
+            return self.no(node, "the parts are read by different operators or attributes")
+        return self.match([node, *readers])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        split, *readers = (nodes[n] for n in match.nodes)
+        (whole,) = clone_node(graph, readers[0], [split.inputs[0]])
+        parts = clone_node(graph, split, [whole, *split.inputs[1:]], len(split.outputs))
+        for reader, part in zip(readers, parts):
+            graph.replace_uses(reader.outputs[0], part)
+
+
+class SplitBinaryHoist(Rule):
+    """Replaces `f(p_i, c_i)` on every part p_i of `Split(x)` (c_i constants) with the parts of `Split(f(x, C))`.
+
+    C joins the c_i along the split axis: the bias or scale after merged Q/K/V projections.
+    """
+
+    name = "split-binary-hoist"
+    category = "algebra"
+    root_ops = ("Split",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        readers = _split_readers(graph, node, ("Add", "Sub", "Mul", "Div"))
+        info = split_sizes(graph, node)
+        if readers is None or len(readers) < 2 or info is None:
+            return self.no(node, "not every part is read by one elementwise binary operator alone")
+        if not all(same_op(r, readers[0]) for r in readers):
+            return self.no(node, "the parts are read by different operators")
+        sides = set()
+        for part, reader in zip(node.outputs, readers):
+            side = 0 if reader.inputs[0] is part else 1
+            sides.add(side)
+            value = constant_input(reader, 1 - side)
+            if value is None or reader.inputs[side] is not part:
+                return self.no(node, "a part's other operand is not a constant")
+            if graph.shape(reader.outputs[0]) != graph.shape(part) or value.ndim > len(graph.shape(part)):
+                return self.no(node, "a constant broadcasts a part to a larger shape")
+        if len(sides) != 1:
+            return self.no(node, "the parts sit on different sides of the operators")
+        (side,), axis = sides, info[0]
+        values = [to_rank(constant_input(r, 1 - side), len(graph.shape(node.inputs[0]))) for r in readers]
+        if any(v.dtype != values[0].dtype for v in values):
+            return self.no(node, "the constants differ in type")
+        uniform = all(v.shape[axis] == 1 and v.shape == values[0].shape and np.array_equal(v, values[0]) for v in values)
+        dynamic = dynamic_axes(graph, node.inputs[0])
+        if not uniform and (dynamic is None or dynamic[axis]):
+            return self.no(node, "the split axis is dynamic")
+        return self.match([node, *readers], side=side, uniform=uniform)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        split, *readers = (nodes[n] for n in match.nodes)
+        side = match.param("side")
+        axis, sizes = split_sizes(graph, split)
+        rank = len(graph.shape(split.inputs[0]))
+        values = [to_rank(constant_input(r, 1 - side), rank) for r in readers]
+        if match.param("uniform"):
+            joined = values[0]
+        else:
+            pieces = []
+            for value, size in zip(values, sizes):
+                shape = [max(v.shape[d] for v in values) if d != axis else size for d in range(rank)]
+                pieces.append(np.broadcast_to(value, shape))
+            joined = np.concatenate(pieces, axis=axis)
+        constant = graph.add_constant(np.ascontiguousarray(joined), f"{split.name}_{readers[0].op.lower()}")
+        operands = [split.inputs[0], constant] if side == 0 else [constant, split.inputs[0]]
+        (whole,) = clone_node(graph, readers[0], operands)
+        parts = clone_node(graph, split, [whole, *split.inputs[1:]], len(split.outputs))
+        for reader, part in zip(readers, parts):
+            graph.replace_uses(reader.outputs[0], part)
+
+
+def _scalar_operand(graph: Graph, node: gs.Node, side: int) -> np.ndarray | None:
+    """The constant operand at `side` when it has one element and leaves the other operand's shape unchanged."""
+    value = constant_input(node, side)
+    if value is None or value.size != 1 or not is_float(node.outputs[0]):
+        return None
+    if graph.shape(node.outputs[0]) is None or graph.shape(node.outputs[0]) != graph.shape(node.inputs[1 - side]):
+        return None
+    return value
+
+
+class ScalarMulHoist(Rule):
+    """Replaces `Mul(A.B, s)` (or `Div`) for a scalar s with `(A*s).B` or `A.(B*s)`.
+
+    The smaller operand is scaled: the attention scale applied to Q rather than to the scores.
+    """
+
+    name = "scalar-mul-hoist"
+    category = "algebra"
+    root_ops = ("Mul", "Div")
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        for side in ((1, 0) if node.op == "Mul" else (1,)):
+            matmul = _private_producer(graph, node, 1 - side, "MatMul")
+            if matmul is None or _scalar_operand(graph, node, side) is None:
+                continue
+            sizes = [graph.shape(t) for t in matmul.inputs]
+            if any(s is None for s in sizes):
+                return self.no(node, "operand shapes unknown")
+            counts = [int(np.prod(s)) for s in sizes]
+            target = int(np.argmin(counts))
+            if counts[target] >= int(np.prod(graph.shape(node.outputs[0]))):
+                return self.no(node, "scaling an operand costs no less than scaling the product")
+            return self.match([node, matmul], side=side, target=target)
+        return self.no(node, "not a private MatMul scaled by a scalar constant")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, matmul = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        target = match.param("target")
+        value = constant_input(node, match.param("side")).reshape(())
+        operands = list(matmul.inputs)
+        scale = graph.add_constant(value.copy(), f"{node.name}_scale")
+        operands[target] = combine(graph, node.op, operands[target], scale, hint=f"{matmul.name}_scaled")
+        graph.replace_uses(node.outputs[0], emit(graph, "MatMul", operands))
+
+
+class ScalarMulThroughLayout(Rule):
+    """Replaces `Mul(L(x), s)` (or `Div`) for a scalar s and a layout operator L with `L(Mul(x, s))`.
+
+    L is a Transpose, Reshape, Squeeze, Unsqueeze or Flatten; the scale moves toward weights that can absorb it.
+    """
+
+    name = "scalar-mul-through-layout"
+    category = "algebra"
+    root_ops = ("Mul", "Div")
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        for side in ((1, 0) if node.op == "Mul" else (1,)):
+            layout = _private_producer(graph, node, 1 - side, _LAYOUT)
+            if layout is not None and _scalar_operand(graph, node, side) is not None:
+                return self.match([node, layout], side=side)
+        return self.no(node, "not a private layout operator scaled by a scalar constant")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, layout = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        side = match.param("side")
+        scale = graph.add_constant(constant_input(node, side).reshape(()).copy(), f"{node.name}_scale")
+        operands = [layout.inputs[0], scale] if side == 1 else [scale, layout.inputs[0]]
+        scaled = emit(graph, node.op, operands)
+        graph.replace_uses(node.outputs[0], clone_node(graph, layout, [scaled, *layout.inputs[1:]])[0])
+
+
+class MulAddDistribute(Rule):
+    """Replaces `Mul(Add(x, b), s)` (or `Div`) with b and s constants by `Add(Mul(x, s), b*s)`."""
+
+    name = "mul-add-distribute"
+    category = "algebra"
+    root_ops = ("Mul", "Div")
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        for side in ((1, 0) if node.op == "Mul" else (1,)):
+            add = _private_producer(graph, node, 1 - side, "Add")
+            if add is None or constant_input(node, side) is None:
+                continue
+            if not is_float(node.outputs[0]):
+                return self.no(node, "not a float tensor")
+            for bias in (1, 0):
+                if constant_input(add, bias) is not None and constant_input(add, 1 - bias) is None:
+                    x, s = graph.shape(add.inputs[1 - bias]), constant_input(node, side).shape
+                    if broadcast_shape(x, s) is None:
+                        return self.no(node, "shapes unknown")
+                    return self.match([node, add], side=side, bias=bias)
+            return self.no(node, "the Add has no constant operand")
+        return self.no(node, "not a private Add scaled by a constant")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        side, bias = match.param("side"), match.param("bias")
+        scale, x, b = node.inputs[side], add.inputs[1 - bias], add.inputs[bias]
+        pair = (lambda u, v: [u, v]) if side == 1 else (lambda u, v: [v, u])
+        scaled = emit(graph, node.op, pair(x, scale))
+        new_bias = combine(graph, node.op, *pair(b, scale), hint=f"{add.name}_bias")
+        graph.replace_uses(node.outputs[0], emit(graph, "Add", [scaled, new_bias]))
+
+
+RULES = (MatMulAssoc(), MatMulConstChainFold(), MatMulFactorLhs(), MatMulFactorRhs(), MulFactor(), TransposeMatMul(),
+         MatMulTransposeFactor(), ConcatUnaryCommute(), ConcatBinaryCommute(), SplitUnaryHoist(), SplitBinaryHoist(),
+         ScalarMulHoist(), ScalarMulThroughLayout(), MulAddDistribute())
