@@ -103,7 +103,8 @@ def load(path: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | No
             onnx.load_external_data_for_model(model, str(path.parent))
         except (OSError, ValueError) as exc:
             raise InputError(f"{path}: cannot read its external data ({exc})") from None
-    return Graph.from_model(model, input_shapes, source=str(path))
+    _check(str(path))  # on the file: cheaper than on the proto, and handles external data and > 2 GB
+    return Graph.from_model(model, input_shapes, source=str(path), checked=True)
 
 
 class Graph:
@@ -124,11 +125,12 @@ class Graph:
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
     def from_model(cls, model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]] | None = None,
-                   source: str | None = None) -> "Graph":
-        """Builds a Graph from an in-memory model (which is not modified)."""
+                   source: str | None = None, checked: bool = False) -> "Graph":
+        """Builds a Graph from an in-memory model (which is not modified); `checked`: the checker already passed."""
         work = onnx.ModelProto()
         work.CopyFrom(model)
-        _check(work)
+        if not checked:
+            _check(work)
         work = _upgrade_opset(work)
         initializer_names = {t.name for t in work.graph.initializer}
         real_inputs = [vi for vi in work.graph.input if vi.name not in initializer_names]
@@ -447,9 +449,10 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
 
 
-def _check(model: onnx.ModelProto) -> None:
+def _check(model: onnx.ModelProto | str) -> None:
+    """The onnx checker on a model or a file path (models over 2 GB can only be checked from a path)."""
     try:
-        if model.ByteSize() < 2**31 - 1:
+        if isinstance(model, str) or model.ByteSize() < 2**31 - 1:
             onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
