@@ -136,7 +136,7 @@ def _entries() -> list[ZooEntry]:
              dict(cells_per_stack=1, filters=8, stem_filters=8, image_size=64, num_classes=10),
              text="NASNet-A mobile (4 @ 1056), 224x224"),
         ZooEntry("nasrnn", "rnn", {f"x{i}": (1, 512) for i in range(5)},
-                 {"params": 5 * 16 * 512 * 512 + 512, "flops": 2.0 * 5 * 16 * 512 * 512,
+                 {"params": 5.0 * 16 * 512 * 512 + 512, "flops": 2.0 * 5 * 16 * 512 * 512,
                   "source": "derived from TASO's definition (jiazhihao/TASO examples/nasrnn.py): 5 steps x 16 "
                             "(512x512) weights + a 512 initial state; 16 [1,512]x[512,512] MatMuls per step"},
                  "nasrnn", dict(hidden=512, steps=5), output_names=("h",), description="NasRNN (TASO), hidden 512, 5 steps"),
@@ -215,6 +215,9 @@ def definition_hash(name: str) -> str:
 def _models():
     """The ``models/`` folder imported as a package under a private name."""
     if _PACKAGE not in sys.modules:
+        if not (MODELS_DIR / "__init__.py").is_file():
+            raise RuntimeError(f"the zoo's model definitions are missing ({MODELS_DIR}): build from a source "
+                               "checkout installed with `pip install -e .`")
         spec = importlib.util.spec_from_file_location(_PACKAGE, MODELS_DIR / "__init__.py",
                                                       submodule_search_locations=[str(MODELS_DIR)])
         package = importlib.util.module_from_spec(spec)
