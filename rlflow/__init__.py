@@ -8,4 +8,15 @@ from rlflow.optimize import Result, optimize  # rebinds the name: `rlflow.optimi
 
 __version__ = "0.1.0"
 
+
+def _register_env() -> None:
+    """Registers `rlflow/Rewrite-v0` so `gymnasium.make("rlflow/Rewrite-v0", model=PATH)` works after `import rlflow`."""
+    import gymnasium
+
+    if "rlflow/Rewrite-v0" not in gymnasium.registry:
+        gymnasium.register(id="rlflow/Rewrite-v0", entry_point="rlflow.env:RewriteEnv")
+
+
+_register_env()
+
 __all__ = ["Graph", "load", "optimize", "Result", "InputError", "ProviderError", "RlflowError", "__version__"]
