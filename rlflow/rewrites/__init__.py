@@ -24,6 +24,7 @@ RULES: tuple[Rule, ...] = (
     *cleanup.RULES,
     *layout.RULES,
     *algebra.RULES,
+    *fold.RULES,
 )
 """Every rule, in action-id order.  Append only."""
 

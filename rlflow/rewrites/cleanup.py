@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (attrs_key, bypass, constant_input, dynamic_axes, has_input, input_producer,
-                                  int_list, normalize_axis, np_dtype, onnx_dtype_to_np, scalar)
+from rlflow.rewrites.util import (DETERMINISTIC_OPS, attrs_key, bypass, constant_input, dynamic_axes, has_input,
+                                  input_producer, int_list, normalize_axis, np_dtype, onnx_dtype_to_np, scalar)
 
-_NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-                     "Bernoulli", "Dropout"}
 _BIG = 2 ** 31 - 1
 
 
@@ -319,17 +316,12 @@ class IdempotentUnaryElim(Rule):
         bypass(graph, nodes[match.nodes[0]], nodes[match.nodes[1]].outputs[0])
 
 
-def _deterministic_ops() -> tuple[str, ...]:
-    names = {s.name for s in onnx.defs.get_all_schemas() if s.domain in ("", "ai.onnx")}
-    return tuple(sorted(names - _NONDETERMINISTIC - {"Constant", "If", "Loop", "Scan"}))
-
-
 class DuplicateNodeElim(Rule):
     """Replaces a node that repeats an earlier one (same operator, attributes and inputs) with the earlier node's outputs."""
 
     name = "duplicate-node-elim"
     category = "cleanup"
-    root_ops = _deterministic_ops()
+    root_ops = DETERMINISTIC_OPS
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         if not node.inputs or (node.domain or "") not in ("", "ai.onnx"):

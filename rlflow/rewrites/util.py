@@ -5,6 +5,7 @@ import weakref
 from typing import Sequence
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, shape_inference
 
@@ -20,6 +21,12 @@ BINARY_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Max", "Min", "Pow"}
 """Two-input broadcasting elementwise operators."""
 
 COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min"})
+
+_NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                     "Bernoulli", "Dropout", "Constant", "If", "Loop", "Scan"}
+DETERMINISTIC_OPS = tuple(sorted({s.name for s in onnx.defs.get_all_schemas() if s.domain in ("", "ai.onnx")}
+                                 - _NONDETERMINISTIC))
+"""Standard operators whose outputs depend on their inputs alone (no randomness, no subgraphs)."""
 
 
 def only_consumer(tensor: gs.Tensor) -> gs.Node | None:
