@@ -1,0 +1,606 @@
+"""A TASO-style cost model: a graph's latency is the sum of the latencies of its parts measured in isolation.
+
+TASO sums per-operator times.  On onnxruntime that overestimates, because onnxruntime fuses Conv+BN+activation
+(+ residual Add under NCHWc), MatMul+Add into Gemm, bias+GELU, Add+LayerNorm into SkipLayerNorm, Transpose or a
+scale into FusedMatMul, and folds constant subgraphs.  So the unit measured here is a *fusion group*:
+
+1. Static nodes (every input constant, or a Shape of a static-shaped tensor) cost 0: onnxruntime folds them.
+2. The rest is partitioned into groups that contain whatever onnxruntime could fuse into one kernel: a compute
+   operator (Conv, MatMul, Gemm...) with its single-consumer elementwise epilogue (BN, bias, activation, residual Add,
+   LayerNorm), a Transpose or scale feeding a MatMul, and connected regions of elementwise operators (GELU, LayerNorm
+   and Softmax patterns).  A group holds at most one compute operator and `MAX_GROUP` nodes.
+3. Each distinct group configuration (operators, attributes, shapes, dtypes, which inputs are weights; weights are
+   described by shape, integer and scalar constants by value) is cut out as a small ONNX model with random weights
+   and run through onnxruntime with the target settings, so onnxruntime applies its own fusions inside the group.
+   The optimised graph onnxruntime saves for it is hashed too, so groups that onnxruntime turns into the same kernels
+   (a Conv after a BN fold and a Conv+BN) share one measurement and get exactly the same cost.
+4. Times are medians of batched runs minus the per-call overhead of a trivial session with as many inputs and
+   outputs, so Python's per-call cost is not counted once per group.
+
+The table is cached on disk as JSON, keyed by provider, session settings, machine and onnxruntime version.  After
+warm-up `graph_cost` is a pure-Python pass over the graph with dictionary look-ups.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import helper, numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+from rlflow.graph import Graph, max_ir_version
+from rlflow.measure.inputs import random_inputs
+from rlflow.measure.session import SessionSettings, session_options
+
+log = logging.getLogger("rlflow")
+
+CACHE_VERSION = 1
+"""Bump when what a table entry means changes (grouping, measurement procedure): old tables are then ignored."""
+
+MAX_GROUP = 16
+"""Most non-static nodes in one fusion group (bounds measurement size and keeps keys reusable)."""
+
+AUTOSAVE_EVERY = 20
+"""New table entries after which the table is written to disk."""
+
+HEAVY = frozenset({
+    "Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "MatMulInteger", "ConvInteger", "QLinearConv", "QLinearMatMul",
+    "FusedConv", "FusedMatMul", "FusedGemm", "Attention", "MultiHeadAttention", "LSTM", "GRU", "RNN",
+})
+"""Compute operators: each anchors its own group (a group holds at most one)."""
+
+FUSIBLE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Exp", "Log", "Neg", "Reciprocal", "Abs", "Erf", "Max", "Min", "Sum",
+    "Relu", "LeakyRelu", "Elu", "Selu", "Celu", "PRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh",
+    "Softplus", "Softsign", "Mish", "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "BatchNormalization",
+    "LayerNormalization", "SkipLayerNormalization", "SimplifiedLayerNormalization", "InstanceNormalization",
+    "Softmax", "LogSoftmax", "ReduceMean", "Where", "Equal", "Not", "Cast",
+})
+"""Elementwise and normalisation operators onnxruntime fuses with their neighbours."""
+
+PROLOGUE = frozenset({"Transpose", "Mul", "Div"})
+"""Operators onnxruntime folds into a following MatMul (FusedMatMul transposes and alpha)."""
+
+MATMUL_LIKE = frozenset({"MatMul", "Gemm", "FusedMatMul"})
+
+_NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+                               "Bernoulli"})
+_SHAPE_OPS = frozenset({"Shape", "Size"})
+_FLOOR_MS = 1e-4
+"""Smallest cost of a measured group (0.1 us): costs stay positive whatever the overhead subtraction gives."""
+
+
+@dataclass
+class CostStats:
+    """Counters: group look-ups answered from the table (hits) or not (misses), and what the misses cost."""
+
+    hits: int = 0
+    misses: int = 0
+    measured: int = 0
+    canonical_hits: int = 0
+    measure_seconds: float = 0.0
+    failures: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Group:
+    """One fusion group of a graph: its nodes (static ancestors first), anchor and configuration key."""
+
+    nodes: list
+    members: list  # the non-static nodes (the ones that run)
+    anchor: str
+    key: str
+
+
+def machine_id() -> str:
+    """CPU model name and core count (plus the GPU name where one is visible): what a cost table is valid on."""
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    text = f"{name} x{os.cpu_count()}"
+    gpus = sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")) if Path("/proc/driver/nvidia/gpus").exists() else []
+    for info in gpus[:1]:
+        try:
+            model = next(line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model"))
+            text += f" + {model}"
+        except (OSError, StopIteration):
+            pass
+    return text
+
+
+def default_cache_dir() -> Path:
+    """``$RLFLOW_CACHE/costmodel`` when RLFLOW_CACHE is set, else ``~/.cache/rlflow/costmodel``."""
+    root = os.environ.get("RLFLOW_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "rlflow") / "costmodel"
+
+
+class CostModel:
+    """Estimated latency of a graph = sum of per-operator costs measured in isolation (cached).
+
+    The operators are measured as onnxruntime fusion groups (see the module docstring), so nodes that onnxruntime fuses
+    into a neighbour cost 0 and the group's cost is carried by its anchor (the compute operator, else the first node).
+
+    Args:
+        settings: the session settings estimates are for (default: CPU, 1 thread, ORT_ENABLE_ALL).
+        cache_dir: folder of the JSON table (default `default_cache_dir()`).
+
+    Example:
+        >>> model = CostModel()                      # doctest: +SKIP
+        >>> model.graph_cost(rlflow.load("m.onnx"))  # doctest: +SKIP
+        12.3
+    """
+
+    def __init__(self, settings: SessionSettings | None = None, cache_dir: str | Path | None = None):
+        self.settings = settings or SessionSettings()
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.stats = CostStats()
+        self._table: dict | None = None
+        self._new = 0
+        self._lock = threading.Lock()
+        import onnxruntime as ort
+
+        self.key = {
+            "version": CACHE_VERSION,
+            "provider": self.settings.provider,
+            "threads": self.settings.threads,
+            "opt_level": self.settings.opt_level,
+            "execution_mode": self.settings.execution_mode,
+            "machine": machine_id(),
+            "onnxruntime": ort.__version__,
+        }
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = self.cache_dir / f"costmodel-{digest}.json"
+        _live.add(self)
+
+    # ------------------------------------------------------------------------------------------------ public
+    def graph_cost(self, graph: Graph) -> float:
+        """Estimated end-to-end latency of `graph` in milliseconds."""
+        return float(sum(self._group_cost(graph, g) for g in self.groups(graph)))
+
+    def node_costs(self, graph: Graph) -> dict[str, float]:
+        """Node name -> estimated ms: a group's cost on its anchor, 0 for the nodes fused into it and static nodes."""
+        costs = {node.name: 0.0 for node in graph.gs.nodes}
+        for group in self.groups(graph):
+            costs[group.anchor] += self._group_cost(graph, group)
+        return costs
+
+    def save(self) -> None:
+        """Writes the table atomically, merged with whatever another process wrote to the same file meanwhile."""
+        with self._lock:
+            if self._table is None or not self._new:
+                return
+            on_disk = self._read()
+            for section in ("groups", "costs", "ops"):
+                on_disk[section].update(self._table[section])
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=self.path.name, suffix=".tmp", dir=self.cache_dir)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(on_disk, f, indent=0, sort_keys=True)
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self._table = on_disk
+            self._new = 0
+
+    def __len__(self) -> int:
+        """Number of measured configurations in the table."""
+        return len(self.table["costs"])
+
+    @property
+    def table(self) -> dict:
+        """The table, loaded from disk on first use."""
+        if self._table is None:
+            with self._lock:
+                if self._table is None:
+                    self._table = self._read()
+        return self._table
+
+    # -------------------------------------------------------------------------------------------- partition
+    def groups(self, graph: Graph) -> list[_Group]:
+        """The fusion groups of `graph`, in node order (static nodes belong to no group)."""
+        nodes = list(graph.gs.nodes)
+        static = _static_nodes(graph, nodes)
+        outputs = {id(t) for t in graph.gs.outputs}
+        index = {id(n): i for i, n in enumerate(nodes)}
+        parent = list(range(len(nodes)))
+        heavy = [1 if n.op in HEAVY else 0 for n in nodes]
+        size = [1] * len(nodes)
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        def union(a: int, b: int) -> None:
+            ra, rb = find(a), find(b)
+            if ra == rb or heavy[ra] + heavy[rb] > 1 or size[ra] + size[rb] > MAX_GROUP:
+                return
+            parent[rb] = ra
+            heavy[ra] += heavy[rb]
+            size[ra] += size[rb]
+
+        for i, node in enumerate(nodes):
+            if i in static:
+                continue
+            op = node.op
+            for tensor in node.outputs:
+                consumers = [c for c in tensor.outputs if id(c) in index and index[id(c)] not in static]
+                if not consumers or id(tensor) in outputs:
+                    continue
+                if op in HEAVY:
+                    if len(consumers) == 1 and consumers[0].op in FUSIBLE:
+                        union(i, index[id(consumers[0])])
+                elif op in FUSIBLE and all(c.op in FUSIBLE for c in consumers):
+                    for consumer in consumers:
+                        union(i, index[id(consumer)])
+                if (op in PROLOGUE and len(consumers) == 1 and consumers[0].op in MATMUL_LIKE
+                        and (op == "Transpose" or _has_scalar_constant(node))):
+                    union(index[id(consumers[0])], i)
+        members: dict[int, list[int]] = {}
+        for i in range(len(nodes)):
+            if i not in static:
+                members.setdefault(find(i), []).append(i)
+        groups = []
+        for ids in members.values():
+            run = [nodes[i] for i in ids]
+            ancestors = _static_ancestors(run, static, index)
+            ordered = [nodes[i] for i in sorted(set(ids) | ancestors)]
+            anchor = next((n for n in run if n.op in HEAVY), run[0])
+            groups.append(_Group(ordered, run, anchor.name, _group_key(graph, ordered, {id(n) for n in ordered}, outputs)))
+        return groups
+
+    # ------------------------------------------------------------------------------------------ measurement
+    def _group_cost(self, graph: Graph, group: _Group) -> float:
+        table = self.table
+        canon = table["groups"].get(group.key)
+        if canon is not None:
+            cost = table["costs"].get(canon)
+            if cost is not None:
+                self.stats.hits += 1
+                return cost
+        self.stats.misses += 1
+        start = time.perf_counter()
+        try:
+            cost = self._measure_group(graph, group)
+        except Exception as exc:  # noqa: BLE001 - an unmeasurable group must not stop a search; it is logged
+            self.stats.failures += 1
+            log.warning("cost model: cannot measure group at %s (%s); counted as 0", group.anchor, exc)
+            cost = 0.0
+        self.stats.measure_seconds += time.perf_counter() - start
+        return cost
+
+    def _measure_group(self, graph: Graph, group: _Group) -> float:
+        model = _isolated_model(graph, group)
+        canon = self._canonical_key(model) or group.key
+        table = self.table
+        with self._lock:
+            table["groups"][group.key] = canon
+            self._new += 1
+        cost = table["costs"].get(canon)
+        if cost is None:
+            n_in = len([i for i in model.graph.input])
+            n_out = len(model.graph.output)
+            seconds = _time_model(model, self.settings)
+            cost = max(seconds * 1e3 - self._overhead(n_in, n_out), _FLOOR_MS)
+            with self._lock:
+                table["costs"][canon] = cost
+                table["ops"][canon] = "+".join(n.op for n in group.members)
+            self.stats.measured += 1
+        else:
+            self.stats.canonical_hits += 1
+        if self._new >= AUTOSAVE_EVERY:
+            self.save()
+        return cost
+
+    def _overhead(self, n_in: int, n_out: int) -> float:
+        """Milliseconds a session.run of a trivial model with this many inputs and outputs takes (cached)."""
+        key = f"overhead:{n_in}:{n_out}"
+        cost = self.table["costs"].get(key)
+        if cost is None:
+            cost = _time_model(_probe_model(max(n_in, 1), max(n_out, 1)), self.settings) * 1e3
+            with self._lock:
+                self.table["costs"][key] = cost
+                self._new += 1
+        return cost
+
+    def _canonical_key(self, model: onnx.ModelProto) -> str | None:
+        """A hash of the graph onnxruntime optimises the group into (None if it cannot say)."""
+        import onnxruntime as ort
+
+        options = session_options(self.settings)
+        with tempfile.TemporaryDirectory(prefix="rlflow-cost-") as tmp:
+            path = os.path.join(tmp, "optimized.onnx")
+            options.optimized_model_filepath = path
+            options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+            options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            providers = [self.settings.provider] + (["CPUExecutionProvider"]
+                                                    if self.settings.provider != "CPUExecutionProvider" else [])
+            try:
+                ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+                optimized = onnx.load(path, load_external_data=False)
+            except Exception as exc:  # noqa: BLE001 - some providers cannot save optimised models
+                log.debug("cost model: no optimised graph (%s)", exc)
+                return None
+        return "o:" + _optimized_key(optimized)
+
+    # ---------------------------------------------------------------------------------------------- storage
+    def _read(self) -> dict:
+        empty = {"key": self.key, "groups": {}, "costs": {}, "ops": {}}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return empty
+        if data.get("key") != self.key:
+            return empty
+        for section in ("groups", "costs", "ops"):
+            data.setdefault(section, {})
+        return data
+
+
+_live: "weakref.WeakSet[CostModel]" = weakref.WeakSet()
+
+
+@atexit.register
+def _save_all() -> None:
+    for model in list(_live):
+        try:
+            model.save()
+        except Exception:  # noqa: BLE001 - never fail interpreter exit
+            pass
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+def _static_nodes(graph: Graph, nodes: list) -> set[int]:
+    """Indices of nodes onnxruntime folds away: every input constant (or folded), or Shape/Size of a static shape."""
+    folded: set[int] = set()
+    static_tensors: set[int] = set()
+    for i, node in enumerate(nodes):
+        if node.op in _NONDETERMINISTIC:
+            continue
+        if node.op in _SHAPE_OPS:
+            ok = node.inputs and graph.shape(node.inputs[0]) is not None
+        else:
+            ok = all(isinstance(t, gs.Constant) or id(t) in static_tensors or not t.name for t in node.inputs)
+            ok = ok and bool(node.inputs)
+        if ok:
+            folded.add(i)
+            static_tensors.update(id(t) for t in node.outputs)
+    return folded
+
+
+def _static_ancestors(run: list, static: set[int], index: dict[int, int]) -> set[int]:
+    """Static nodes whose outputs a group reads (transitively), which its isolated model must compute."""
+    found: set[int] = set()
+    stack = [t for n in run for t in n.inputs]
+    while stack:
+        tensor = stack.pop()
+        if not tensor.inputs:
+            continue
+        producer = tensor.inputs[0]
+        i = index.get(id(producer))
+        if i is None or i not in static or i in found:
+            continue
+        found.add(i)
+        if producer.op not in _SHAPE_OPS:
+            stack.extend(producer.inputs)
+    return found
+
+
+def _has_scalar_constant(node) -> bool:
+    return any(isinstance(t, gs.Constant) and t.values.size == 1 for t in node.inputs)
+
+
+def _constant_desc(tensor: gs.Constant) -> tuple:
+    """Weights are described by shape; integer, boolean and scalar constants by value (they steer kernels)."""
+    values = tensor.values
+    dtype = str(values.dtype)
+    if values.dtype.kind == "f" and values.size > 1:
+        return ("w", dtype, values.shape)
+    array = np.ascontiguousarray(values)
+    return ("c", dtype, values.shape, hashlib.blake2b(array.tobytes(), digest_size=8).hexdigest())
+
+
+def _attr_desc(value) -> str:
+    if isinstance(value, gs.Constant):
+        return repr(_constant_desc(value))
+    if isinstance(value, gs.Graph):
+        return "graph:" + hashlib.blake2b(gs.export_onnx(value, do_type_check=False).graph.SerializeToString(),
+                                          digest_size=8).hexdigest()
+    if isinstance(value, np.ndarray):
+        return repr((str(value.dtype), value.shape, value.tobytes()))
+    return repr(value)
+
+
+def _group_key(graph: Graph, ordered: list, inside: set[int], outputs: set[int]) -> str:
+    """The configuration of a group: structure, attributes, shapes and dtypes; not names, not weight values."""
+    local: dict[int, tuple] = {}
+    externals: dict[int, int] = {}
+    parts = []
+    for k, node in enumerate(ordered):
+        operands = []
+        for tensor in node.inputs:
+            if not tensor.name:
+                operands.append("-")
+            elif id(tensor) in local:
+                operands.append(local[id(tensor)])
+            elif isinstance(tensor, gs.Constant):
+                operands.append(_constant_desc(tensor))
+            else:
+                if id(tensor) not in externals:
+                    externals[id(tensor)] = len(externals)
+                    parts.append(("in", str(tensor.dtype), graph.shape(tensor)))
+                operands.append(("x", externals[id(tensor)]))
+        escapes = []
+        for j, tensor in enumerate(node.outputs):
+            local[id(tensor)] = (k, j)
+            if tensor.name and (id(tensor) in outputs or any(id(c) not in inside for c in tensor.outputs)):
+                escapes.append(j)
+        attrs = tuple(sorted((key, _attr_desc(v)) for key, v in node.attrs.items()))
+        parts.append((node.domain or "", node.op, attrs, tuple(operands), len(node.outputs), tuple(escapes)))
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
+
+
+def _isolated_model(graph: Graph, group: _Group) -> onnx.ModelProto:
+    """The group as a model of its own: external inputs become graph inputs, weights random, escapes outputs."""
+    inside = {id(n) for n in group.nodes}
+    graph_outputs = {id(t) for t in graph.gs.outputs}
+    produced: set[int] = set()
+    inputs, initializers, outputs, seen = [], [], [], set()
+    rng = np.random.default_rng(0)
+    for node in group.nodes:
+        for tensor in node.inputs:
+            if not tensor.name or id(tensor) in produced or tensor.name in seen:
+                continue
+            seen.add(tensor.name)
+            if isinstance(tensor, gs.Constant):
+                values = np.asarray(tensor.values)
+                if values.dtype.kind == "f" and values.size > 1:
+                    values = rng.uniform(0.5, 1.5, size=values.shape).astype(values.dtype)
+                initializers.append(numpy_helper.from_array(np.ascontiguousarray(values), tensor.name))
+            else:
+                shape = graph.shape(tensor)
+                if shape is None or tensor.dtype is None:
+                    raise ValueError(f"tensor {tensor.name!r} has no static shape or dtype")
+                elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+                inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(shape)))
+        for tensor in node.outputs:
+            produced.add(id(tensor))
+    for node in group.members:
+        for tensor in node.outputs:
+            if tensor.name and (id(tensor) in graph_outputs or any(id(c) not in inside for c in tensor.outputs)):
+                outputs.append(_value_info(graph, tensor))
+    if not outputs:  # a dead end (its results unused): keep its last outputs so nothing is pruned
+        outputs = [_value_info(graph, t) for t in group.members[-1].outputs if t.name]
+    nodes = [OnnxExporter.export_node(n) for n in group.nodes]
+    domains = dict(graph.model_info["opset_import"])
+    for node in group.nodes:
+        if node.domain and node.domain not in domains:
+            domains[node.domain] = 1
+    opsets = [helper.make_opsetid(d, v) for d, v in domains.items()]
+    body = helper.make_graph(nodes, "group", inputs, outputs, initializer=initializers)
+    return helper.make_model(body, opset_imports=opsets, ir_version=max_ir_version())
+
+
+def _value_info(graph: Graph, tensor) -> onnx.ValueInfoProto:
+    shape = graph.shape(tensor)
+    if tensor.dtype is None:
+        return helper.make_empty_tensor_value_info(tensor.name)
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+    return helper.make_tensor_value_info(tensor.name, elem, list(shape) if shape is not None else None)
+
+
+def _optimized_key(model: onnx.ModelProto) -> str:
+    """A structural hash of an onnxruntime-optimised model (names and weight values left out)."""
+    graph = model.graph
+    initializers = {}
+    for t in graph.initializer:
+        external = t.data_location == onnx.TensorProto.EXTERNAL
+        size = int(np.prod(t.dims)) if t.dims else 1
+        floating = t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                                   onnx.TensorProto.BFLOAT16)
+        if external or (floating and size > 1):
+            initializers[t.name] = ("w", t.data_type, tuple(t.dims))
+        else:
+            initializers[t.name] = ("c", t.data_type, tuple(t.dims),
+                                    hashlib.blake2b(numpy_helper.to_array(t).tobytes(), digest_size=8).hexdigest())
+    refs: dict[str, tuple] = {}
+    parts = []
+    for k, vi in enumerate(graph.input):
+        dims = tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+        refs[vi.name] = ("in", k)
+        parts.append(("in", vi.type.tensor_type.elem_type, dims))
+    for k, node in enumerate(graph.node):
+        operands = [refs.get(name) or initializers.get(name) or ("?" if name else "-") for name in node.input]
+        attrs = tuple(sorted((a.name, _proto_attr(a)) for a in node.attribute))
+        parts.append((node.domain, node.op_type, attrs, tuple(operands)))
+        for j, name in enumerate(node.output):
+            refs[name] = (k, j)
+    parts.append(("out", tuple(refs.get(o.name) or initializers.get(o.name) for o in graph.output)))
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).hexdigest()
+
+
+def _proto_attr(attr: onnx.AttributeProto) -> str:
+    if attr.type == onnx.AttributeProto.TENSOR:
+        return repr((attr.t.data_type, tuple(attr.t.dims), hashlib.blake2b(attr.t.SerializeToString(),
+                                                                           digest_size=8).hexdigest()))
+    if attr.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS):
+        return hashlib.blake2b(attr.SerializeToString(), digest_size=8).hexdigest()
+    return repr(helper.get_attribute_value(attr))
+
+
+def _probe_model(n_in: int, n_out: int) -> onnx.ModelProto:
+    """A trivial model with `n_in` one-element inputs and `n_out` outputs: the per-call overhead of a session."""
+    inputs = [helper.make_tensor_value_info(f"x{i}", onnx.TensorProto.FLOAT, [1]) for i in range(n_in)]
+    outputs = [helper.make_tensor_value_info(f"y{j}", onnx.TensorProto.FLOAT, [1]) for j in range(n_out)]
+    nodes = [helper.make_node("Identity", [f"x{j % n_in}"], [f"y{j}"]) for j in range(n_out)]
+    body = helper.make_graph(nodes, "probe", inputs, outputs)
+    return helper.make_model(body, opset_imports=[helper.make_opsetid("", 13)], ir_version=max_ir_version())
+
+
+def _time_model(model: onnx.ModelProto, settings: SessionSettings, *, batch_s: float = 0.002,
+                budget_s: float = 0.12) -> float:
+    """Seconds per run: median over batches (each at least `batch_s` long) after a warm-up."""
+    from rlflow.measure.timing import Runner
+
+    runner = Runner(model, settings, random_inputs(model, 0))
+    for _ in range(2):
+        runner.run()
+    first = max(runner.time(1), 1e-7)
+    runs = max(1, math.ceil(batch_s / first))
+    batches = int(min(15, max(5, budget_s / (runs * first))))
+    samples = [runner.time(runs) for _ in range(batches)]
+    return float(np.median(samples))
+
+
+def spearman(x: Iterable[float], y: Iterable[float]) -> float:
+    """Spearman's rank correlation (ties get average ranks); NaN when either side is constant."""
+    a, b = np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float)
+    if len(a) != len(b):
+        raise ValueError("spearman needs two sequences of the same length")
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = rankdata(a), rankdata(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denominator = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / denominator) if denominator > 0 else float("nan")
+
+
+def rankdata(values: np.ndarray) -> np.ndarray:
+    """Ranks from 1, ties given the average of the ranks they span (as scipy.stats.rankdata's 'average')."""
+    values = np.asarray(values, dtype=float)
+    order = np.argsort(values, kind="mergesort")
+    sorted_values = values[order]
+    ranks = np.empty(len(values), dtype=float)
+    start = 0
+    for end in range(1, len(values) + 1):
+        if end == len(values) or sorted_values[end] != sorted_values[start]:
+            ranks[order[start:end]] = (start + end + 1) / 2.0
+            start = end
+    return ranks
