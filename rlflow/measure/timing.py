@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -138,53 +138,80 @@ def time_model(model: onnx.ModelProto, settings: SessionSettings | None = None, 
 
 def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None = None, *, rounds: int = 30,
             warmup: int = 5, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
-            labels: Sequence[str] | None = None, confidence: float = 0.95,
-            deadline: float | None = None, progress: Callable[[int, int], None] | None = None) -> Comparison:
+            labels: Sequence[str] | None = None, confidence: float = 0.95, deadline: float | None = None,
+            blocks: int | None = None) -> Comparison:
     """Interleaved comparison of models on the same inputs.
 
     Every round runs each model (in a freshly shuffled order) enough times to take MIN_ROUND_SECONDS; the speedup of
     model i over model 0 is the ratio of their times within a round, summarised by the median over rounds with a
     bootstrap interval.
 
+    Rounds are grouped in blocks, and every block builds fresh sessions in a shuffled order: two sessions of the very
+    same model differ by a percent or two for as long as they live (memory placement), so a single pair of sessions
+    gives confidently wrong intervals.  The interval resamples blocks, then rounds within them, and so covers that.
+
     Args:
         models: model 0 is the baseline.
-        rounds: timed rounds (at least 3; fewer are run if `deadline` passes first).
+        rounds: timed rounds in all (fewer are run if `deadline` passes first, at least one block's worth).
         deadline: a time.monotonic() value after which no new round starts.
-        progress: called with (round done, rounds) after each round.
+        blocks: session rebuilds (default: one per 6 rounds, at most 5).
     """
     if len(models) < 2:
         raise ValueError("compare needs at least two models")
     settings = settings or SessionSettings()
     labels = list(labels or [f"model{i}" for i in range(len(models))])
+    blocks = blocks or min(5, max(1, rounds // 6))
+    per_block = max(1, rounds // blocks)
     feeds = random_inputs(models[0], seed, shapes)
-    runners = [Runner(m, settings, feeds) for m in models]
-    for runner in runners:
-        for _ in range(warmup):
-            runner.run()
-    slowest = max(r.time(1) for r in runners)
-    runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(slowest, 1e-9)))
     rng = np.random.default_rng(seed)
-    times = [[] for _ in runners]
-    for done in range(rounds):
-        if deadline is not None and done >= 3 and time.monotonic() > deadline:
+    times: list[list[float]] = [[] for _ in models]
+    block_of_round: list[int] = []
+    runs = None
+    for block in range(blocks):
+        if deadline is not None and block > 0 and time.monotonic() > deadline:
             break
-        for i in rng.permutation(len(runners)):
-            times[i].append(runners[i].time(runs))
-        if progress:
-            progress(done + 1, rounds)
+        runners: list[Runner | None] = [None] * len(models)
+        for i in rng.permutation(len(models)):
+            runners[i] = Runner(models[i], settings, feeds)
+        for runner in runners:
+            for _ in range(warmup):
+                runner.run()
+        if runs is None:
+            slowest = max(r.time(1) for r in runners)
+            runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(slowest, 1e-9)))
+        for done in range(per_block):
+            if deadline is not None and done >= 3 and time.monotonic() > deadline:
+                break
+            for i in rng.permutation(len(runners)):
+                times[i].append(runners[i].time(runs))
+            block_of_round.append(block)
+        del runners
     base = np.asarray(times[0])
-    ratios = [bootstrap_ratio(base, np.asarray(t), confidence, rng) for t in times]
+    groups = np.asarray(block_of_round)
+    ratios = [bootstrap_ratio(base, np.asarray(t), confidence, rng, groups=groups) for t in times]
     timings = [_stats(label, t, warmup, settings) for label, t in zip(labels, times)]
-    return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed)
+    return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed,
+                      extra={"blocks": int(groups.max()) + 1 if len(groups) else 0})
 
 
 def bootstrap_ratio(baseline: np.ndarray, candidate: np.ndarray, confidence: float = 0.95,
-                    rng: np.random.Generator | None = None, resamples: int = 2000) -> Ratio:
-    """Median of per-round ratios baseline/candidate with a percentile-bootstrap interval of that median."""
+                    rng: np.random.Generator | None = None, resamples: int = 2000,
+                    groups: np.ndarray | None = None) -> Ratio:
+    """Median of per-round ratios baseline/candidate with a percentile-bootstrap interval of that median.
+
+    With `groups` (the block of each round), a two-stage bootstrap: blocks with replacement, then rounds within them.
+    """
     rng = rng or np.random.default_rng(0)
     ratios = baseline / candidate
-    index = rng.integers(0, len(ratios), size=(resamples, len(ratios)))
-    medians = np.median(ratios[index], axis=1)
+    members = [np.flatnonzero(groups == g) for g in np.unique(groups)] if groups is not None else [np.arange(len(ratios))]
+    if len(members) == 1:
+        medians = np.median(ratios[rng.integers(0, len(ratios), size=(resamples, len(ratios)))], axis=1)
+    else:
+        medians = np.empty(resamples)
+        for k in range(resamples):
+            chosen = rng.integers(0, len(members), size=len(members))
+            medians[k] = np.median(np.concatenate([ratios[rng.choice(members[g], size=len(members[g]))]
+                                                   for g in chosen]))
     alpha = (1 - confidence) / 2
     low, high = np.quantile(medians, [alpha, 1 - alpha])
     return Ratio(float(np.median(ratios)), float(low), float(high), confidence)

@@ -62,6 +62,24 @@ def test_bootstrap_ratio_on_known_data():
     assert same.low == same.high == same.median == 1.0 and not same.faster and not same.slower
 
 
+def test_block_bootstrap_covers_session_bias():
+    """Per-session offsets (a block's sessions run 2% apart for their whole life) must widen the interval."""
+    rng = np.random.default_rng(1)
+    offsets = np.repeat([1.02, 1.02, 1.02, 0.99, 1.005], 6)  # no real difference: the sessions alone differ
+    base = 1.0 + 0.002 * rng.standard_normal(30)
+    other = base / offsets * (1 + 0.002 * rng.standard_normal(30))
+    groups = np.repeat(np.arange(5), 6)
+    naive = bootstrap_ratio(base, other)
+    blocked = bootstrap_ratio(base, other, groups=groups)
+    assert naive.faster, "treating rounds as independent claims a false speedup"
+    assert not blocked.faster and blocked.low < naive.low
+
+
+def test_compare_rebuilds_sessions_per_block(mlp):
+    comparison = compare([mlp, mlp], rounds=12, blocks=3)
+    assert comparison.extra["blocks"] == 3 and comparison.rounds == 12
+
+
 def test_profile_nodes(mlp):
     nodes = profile_nodes(mlp, runs=3)
     assert nodes and all(n.mean_us >= 0 and n.calls == 3 for n in nodes)
