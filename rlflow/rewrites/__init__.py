@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlflow.graph import Graph
-from rlflow.rewrites import algebra, base, cleanup, fold, layout, merge
+from rlflow.rewrites import algebra, base, cleanup, fold, fusion, layout, merge
 from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
 
 RULES: tuple[Rule, ...] = (
@@ -26,6 +26,7 @@ RULES: tuple[Rule, ...] = (
     *algebra.RULES,
     *fold.RULES,
     *merge.RULES,
+    *fusion.RULES,
 )
 """Every rule, in action-id order.  Append only."""
 

@@ -1,0 +1,127 @@
+"""onnxruntime-aware fusions: Gemm, LayerNormalization, and the contrib operators onnxruntime's CPU provider runs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from .helpers import assert_refuses, assert_rewrites, graph, ints, node, weights
+
+
+def _layernorm(opset=17, square="Pow", axes=(-1,), gamma_shape=(8,)):
+    rm = dict(axes=list(axes)) if opset < 18 else {}
+    extra = ["ax"] if opset >= 18 else []
+    sq = node("Pow", ["d", "two"], "p") if square == "Pow" else node("Mul", ["d", "d"], "p")
+    return graph([node("ReduceMean", ["x", *extra], "m", **rm), node("Sub", ["x", "m"], "d"), sq,
+                  node("ReduceMean", ["p", *extra], "v", **rm), node("Add", ["v", "eps"], "ve"), node("Sqrt", ["ve"], "s"),
+                  node("Div", ["d", "s"], "n"), node("Mul", ["g", "n"], "gn"), node("Add", ["gn", "b"])],
+                 {"x": ["batch", 4, 8]}, opset=opset,
+                 consts={"two": np.array(2.0, np.float32), "eps": np.array(1e-5, np.float32),
+                         "g": weights(*gamma_shape), "b": weights(8, seed=3), "ax": ints(*axes)})
+
+
+def _gelu(variant="erf", half_first=False, scale=None):
+    if variant == "erf":
+        inner = [node("Div", ["x", "r2"], "t"), node("Erf", ["t"], "e")]
+        consts = {"r2": np.array(scale or math.sqrt(2), np.float32)}
+    else:
+        inner = [node("Pow", ["x", "three"], "c"), node("Mul", ["k", "c"], "kc"), node("Add", ["x", "kc"], "in"),
+                 node("Mul", ["in", "s"], "t"), node("Tanh", ["t"], "e")]
+        consts = {"three": np.array(3.0, np.float32), "k": np.array(0.044715, np.float32),
+                  "s": np.array(scale or math.sqrt(2 / math.pi), np.float32)}
+    consts.update(one=np.array(1.0, np.float32), half=np.array(0.5, np.float32))
+    tail = ([node("Mul", ["x", "half"], "h"), node("Mul", ["h", "a"])] if half_first
+            else [node("Mul", ["x", "a"], "h"), node("Mul", ["h", "half"])])
+    return graph(inner + [node("Add", ["e", "one"], "a"), *tail], {"x": [2, 5]}, consts=consts)
+
+
+def _activation_after(op, act, **attrs):
+    if op == "Conv":
+        first, x = node("Conv", ["x", "w", "b"], "h", kernel_shape=[3, 3]), {"x": [1, 3, 5, 5]}
+        consts = {"w": weights(4, 3, 3, 3), "b": weights(4)}
+    else:
+        first, x = node("Gemm", ["x", "w", "b"], "h", transB=1, alpha=0.5), {"x": [3, 5]}
+        consts = {"w": weights(4, 5), "b": weights(4)}
+    inputs = ["h"]
+    if act == "Clip":
+        inputs += ["lo", "hi"]
+        consts.update(lo=np.array(-0.5, np.float32), hi=np.array(0.7, np.float32))
+    return graph([first, node(act, inputs, **attrs)], x, consts=consts)
+
+
+CASES = {
+    "matmul-add-to-gemm": (
+        lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"])], {"x": ["n", 4]},
+                      consts={"w": weights(4, 5), "c": weights(5)}),
+        lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"])], {"x": [2, 3, 4]},
+                      consts={"w": weights(4, 5), "c": weights(5)}),
+        "not a float product of 2-D operands"),
+    "gemm-to-matmul-add": (
+        lambda: graph([node("Gemm", ["x", "w", "c"], transB=1, alpha=0.5, beta=2.0)], {"x": [3, 4]},
+                      consts={"w": weights(5, 4), "c": weights(5)}),
+        lambda: graph([node("Gemm", ["x", "z"], transB=1)], {"x": [3, 4], "z": [5, 4]}),
+        "B is not constant but transposed or scaled"),
+    "layernorm-fusion": (lambda: _layernorm(), lambda: _layernorm(opset=13), "needs opset 17"),
+    "skip-layernorm-fusion": (
+        lambda: graph([node("Add", ["x", "z"], "s"), node("LayerNormalization", ["s", "g", "b"], epsilon=1e-3)],
+                      {"x": [2, 4, 8], "z": [2, 4, 8]}, opset=17, consts={"g": weights(8), "b": weights(8, seed=1)}),
+        lambda: graph([node("Add", ["x", "z"], "s"), node("LayerNormalization", ["s", "g", "b"])],
+                      {"x": [2, 4, 8], "z": [8]}, opset=17, consts={"g": weights(8), "b": weights(8, seed=1)}),
+        "not two 2-D or 3-D tensors of one shape"),
+    "gelu-fusion": (lambda: _gelu(), lambda: _gelu(scale=2.0), "not the expected function of x"),
+    "fast-gelu-fusion": (lambda: _gelu("tanh", half_first=True), lambda: _gelu("tanh", scale=1.0),
+                         "not the expected function of x"),
+    "conv-activation-fusion": (lambda: _activation_after("Conv", "Clip"),
+                               lambda: _activation_after("Gemm", "Relu"), "not a private Conv"),
+    "gemm-activation-fusion": (lambda: _activation_after("Gemm", "LeakyRelu", alpha=0.2),
+                               lambda: _activation_after("Conv", "Relu"), "not a private Gemm"),
+    "matmul-transpose-fusion": (
+        lambda: graph([node("Transpose", ["k"], "kt", perm=[0, 2, 1]), node("MatMul", ["q", "kt"])],
+                      {"q": [2, 3, 4], "k": [2, 5, 4]}),
+        lambda: graph([node("Transpose", ["k"], "kt", perm=[1, 0, 2]), node("MatMul", ["q", "kt"])],
+                      {"q": [2, 3, 4], "k": [4, 2, 5]}),
+        "no operand is a private Transpose of its last two axes"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_and_keeps_numbers(name):
+    assert_rewrites(CASES[name][0](), name)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_refuses_with_reason(name):
+    _, negative, reason = CASES[name]
+    assert_refuses(negative(), name, reason)
+
+
+@pytest.mark.parametrize("opset,square,axes", [(17, "Mul", (-1,)), (18, "Pow", (-2, -1))])
+def test_layernorm_variants(opset, square, axes):
+    new = assert_rewrites(_layernorm(opset, square, axes), "layernorm-fusion")
+    assert new.op_counts() == {"LayerNormalization": 1}
+
+
+def test_layernorm_refuses_gamma_over_leading_axes():
+    assert_refuses(_layernorm(gamma_shape=(4, 1)), "layernorm-fusion", "vary along leading axes")
+
+
+@pytest.mark.parametrize("variant,half_first", [("erf", True), ("tanh", False)])
+def test_gelu_variants_fuse_to_one_node(variant, half_first):
+    name = "gelu-fusion" if variant == "erf" else "fast-gelu-fusion"
+    assert len(assert_rewrites(_gelu(variant, half_first), name)) == 1
+
+
+@pytest.mark.parametrize("act,attrs", [("Relu", {}), ("HardSigmoid", {"alpha": 0.3}), ("Tanh", {})])
+def test_activation_fusions(act, attrs):
+    assert_rewrites(_activation_after("Conv", act, **attrs), "conv-activation-fusion")
+    assert_rewrites(_activation_after("Gemm", act, **attrs), "gemm-activation-fusion")
+
+
+def test_gemm_round_trip_keeps_numbers():
+    from rlflow.rewrites import apply, rule
+
+    g = CASES["gemm-to-matmul-add"][0]()
+    unfused = assert_rewrites(g, "gemm-to-matmul-add")
+    assert unfused.op_counts() == {"Add": 1, "MatMul": 1}
+    assert apply(unfused, rule("matmul-add-to-gemm").find(unfused)[0]).op_counts() == {"Gemm": 1}
