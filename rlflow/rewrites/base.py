@@ -61,6 +61,11 @@ class NoMatch:
         return False
 
 
+def is_standard(node: gs.Node) -> bool:
+    """True for operators of the default ONNX domain: a custom-domain `Conv` is not a Conv, and rules leave it alone."""
+    return (node.domain or "") in ("", "ai.onnx")
+
+
 class RewriteError(RuntimeError):
     """A match could not be applied (stale, or from another graph)."""
 
@@ -121,7 +126,7 @@ class Rule:
 
     def _checks(self, graph: Graph) -> Iterable[Match | NoMatch]:
         for node in graph.gs.nodes:
-            if node.op in self.root_ops:
+            if node.op in self.root_ops and is_standard(node):
                 yield self.check(graph, node)
 
     def no(self, node: gs.Node, reason: str) -> NoMatch:

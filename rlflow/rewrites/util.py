@@ -46,8 +46,9 @@ def input_producer(node: gs.Node, index: int, op: str | Sequence[str] | None = N
     producer = Graph.producer(node.inputs[index])
     if producer is None:
         return None
-    if op is not None and producer.op not in ((op,) if isinstance(op, str) else tuple(op)):
-        return None
+    if op is not None and (producer.op not in ((op,) if isinstance(op, str) else tuple(op))
+                           or (producer.domain or "") not in ("", "ai.onnx")):
+        return None  # a custom-domain node named like a standard operator is not that operator
     return producer
 
 
