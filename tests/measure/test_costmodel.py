@@ -1,0 +1,166 @@
+"""The cost model: structural facts only (machines are shared and noisy), on small onnx.helper graphs."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from rlflow.graph import Graph
+from rlflow.measure.costmodel import CostModel, rankdata, spearman
+from rlflow.measure.session import SessionSettings
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph(list(nodes), "t", list(inputs), list(outputs), initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _weight(name, *shape, seed=0):
+    return numpy_helper.from_array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32), name)
+
+
+def _matmuls(count: int) -> Graph:
+    """`count` chained MatMuls with identical configurations: x[32,128] @ W[128,128] ..."""
+    nodes, weights, current = [], [], "x"
+    for i in range(count):
+        weights.append(_weight(f"W{i}", 128, 128, seed=i))
+        nodes.append(helper.make_node("MatMul", [current, f"W{i}"], [f"h{i}"], name=f"mm{i}"))
+        current = f"h{i}"
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 128])
+    y = helper.make_tensor_value_info(current, TensorProto.FLOAT, [32, 128])
+    return Graph.from_model(_model(nodes, [x], [y], weights))
+
+
+def _conv_bn_relu() -> Graph:
+    """Conv -> BatchNormalization -> Relu, plus a Transpose of a constant (folded by onnxruntime) feeding an Add."""
+    c = 8
+    inits = [_weight("w", c, 3, 3, 3), _weight("scale", c, seed=1), _weight("bias", c, seed=2),
+             _weight("mean", c, seed=3), numpy_helper.from_array(np.ones(c, np.float32), "var"),
+             _weight("k", 16, 16, c, 1, seed=4)]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["b"], name="bn"),
+        helper.make_node("Relu", ["b"], ["r"], name="relu"),
+        helper.make_node("Transpose", ["k"], ["kt"], name="const_t", perm=[2, 3, 0, 1]),
+        helper.make_node("Add", ["r", "kt"], ["y"], name="add"),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, 16, 16])
+    return Graph.from_model(_model(nodes, [x], [y], inits))
+
+
+def test_two_identical_matmuls_cost_twice_one(tmp_path):
+    model = CostModel(cache_dir=tmp_path)
+    one, two = model.graph_cost(_matmuls(1)), model.graph_cost(_matmuls(2))
+    assert one > 0 and math.isfinite(one)
+    assert two == pytest.approx(2 * one, rel=1e-9)  # the same configuration, measured once
+    assert model.stats.measured == 1
+
+
+def test_cache_hit_then_persisted_and_reloaded(tmp_path):
+    graph = _matmuls(2)
+    model = CostModel(cache_dir=tmp_path)
+    first = model.graph_cost(graph)
+    misses, measured = model.stats.misses, model.stats.measured
+    assert misses >= 1 and measured >= 1
+    assert model.graph_cost(graph) == first
+    assert (model.stats.misses, model.stats.measured) == (misses, measured)
+    assert model.stats.hits >= 2
+
+    model.save()
+    data = json.loads(model.path.read_text())
+    assert data["key"]["provider"] == "CPUExecutionProvider" and data["key"]["threads"] == 1
+    assert data["key"]["machine"] and data["key"]["onnxruntime"]
+    again = CostModel(cache_dir=tmp_path)
+    assert again.path == model.path
+    assert again.graph_cost(graph) == first
+    assert again.stats.misses == 0 and again.stats.measured == 0
+
+
+def test_other_settings_do_not_share_entries(tmp_path):
+    graph = _matmuls(1)
+    model = CostModel(cache_dir=tmp_path)
+    model.graph_cost(graph)
+    model.save()
+    other = CostModel(SessionSettings(threads=2), cache_dir=tmp_path)
+    assert other.path != model.path
+    assert len(other) == 0
+    other.graph_cost(graph)
+    assert other.stats.misses >= 1 and other.stats.hits == 0
+
+
+def test_fused_and_folded_nodes_cost_zero(tmp_path):
+    graph = _conv_bn_relu()
+    model = CostModel(cache_dir=tmp_path)
+    costs = model.node_costs(graph)
+    assert set(costs) == {n.name for n in graph.gs.nodes}
+    assert costs["conv"] > 0
+    assert costs["bn"] == 0 and costs["relu"] == 0  # onnxruntime fuses them into the convolution
+    assert costs["const_t"] == 0  # constant-folded
+    assert costs["add"] == 0  # a single-consumer elementwise epilogue of the same group
+    assert model.graph_cost(graph) == pytest.approx(sum(costs.values()))
+    assert all(math.isfinite(c) and c >= 0 for c in costs.values())
+
+
+def test_equivalent_fusions_share_one_measurement(tmp_path):
+    """Conv+BN and the Conv with BN folded in become the same onnxruntime kernel: one measurement, equal costs."""
+    from rlflow.rewrites import apply, find_matches
+
+    graph = _conv_bn_relu()
+    folded = [m for m in find_matches(graph) if m.rule == "conv-bn-fold"]
+    if not folded:
+        pytest.skip("no conv-bn-fold rule in this registry")
+    other = apply(graph, folded[0])
+    model = CostModel(cache_dir=tmp_path)
+    assert model.graph_cost(other) == model.graph_cost(graph)
+    assert model.stats.canonical_hits >= 1
+
+
+def test_costs_positive_and_finite_on_a_transformer(tmp_path, transformer_path):
+    import rlflow
+
+    graph = rlflow.load(transformer_path)
+    model = CostModel(cache_dir=tmp_path)
+    cost = model.graph_cost(graph)
+    assert cost > 0 and math.isfinite(cost)
+    costs = model.node_costs(graph)
+    assert sum(1 for c in costs.values() if c > 0) < len(costs)  # some nodes are fused or folded
+
+
+def test_rankdata_and_spearman_with_ties():
+    assert rankdata(np.array([10.0, 20.0, 20.0, 30.0])).tolist() == [1.0, 2.5, 2.5, 4.0]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    x, y = [1, 2, 2, 3], [1, 3, 2, 4]
+    rx, ry = rankdata(np.array(x)), rankdata(np.array(y))
+    assert spearman(x, y) == pytest.approx(np.corrcoef(rx, ry)[0, 1])
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+
+
+def test_check_command_writes_json_and_markdown(tmp_path):
+    from rlflow.measure import costmodel_check
+
+    path = tmp_path / "cnn.onnx"
+    graph = _conv_bn_relu()
+    graph.save(path)
+    out = tmp_path / "results" / "costmodel.json"
+    code = costmodel_check.main([str(path), "--out", str(out), "--sequences", "2", "--length", "2", "--rounds", "3",
+                                 "--cache-dir", str(tmp_path / "cache")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    result = report["models"]["cnn"]
+    assert result["graphs"] >= 1 and result["graphs_detail"][0]["sequence"] == []
+    assert "| cnn |" in out.with_suffix(".md").read_text()
+
+
+def test_significant_pairs():
+    from rlflow.measure.costmodel_check import significant_pairs
+
+    ratios = [(1.0, 1.0, 1.0), (1.2, 1.1, 1.3), (0.99, 0.95, 1.02)]
+    pairs, agree = significant_pairs([10.0, 8.0, 10.5], ratios)
+    assert pairs == 2 and agree == 1.0  # graph 1 is faster than 0 and 2; graph 0 vs 2 cannot be told apart
+    assert significant_pairs([10.0, 12.0, 10.5], ratios) == (2, 0.0)
