@@ -494,6 +494,8 @@ def _fix_input_dims(inputs: list[onnx.ValueInfoProto], given: dict[str, Sequence
             for _ in want:
                 ttype.shape.dim.add()
         dims = list(ttype.shape.dim)
+        if want is not None and any(int(d) <= 0 for d in want):
+            raise InputError(f"input shape for '{vi.name}' must have positive dimensions, not {tuple(want)}")
         if want is not None and len(want) != len(dims):
             raise InputError(f"--input-shape {vi.name} has {len(want)} dimensions; the model's input has {len(dims)}")
         shape = []

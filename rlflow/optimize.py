@@ -16,6 +16,7 @@ import onnx
 
 from rlflow.errors import InputError, ProviderError
 from rlflow.graph import Graph, load, save_model
+from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, create_session, resolve_provider
 from rlflow.measure.timing import Comparison, Ratio, compare
 from rlflow.measure.verify import Verification, verify
@@ -110,6 +111,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         raise InputError(f"unknown method '{method}': choose from {', '.join(METHODS)}")
     start = time.monotonic()
     graph = model if isinstance(model, Graph) else load(model, input_shapes)
+    check_fits(graph)
     settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
     input_model = graph.to_model(static=True)
     create_session(input_model, settings)  # the provider must run the input at all: ProviderError otherwise

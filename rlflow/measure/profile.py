@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 
 from rlflow.measure.inputs import random_inputs
-from rlflow.measure.session import SessionSettings, create_session
+from rlflow.measure.session import SessionSettings, create_session, ort_feeds
 
 
 @dataclass
@@ -30,10 +30,10 @@ def profile_nodes(model: onnx.ModelProto, settings: SessionSettings | None = Non
     settings = settings or SessionSettings()
     with tempfile.TemporaryDirectory(prefix="rlflow-profile-") as tmp:
         session = create_session(model, settings, profile_prefix=os.path.join(tmp, "profile"))
-        feeds = random_inputs(model, seed)
+        feeds = ort_feeds(random_inputs(model, seed))
         names = [o.name for o in session.get_outputs()]
         for _ in range(runs + 1):
-            session.run(names, feeds)
+            session.run_with_ort_values(names, feeds)
         events = json.loads(Path(session.end_profiling()).read_text())
     first_run = {}
     totals: dict[str, list] = {}

@@ -1,11 +1,15 @@
 """onnxruntime sessions with explicit settings, on a named or auto-detected execution provider."""
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping, Sequence
 
+import numpy as np
 import onnx
 
 from rlflow.errors import ProviderError
@@ -126,8 +130,39 @@ def _session_from_large_model(model: onnx.ModelProto, options, providers):
         return ort.InferenceSession(str(path), sess_options=options, providers=providers)
 
 
+def ort_feeds(feeds: Mapping[str, np.ndarray]) -> dict:
+    """Inputs as OrtValues: the only way to hand onnxruntime bfloat16 data from Python."""
+    ort = _ort()
+    values = {}
+    for name, array in feeds.items():
+        if str(array.dtype) == "bfloat16":
+            values[name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                np.ascontiguousarray(array).view(np.uint16), onnx.TensorProto.BFLOAT16)
+        else:
+            values[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
+    return values
+
+
+def run_session(session, output_names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Runs a session and returns numpy outputs, bfloat16 included (onnxruntime's own conversion refuses it)."""
+    outputs = session.run_with_ort_values(list(output_names), ort_feeds(feeds))
+    return [_to_numpy(value) for value in outputs]
+
+
+def _to_numpy(value) -> np.ndarray:
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    import ml_dtypes
+
+    shape = tuple(value.shape())
+    count = int(np.prod(shape)) if shape else 1
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr()) if count else []
+    return np.array(raw, dtype=np.uint16).view(ml_dtypes.bfloat16).reshape(shape)
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
-    # onnxruntime prefixes messages with "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : "
-    return line.split(" : ")[-1] if line.startswith("[ONNXRuntimeError]") else line
+    # onnxruntime prefixes messages with "[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : " and sometimes a C++ location
+    line = line.split(" : ")[-1] if line.startswith("[ONNXRuntimeError]") else line
+    return re.sub(r"^/\S+:\d+ .*?\) ", "", line)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from rlflow.measure.inputs import random_inputs
-from rlflow.measure.session import SessionSettings, create_session
+from rlflow.measure.session import SessionSettings, create_session, ort_feeds
 
 MIN_ROUND_SECONDS = 0.01
 """Each model runs enough times per round to take at least this long, so clock resolution never matters."""
@@ -90,15 +90,15 @@ class Runner:
         self.settings = settings
         self.session = create_session(model, settings)
         names = {i.name for i in self.session.get_inputs()}
-        self.feeds = {k: v for k, v in feeds.items() if k in names}
+        self.feeds = ort_feeds({k: v for k, v in feeds.items() if k in names})
         self.outputs = [o.name for o in self.session.get_outputs()]
         self._binding = None
         if settings.provider == "CUDAExecutionProvider":
             import onnxruntime as ort
 
             binding = self.session.io_binding()
-            for name, array in self.feeds.items():
-                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+            for name, value in self.feeds.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", 0))
             for name in self.outputs:
                 binding.bind_output(name, "cuda")
             self._binding = binding
@@ -108,7 +108,7 @@ class Runner:
             self.session.run_with_iobinding(self._binding)
             self._binding.synchronize_outputs()
         else:
-            self.session.run(self.outputs, self.feeds)
+            self.session.run_with_ort_values(self.outputs, self.feeds)
 
     def time(self, runs: int) -> float:
         """Seconds per run, averaged over `runs` back-to-back runs."""

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 
 from rlflow.measure.inputs import random_inputs
-from rlflow.measure.session import SessionSettings, create_session
+from rlflow.measure.session import SessionSettings, create_session, run_session
 
 FLOAT32_TOLERANCE = 1e-4
 HALF_TOLERANCE = 1e-2
@@ -82,8 +82,8 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
     for shape in shapes:
         for seed in seeds:
             feeds = random_inputs(reference, seed, shape)
-            expected = ref_session.run(ref_names, feeds)
-            actual = cand_session.run(ref_names, feeds)
+            expected = run_session(ref_session, ref_names, feeds)
+            actual = run_session(cand_session, ref_names, feeds)
             for name, a, b in zip(ref_names, expected, actual):
                 check = compare_arrays(name, np.asarray(a), np.asarray(b), tolerance)
                 if name not in worst or _worse(check, worst[name]):

@@ -10,6 +10,7 @@ import onnx
 
 from rlflow.errors import ProviderError
 from rlflow.graph import Graph
+from rlflow.measure.memory import candidates_that_fit
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Ratio, compare
 from rlflow.rewrites import RULES, Match, Rule, apply, find_matches
@@ -81,10 +82,11 @@ def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[s
 
 def measure_against(base: Graph, candidates: Sequence[Candidate], settings: SessionSettings, *, rounds: int,
                     seed: int, deadline: float | None = None, batch: int = 6) -> list[tuple[Candidate, Ratio]]:
-    """Speedup of each candidate over `base`, measured interleaved in batches.
+    """Speedup of each candidate over `base`, measured interleaved in batches (smaller where memory is short).
 
     A candidate that onnxruntime cannot run is dropped (logged), not fatal.  Stops starting batches after `deadline`.
     """
+    batch = candidates_that_fit(base, batch)
     base_model = base.to_model(static=True)
     out = []
     for i in range(0, len(candidates), batch):
