@@ -110,6 +110,7 @@ class _Group:
     members: list  # the non-static nodes (the ones that run)
     anchor: str
     key: str
+    shapes: "_Shapes"
 
 
 def machine_id() -> str:
@@ -266,6 +267,7 @@ class CostModel:
                 if (op in PROLOGUE and len(consumers) == 1 and consumers[0].op in MATMUL_LIKE
                         and (op == "Transpose" or _has_scalar_constant(node))):
                     union(index[id(consumers[0])], i)
+        shapes = _Shapes(graph)
         members: dict[int, list[int]] = {}
         for i in range(len(nodes)):
             if i not in static:
@@ -276,7 +278,8 @@ class CostModel:
             ancestors = _static_ancestors(run, static, index)
             ordered = [nodes[i] for i in sorted(set(ids) | ancestors)]
             anchor = next((n for n in run if n.op in HEAVY), run[0])
-            groups.append(_Group(ordered, run, anchor.name, _group_key(graph, ordered, {id(n) for n in ordered}, outputs)))
+            key = _group_key(shapes, ordered, {id(n) for n in ordered}, outputs)
+            groups.append(_Group(ordered, run, anchor.name, key, shapes))
         return groups
 
     # ------------------------------------------------------------------------------------------ measurement
@@ -476,7 +479,7 @@ def _attr_desc(value) -> str:
     return repr(value)
 
 
-def _group_key(graph: Graph, ordered: list, inside: set[int], outputs: set[int]) -> str:
+def _group_key(shapes: "_Shapes", ordered: list, inside: set[int], outputs: set[int]) -> str:
     """The configuration of a group: structure, attributes, shapes and dtypes; not names, not weight values."""
     local: dict[int, tuple] = {}
     externals: dict[int, int] = {}
@@ -493,7 +496,8 @@ def _group_key(graph: Graph, ordered: list, inside: set[int], outputs: set[int])
             else:
                 if id(tensor) not in externals:
                     externals[id(tensor)] = len(externals)
-                    parts.append(("in", str(tensor.dtype), graph.shape(tensor)))
+                    shape, dtype = shapes.get(tensor)
+                    parts.append(("in", str(dtype), shape))
                 operands.append(("x", externals[id(tensor)]))
         escapes = []
         for j, tensor in enumerate(node.outputs):
@@ -523,19 +527,19 @@ def _isolated_model(graph: Graph, group: _Group) -> onnx.ModelProto:
                     values = rng.uniform(0.5, 1.5, size=values.shape).astype(values.dtype)
                 initializers.append(numpy_helper.from_array(np.require(values, requirements="C"), tensor.name))
             else:
-                shape = graph.shape(tensor)
-                if shape is None or tensor.dtype is None:
+                shape, dtype = group.shapes.get(tensor)
+                if shape is None or dtype is None:
                     raise ValueError(f"tensor {tensor.name!r} has no static shape or dtype")
-                elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+                elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
                 inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(shape)))
         for tensor in node.outputs:
             produced.add(id(tensor))
     for node in group.members:
         for tensor in node.outputs:
             if tensor.name and (id(tensor) in graph_outputs or any(id(c) not in inside for c in tensor.outputs)):
-                outputs.append(_value_info(graph, tensor))
+                outputs.append(_value_info(group.shapes, tensor))
     if not outputs:  # a dead end (its results unused): keep its last outputs so nothing is pruned
-        outputs = [_value_info(graph, t) for t in group.members[-1].outputs if t.name]
+        outputs = [_value_info(group.shapes, t) for t in group.members[-1].outputs if t.name]
     nodes = [OnnxExporter.export_node(n) for n in group.nodes]
     domains = dict(graph.model_info["opset_import"])
     for node in group.nodes:
@@ -546,12 +550,106 @@ def _isolated_model(graph: Graph, group: _Group) -> onnx.ModelProto:
     return helper.make_model(body, opset_imports=opsets, ir_version=max_ir_version())
 
 
-def _value_info(graph: Graph, tensor) -> onnx.ValueInfoProto:
-    shape = graph.shape(tensor)
-    if tensor.dtype is None:
+def _value_info(shapes: "_Shapes", tensor) -> onnx.ValueInfoProto:
+    shape, dtype = shapes.get(tensor)
+    if dtype is None:
         return helper.make_empty_tensor_value_info(tensor.name)
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     return helper.make_tensor_value_info(tensor.name, elem, list(shape) if shape is not None else None)
+
+
+class _Shapes:
+    """Shapes and dtypes of a graph's tensors, completed where onnx shape inference stops at contrib operators."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._completed: dict | None = None
+
+    def get(self, tensor) -> tuple[tuple[int, ...] | None, object]:
+        shape, dtype = self.graph.shape(tensor), tensor.dtype
+        if (shape is None or dtype is None) and not isinstance(tensor, gs.Constant):
+            if self._completed is None:
+                self._completed = _complete_shapes(self.graph)
+            more_shape, more_dtype = self._completed.get(tensor.name, (None, None))
+            shape = shape if shape is not None else more_shape
+            dtype = dtype if dtype is not None else more_dtype
+        return shape, dtype
+
+
+def _standin(node: onnx.NodeProto, ranks: dict[str, int]) -> list[onnx.NodeProto]:
+    """Standard operators with the output shapes of an onnxruntime contrib operator, for onnx shape inference."""
+    op, ins, outs = node.op_type, list(node.input), list(node.output)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if op in ("Gelu", "FastGelu", "QuickGelu", "BiasGelu", "BiasSoftmax"):
+        present = [i for i in ins if i]
+        return [helper.make_node("Add" if len(present) > 1 else "Identity", present[:2], outs[:1])]
+    if op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization"):
+        nodes = [helper.make_node("Add", ins[:2], [outs[0]])]
+        nodes += [helper.make_node("Identity", [outs[0]], [o]) for o in outs[1:] if o]
+        return nodes
+    if op in ("FusedConv", "NhwcFusedConv"):
+        keep = {k: v for k, v in attrs.items() if not k.startswith("activation")}
+        return [helper.make_node("Conv", [i for i in ins[:3]], outs[:1], **keep)]
+    if op == "FusedGemm":
+        keep = {k: v for k, v in attrs.items() if k in ("alpha", "beta", "transA", "transB")}
+        return [helper.make_node("Gemm", ins[:3], outs[:1], **keep)]
+    if op == "FusedMatMul":
+        nodes, operands = [], []
+        for name, flag in ((ins[0], attrs.get("transA", 0)), (ins[1], attrs.get("transB", 0))):
+            rank = ranks.get(name)
+            if flag and rank and rank >= 2:
+                perm = list(range(rank - 2)) + [rank - 1, rank - 2]
+                nodes.append(helper.make_node("Transpose", [name], [name + "__t"], perm=perm))
+                name = name + "__t"
+            operands.append(name)
+        return nodes + [helper.make_node("MatMul", operands, outs[:1])]
+    return [node]
+
+
+def _complete_shapes(graph: Graph) -> dict[str, tuple]:
+    """Shapes and dtypes of every tensor, by onnx shape inference with contrib operators replaced by stand-ins."""
+    from onnx import shape_inference
+
+    inputs, initializers, ranks = [], [], {}
+    for tensor in graph.gs.inputs:
+        shape = graph.shape(tensor)
+        if shape is not None and tensor.dtype is not None:
+            inputs.append(helper.make_tensor_value_info(tensor.name, helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype)),
+                                                        list(shape)))
+    for tensor in graph.gs.tensors().values():
+        if isinstance(tensor, gs.Constant):
+            values = tensor.values
+            if values.size <= 1024:
+                initializers.append(numpy_helper.from_array(np.require(np.asarray(values), requirements="C"), tensor.name))
+            else:
+                inputs.append(helper.make_tensor_value_info(tensor.name, helper.np_dtype_to_tensor_dtype(values.dtype),
+                                                            list(values.shape)))
+        else:
+            shape = graph.shape(tensor)
+            if shape is not None:
+                ranks[tensor.name] = len(shape)
+    nodes = []
+    for node in graph.gs.nodes:
+        proto = OnnxExporter.export_node(node)
+        nodes.extend(_standin(proto, ranks) if node.domain == "com.microsoft" else [proto])
+    outputs = [helper.make_empty_tensor_value_info(t.name) for t in graph.gs.outputs]
+    body = helper.make_graph(nodes, "standin", inputs, outputs, initializer=initializers)
+    opsets = [helper.make_opsetid(d, v) for d, v in dict(graph.model_info["opset_import"]).items()]
+    model = helper.make_model(body, opset_imports=opsets, ir_version=max_ir_version())
+    try:
+        inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as exc:  # noqa: BLE001 - best effort
+        log.debug("cost model: shape completion failed (%s)", exc)
+        return {}
+    found = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        ttype = vi.type.tensor_type
+        if not ttype.elem_type or not ttype.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
+        if None not in dims:
+            found[vi.name] = (tuple(dims), helper.tensor_dtype_to_np_dtype(ttype.elem_type))
+    return found
 
 
 def _optimized_key(model: onnx.ModelProto) -> str:
