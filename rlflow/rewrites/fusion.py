@@ -11,8 +11,8 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (broadcast_shape, constant_input, emit, has_input, input_producer, int_list, is_float,
-                                  normalize_axis, perm_of, private, scalar)
+from rlflow.rewrites.util import (broadcast_shape, constant_input, dynamic_axes, emit, has_input, input_producer,
+                                  int_list, is_float, normalize_axis, perm_of, private, scalar)
 
 MS = "com.microsoft"
 
@@ -153,6 +153,9 @@ class LayerNormFusion(Rule):
         if axes is None or axes != _reduce_axes(var, rank) or axes != tuple(range(rank - len(axes), rank)):
             return "the means do not reduce the same trailing axes"
         normalized = shape[rank - len(axes):]
+        dynamic = dynamic_axes(graph, x)
+        if dynamic is None or any(dynamic[rank - len(axes):]):
+            return "a normalised axis is dynamic"
         for value in (gamma[1], beta[1]):
             if value.ndim > len(axes) or broadcast_shape(value.shape, normalized) != normalized:
                 return "gamma or beta vary along leading axes"

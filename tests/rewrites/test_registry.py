@@ -1,0 +1,68 @@
+"""The registry: names, categories, documentation, and the README example (which runs as written)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from rlflow.rewrites import CATEGORIES, REGISTRY_VERSION, RULES, match_counts, rule
+from rlflow.rewrites.base import registry_version
+
+from . import test_algebra, test_cleanup, test_fold, test_fusion, test_layout, test_merge
+from .helpers import graph, node
+
+README = Path(__file__).resolve().parents[2] / "rlflow" / "rewrites" / "README.md"
+
+
+def test_registry_shape():
+    names = [r.name for r in RULES]
+    assert len(names) == len(set(names)) >= 50
+    assert names[:2] == ["transpose-transpose", "conv-bn-fold"]  # the first published action ids
+    assert {r.category for r in RULES} == set(CATEGORIES)
+    assert REGISTRY_VERSION == registry_version(RULES)
+    assert all(r.description.startswith("Replaces ") and r.description.endswith(".") for r in RULES)
+
+
+def test_every_rule_has_a_case():
+    covered = set()
+    for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_layout, test_merge):
+        covered |= set(module.CASES)
+    assert covered == {r.name for r in RULES}
+
+
+def test_contrib_flag_matches_what_rules_emit():
+    contrib = {r.name for r in RULES if r.contrib}
+    assert contrib == {"skip-layernorm-fusion", "gelu-fusion", "fast-gelu-fusion", "conv-activation-fusion",
+                       "gemm-activation-fusion", "matmul-transpose-fusion"}
+
+
+def test_rule_lookup():
+    assert rule("conv-bn-fold") is RULES[1]
+    with pytest.raises(KeyError):
+        rule("no-such-rule")
+
+
+def test_match_counts_lists_every_rule():
+    g = graph([node("Identity", ["x"], "t"), node("Relu", ["t"])], {"x": [2, 3]})
+    counts = match_counts(g)
+    assert list(counts) == [r.name for r in RULES]
+    assert counts["identity-elim"] == 1 and sum(counts.values()) == 1
+
+
+def test_readme_lists_every_rule():
+    text = README.read_text()
+    for r in RULES:
+        assert f"| `{r.name}` | {r.category} |" in text, r.name
+
+
+def test_readme_example_runs():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for code in blocks:
+            exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+    assert "matmul-merge-siblings" in out.getvalue()
