@@ -1,0 +1,518 @@
+"""Model-free baseline: masked PPO on the real rewrite environment (CleanRL's ppo.py, adapted).
+
+One environment holds every training model and hands them out in turn, one episode each.  The policy is the
+candidate-scoring graph network of `rlflow.controller.policy`; invalid actions are masked out of the distribution.
+Everything the world-model agent is compared on is counted: real environment steps, end-to-end measurements and
+cost-model evaluations.
+
+At the end the greedy policy is evaluated on each model (and on held-out models it never trained on) against
+`rlflow.search.random_walk` with the same cost model; the policy's and the random walk's graphs are then measured
+end to end against the original, interleaved, in one `compare`.  Results go to `<out>/ppo.json` and the learning
+curve (mean episode return vs real steps) to `<out>/ppo-learning-curve.png`; metrics (`charts/`, `losses/`, `eval/`)
+and checkpoints go to `<run_dir>`.
+
+    python -m rlflow.controller.ppo --models squeezenet-1.1-tiny,resnet-18-tiny --total-steps 4000 --out docs/results
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("rlflow")
+
+DEFAULT_MODELS = ("squeezenet-1.1-tiny", "resnet-18-tiny", "resnet-50-tiny", "resnext-50-32x4d-tiny",
+                  "inception-v3-tiny", "mobilenet-v2-tiny", "densenet-121-tiny", "nasrnn-tiny", "bert-base-tiny",
+                  "vit-b-16-tiny", "gpt2-small-tiny")
+"""The -tiny zoo models the acceptance run trains on (nasnet-a-mobile-tiny is left out: the cost model cannot
+measure some of its groups and counts them as 0, which a learner would exploit)."""
+
+
+@dataclass
+class Config:
+    """Settings of a PPO run (CleanRL's names where CleanRL has one).
+
+    Attributes:
+        models: zoo model names (built into `zoo_dir` when needed) or paths of .onnx files; trained in turn.
+        holdout: models evaluated at the end but never trained on (generalisation check).
+        total_steps: real environment steps of training.
+        num_steps: steps per rollout (one PPO update each).
+        learning_rate: Adam learning rate (X-RLflow: 5e-4).
+        anneal_lr: decay the learning rate linearly to 0.
+        gamma: discount (X-RLflow: 0.99).
+        gae_lambda: GAE lambda (X-RLflow: 0.95).
+        num_minibatches: minibatches per epoch.
+        update_epochs: epochs over each rollout.
+        norm_adv: normalise advantages per minibatch.
+        clip_coef: PPO clip (X-RLflow: 0.2).
+        clip_vloss: clip the value loss too.
+        ent_coef: entropy bonus.
+        vf_coef: value loss weight.
+        max_grad_norm: gradient clipping.
+        target_kl: stop an update's epochs early beyond this approximate KL (None: never).
+        hidden: width of the graph network and heads.
+        rounds: message-passing rounds.
+        max_episode_steps: episode step limit (truncation).
+        max_nodes: observation node cap.
+        max_edges: observation edge cap.
+        max_candidates: candidate cap (actions = this + terminate).
+        reward: "cost" (cost model, every step) or "measure" (end-to-end every `measure_every` steps and at the end).
+        measure_every: steps between measurements with reward="measure".
+        seed: seeds torch, numpy, random and the environment.
+        threads: torch threads (1: polite on shared machines).
+        out: folder of ppo.json and the learning-curve PNG.
+        run_dir: folder of metrics CSVs and checkpoints.
+        zoo_dir: where zoo models are built (default: the zoo cache).
+        checkpoint_every: updates between checkpoints (and one at the end).
+        time_limit: seconds of training at most (None: until total_steps).
+        evaluate: run the final evaluation.
+        eval_walks: random-walk restarts of the baseline.
+        eval_rounds: interleaved rounds of the final end-to-end comparison.
+        eval_time_limit: seconds per model for the random-walk baseline.
+        baseline_episodes: uniformly random episodes per model at the start (the curve's reference line).
+    """
+
+    models: tuple[str, ...] = DEFAULT_MODELS
+    holdout: tuple[str, ...] = ("demo-block",)
+    total_steps: int = 12_000
+    num_steps: int = 256
+    learning_rate: float = 5e-4
+    anneal_lr: bool = True
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    num_minibatches: int = 8
+    update_epochs: int = 4
+    norm_adv: bool = True
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5
+    target_kl: float | None = None
+    hidden: int = 64
+    rounds: int = 3
+    max_episode_steps: int = 25
+    max_nodes: int = 512
+    max_edges: int = 1024
+    max_candidates: int = 256
+    reward: str = "cost"
+    measure_every: int = 5
+    seed: int = 0
+    threads: int = 1
+    out: str = "docs/results"
+    run_dir: str = "build/ppo"
+    zoo_dir: str | None = None
+    checkpoint_every: int = 10
+    time_limit: float | None = None
+    evaluate: bool = True
+    eval_walks: int = 20
+    eval_rounds: int = 15
+    eval_time_limit: float = 60.0
+    baseline_episodes: int = 3
+
+
+class CsvWriter:
+    """TensorBoard's `add_scalar` into a CSV file (tag, step, value, seconds): no TensorBoard dependency."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", newline="")
+        self._csv = csv.writer(self._file)
+        self._csv.writerow(["tag", "step", "value", "seconds"])
+        self._start = time.monotonic()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._csv.writerow([tag, step, f"{float(value):.6g}", f"{time.monotonic() - self._start:.1f}"])
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def resolve_models(names: typing.Sequence[str], zoo_dir: str | None) -> list[Path]:
+    """Paths of the models: .onnx paths as given, zoo names built (skipped when up to date) into `zoo_dir`."""
+    from rlflow import zoo
+
+    out = []
+    for name in names:
+        if name.endswith(".onnx") or os.sep in name:
+            out.append(Path(name))
+        else:
+            out.append(Path(zoo.build(name, zoo_dir or zoo.default_cache_dir()).path))
+    return out
+
+
+def make_env(paths: typing.Sequence[Path], config: Config, cost_model):
+    """The training (or evaluation) environment over `paths`."""
+    from rlflow.env import RewriteEnv
+
+    return RewriteEnv([str(p) for p in paths], reward=config.reward, cost_model=cost_model,
+                      measure_every=config.measure_every, max_episode_steps=config.max_episode_steps,
+                      max_nodes=config.max_nodes, max_edges=config.max_edges, max_candidates=config.max_candidates)
+
+
+def random_episodes(env, episodes: int, rng: np.random.Generator) -> list[float]:
+    """Returns of uniformly random valid actions (terminate included), `episodes` per model of `env`."""
+    returns = []
+    for _ in range(episodes):
+        for index in range(len(env.models)):
+            _, info = env.reset(options={"model": index})
+            total, done = 0.0, False
+            while not done:
+                action = int(rng.choice(np.flatnonzero(info["action_mask"])))
+                _, reward, terminated, truncated, info = env.step(action)
+                total += reward
+                done = terminated or truncated
+            returns.append(total)
+    return returns
+
+
+def rollout_greedy(policy, env, index: int):
+    """One greedy episode on model `index`: (final graph, applied rewrites, return, steps)."""
+    import torch
+
+    from rlflow.controller.policy import obs_to_torch
+
+    obs, info = env.reset(options={"model": index})
+    total, done = 0.0, False
+    while not done:
+        with torch.no_grad():
+            action, *_ = policy.get_action_and_value(obs_to_torch(obs), greedy=True)
+        obs, reward, terminated, truncated, info = env.step(int(action.item()))
+        total += reward
+        done = terminated or truncated
+    return env.graph, list(env.applied), total, info["episode_steps"]
+
+
+def evaluate(policy, paths: typing.Sequence[Path], config: Config, cost_model, writer: CsvWriter | None,
+             step: int, heldout: typing.Sequence[bool]) -> list[dict]:
+    """Greedy policy vs random walk on each model: cost-model estimates and one interleaved end-to-end comparison."""
+    from rlflow.measure.timing import compare
+    from rlflow.search import RandomConfig, random_walk
+
+    env = make_env(paths, config, cost_model)
+    rows = []
+    for index, path in enumerate(paths):
+        start = time.monotonic()
+        graph, applied, ret, steps = rollout_greedy(policy, env, index)
+        policy_seconds = time.monotonic() - start
+        original = env._load(index)
+        start = time.monotonic()
+        walk = random_walk(original, env.settings, RandomConfig(walks=config.eval_walks,
+                                                                length=config.max_episode_steps,
+                                                                time_limit=config.eval_time_limit, seed=config.seed),
+                           cost_model=cost_model)
+        walk_seconds = time.monotonic() - start
+        base_cost = cost_model.graph_cost(original)
+        policy_cost, walk_cost = cost_model.graph_cost(graph), cost_model.graph_cost(walk.graph)
+        comparison = compare([original.to_model(static=True), graph.to_model(static=True),
+                              walk.graph.to_model(static=True)], env.settings, rounds=config.eval_rounds,
+                             seed=config.seed, labels=["original", "policy", "random-walk"])
+        p_ratio, w_ratio = comparison.ratios[1], comparison.ratios[2]
+        same = graph.fingerprint() == walk.graph.fingerprint()
+        if same:
+            outcome = "tie"
+        else:
+            outcome = "win" if p_ratio.median > w_ratio.median else "loss"
+        row = {
+            "model": env.model_name(index),
+            "heldout": bool(heldout[index]),
+            "nodes": len(original),
+            "policy": {"applied": [str(m) for m in applied], "return": ret, "steps": steps,
+                       "estimated_speedup": base_cost / policy_cost, "measured": p_ratio.as_dict(),
+                       "seconds": policy_seconds, "cost_evaluations": steps + 1},
+            "random_walk": {"applied": [str(m) for m in walk.applied], "estimated_speedup": base_cost / walk_cost,
+                            "measured": w_ratio.as_dict(), "seconds": walk_seconds,
+                            "cost_evaluations": walk.candidates_estimated,
+                            "measured_candidates": walk.candidates_measured, "stop_reason": walk.stop_reason},
+            "same_graph": same,
+            "outcome": outcome,
+            "original_ms": comparison.timings[0].median_ms,
+        }
+        rows.append(row)
+        if writer is not None:
+            writer.add_scalar(f"eval/{row['model']}/policy_speedup", p_ratio.median, step)
+            writer.add_scalar(f"eval/{row['model']}/random_walk_speedup", w_ratio.median, step)
+        print(f"  {row['model']:<24} policy {p_ratio.median:.3f}x (est {base_cost / policy_cost:.3f}x, "
+              f"{len(applied)} rewrites)  random walk {w_ratio.median:.3f}x (est {base_cost / walk_cost:.3f}x, "
+              f"{len(walk.applied)} rewrites)  -> {outcome}{'  [held out]' if heldout[index] else ''}", flush=True)
+    return rows
+
+
+def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: str) -> None:
+    """Mean episode return (rolling over one pass through the models) against real environment steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if episodes:
+        steps = np.array([e["real_steps"] for e in episodes])
+        returns = np.array([e["return"] for e in episodes])
+        window = max(1, min(len(returns), 3 * len({e["model"] for e in episodes})))
+        kernel = np.ones(window) / window
+        smooth = np.convolve(returns, kernel, mode="valid")
+        ax.plot(steps, returns, ".", alpha=0.15, color="tab:blue", label="episode return")
+        ax.plot(steps[window - 1:], smooth, color="tab:blue", label=f"mean of last {window} episodes")
+    if baseline is not None:
+        ax.axhline(baseline, color="tab:red", ls="--", label="uniformly random policy")
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.set_xlabel("real environment steps")
+    ax.set_ylabel("episode return (% of initial estimated runtime saved)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(config: Config) -> dict:
+    """Trains, evaluates and writes the results; returns what ppo.json holds."""
+    import torch
+    from torch import nn, optim
+
+    from rlflow.controller.policy import CandidatePolicy, obs_to_torch, save_checkpoint
+    from rlflow.measure.costmodel import CostModel
+    from rlflow.rewrites import REGISTRY_VERSION, RULES
+
+    wall_start = time.monotonic()
+    torch.set_num_threads(config.threads)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    out, run_dir = Path(config.out), Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writer = CsvWriter(run_dir / "metrics.csv")
+
+    paths = resolve_models(config.models, config.zoo_dir)
+    cost_model = CostModel()
+    env = make_env(paths, config, cost_model)
+    rng = np.random.default_rng(config.seed)
+    baseline_returns = random_episodes(env, config.baseline_episodes, rng) if config.baseline_episodes else []
+    baseline = float(np.mean(baseline_returns)) if baseline_returns else None
+    if baseline is not None:
+        print(f"uniformly random policy: mean return {baseline:.2f} over {len(baseline_returns)} episodes", flush=True)
+
+    policy = CandidatePolicy(len(RULES), config.hidden, config.rounds)
+    optimizer = optim.Adam(policy.parameters(), lr=config.learning_rate, eps=1e-5)
+    num_updates = max(1, config.total_steps // config.num_steps)
+    minibatch = max(1, config.num_steps // config.num_minibatches)
+
+    space = env.observation_space
+    buffers = {key: np.zeros((config.num_steps, *sub.shape), sub.dtype) for key, sub in space.spaces.items()}
+    actions = torch.zeros(config.num_steps, dtype=torch.long)
+    logprobs = torch.zeros(config.num_steps)
+    rewards = torch.zeros(config.num_steps)
+    dones = torch.zeros(config.num_steps)
+    values = torch.zeros(config.num_steps)
+
+    # the random episodes above are real steps too, but not training: the counters restart here
+    next_obs, info = env.reset(seed=config.seed)
+    next_done = 0.0
+    episodes: list[dict] = []
+    episode_return, global_step = 0.0, 0
+    stop_reason = "total steps"
+    print(f"training on {len(paths)} models, {num_updates} updates of {config.num_steps} steps, "
+          f"{len(RULES)} rules", flush=True)
+    update = 0
+    for update in range(1, num_updates + 1):
+        if config.time_limit is not None and time.monotonic() - wall_start > config.time_limit:
+            stop_reason = "time limit"
+            break
+        if config.anneal_lr:
+            optimizer.param_groups[0]["lr"] = (1.0 - (update - 1.0) / num_updates) * config.learning_rate
+        for t in range(config.num_steps):
+            global_step += 1
+            for key in buffers:
+                buffers[key][t] = next_obs[key]
+            dones[t] = next_done
+            with torch.no_grad():
+                action, logprob, _, value = policy.get_action_and_value(obs_to_torch(next_obs))
+            actions[t], logprobs[t], values[t] = action, logprob, value
+            next_obs, reward, terminated, truncated, info = env.step(int(action.item()))
+            episode_return += reward
+            if truncated and not terminated:  # bootstrap through the time limit: the episode did not really end
+                with torch.no_grad():
+                    reward += config.gamma * float(policy.get_value(obs_to_torch(next_obs)).item())
+            rewards[t] = reward
+            next_done = float(terminated or truncated)
+            if next_done:
+                episodes.append({"real_steps": info["real_steps"], "model": info["model"], "return": episode_return,
+                                 "length": info["episode_steps"], "speedup": info["speedup"]})
+                writer.add_scalar("charts/episodic_return", episode_return, info["real_steps"])
+                writer.add_scalar("charts/episodic_length", info["episode_steps"], info["real_steps"])
+                writer.add_scalar(f"charts/speedup/{info['model']}", info["speedup"], info["real_steps"])
+                episode_return = 0.0
+                next_obs, info = env.reset()
+
+        with torch.no_grad():
+            next_value = policy.get_value(obs_to_torch(next_obs)).item()
+            advantages = torch.zeros(config.num_steps)
+            last = 0.0
+            for t in reversed(range(config.num_steps)):
+                if t == config.num_steps - 1:
+                    nonterminal, following = 1.0 - next_done, next_value
+                else:
+                    nonterminal, following = 1.0 - float(dones[t + 1]), float(values[t + 1])
+                delta = rewards[t] + config.gamma * following * nonterminal - values[t]
+                last = delta + config.gamma * config.gae_lambda * nonterminal * last
+                advantages[t] = last
+            returns = advantages + values
+
+        batch = {key: torch.as_tensor(value) for key, value in buffers.items()}
+        indices = np.arange(config.num_steps)
+        clipfracs = []
+        for _ in range(config.update_epochs):
+            rng.shuffle(indices)
+            for begin in range(0, config.num_steps, minibatch):
+                mb = torch.as_tensor(indices[begin: begin + minibatch])
+                _, newlogprob, entropy, newvalue = policy.get_action_and_value(
+                    {key: value[mb] for key, value in batch.items()}, actions[mb])
+                logratio = newlogprob - logprobs[mb]
+                ratio = logratio.exp()
+                with torch.no_grad():
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs.append(((ratio - 1.0).abs() > config.clip_coef).float().mean().item())
+                mb_adv = advantages[mb]
+                if config.norm_adv and len(mb) > 1:
+                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                pg_loss = torch.max(-mb_adv * ratio,
+                                    -mb_adv * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
+                if config.clip_vloss:
+                    v_unclipped = (newvalue - returns[mb]) ** 2
+                    v_clipped = values[mb] + torch.clamp(newvalue - values[mb], -config.clip_coef, config.clip_coef)
+                    v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns[mb]) ** 2).mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - returns[mb]) ** 2).mean()
+                entropy_loss = entropy.mean()
+                loss = pg_loss - config.ent_coef * entropy_loss + config.vf_coef * v_loss
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+                optimizer.step()
+            if config.target_kl is not None and approx_kl > config.target_kl:
+                break
+
+        y_pred, y_true = values.numpy(), returns.numpy()
+        var_y = np.var(y_true)
+        explained = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+        real = env.real_steps
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], real)
+        writer.add_scalar("charts/real_steps", real, real)
+        writer.add_scalar("charts/measurements", env.measurements, real)
+        writer.add_scalar("losses/value_loss", v_loss.item(), real)
+        writer.add_scalar("losses/policy_loss", pg_loss.item(), real)
+        writer.add_scalar("losses/entropy", entropy_loss.item(), real)
+        writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), real)
+        writer.add_scalar("losses/approx_kl", approx_kl.item(), real)
+        writer.add_scalar("losses/clipfrac", float(np.mean(clipfracs)), real)
+        writer.add_scalar("losses/explained_variance", explained, real)
+        recent = [e["return"] for e in episodes[-3 * len(paths):]]
+        elapsed = time.monotonic() - wall_start
+        print(f"update {update}/{num_updates}  real steps {real}  episodes {len(episodes)}  "
+              f"mean return {np.mean(recent) if recent else float('nan'):+.2f}  entropy {entropy_loss.item():.2f}  "
+              f"{elapsed:.0f}s", flush=True)
+        if update % config.checkpoint_every == 0:
+            save_checkpoint(run_dir / "ppo.pt", policy, optimizer, asdict(config), real_steps=real, update=update)
+        cost_model.save()
+
+    train_seconds = time.monotonic() - wall_start
+    checkpoint = save_checkpoint(run_dir / "ppo.pt", policy, optimizer, asdict(config), real_steps=env.real_steps,
+                                 update=update)
+    cost_model.save()
+    result = {
+        "algo": "ppo",
+        "config": asdict(config),
+        "registry_version": REGISTRY_VERSION,
+        "rules": len(RULES),
+        "train": {
+            "real_steps": env.real_steps,
+            "measurements": env.measurements,
+            "cost_evaluations": env.cost_evaluations,
+            "episodes": len(episodes),
+            "seconds": train_seconds,
+            "stop_reason": stop_reason,
+            "random_policy_mean_return": baseline,
+            "final_mean_return": float(np.mean([e["return"] for e in episodes[-3 * len(paths):]])) if episodes else None,
+            "checkpoint": str(checkpoint),
+        },
+        "curve": [{k: e[k] for k in ("real_steps", "model", "return")} for e in episodes],
+    }
+    if config.evaluate:
+        print("evaluation: greedy policy vs random walk (same cost model), measured end to end", flush=True)
+        policy.eval()
+        eval_paths = list(paths) + resolve_models(config.holdout, config.zoo_dir)
+        heldout = [False] * len(paths) + [True] * len(config.holdout)
+        rows = evaluate(policy, eval_paths, config, cost_model, writer, env.real_steps, heldout)
+        trained = [r for r in rows if not r["heldout"]]
+        result["eval"] = rows
+        result["summary"] = {
+            outcome: sum(r["outcome"] == outcome for r in trained) for outcome in ("win", "tie", "loss")
+        } | {
+            "models": len(trained),
+            "policy_mean_speedup": float(np.mean([r["policy"]["measured"]["median"] for r in trained])),
+            "random_walk_mean_speedup": float(np.mean([r["random_walk"]["measured"]["median"] for r in trained])),
+            "policy_mean_estimated_speedup": float(np.mean([r["policy"]["estimated_speedup"] for r in trained])),
+            "random_walk_mean_estimated_speedup": float(np.mean([r["random_walk"]["estimated_speedup"]
+                                                                 for r in trained])),
+        }
+        print(f"trained models: {result['summary']}", flush=True)
+    cost_model.save()
+    result["wall_seconds"] = time.monotonic() - wall_start
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ppo.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    plot_curve(episodes, baseline, out / "ppo-learning-curve.png",
+               f"masked PPO on {len(paths)} -tiny zoo models, cost-model reward ({len(RULES)} rules)")
+    writer.close()
+    print(f"wrote {out / 'ppo.json'} and {out / 'ppo-learning-curve.png'} in {result['wall_seconds']:.0f}s", flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------- command line
+def _field_type(f: dataclasses.Field):
+    hints = typing.get_type_hints(Config)
+    return hints[f.name]
+
+
+def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
+    """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
+    parser = argparse.ArgumentParser(prog="python -m rlflow.controller.ppo", description=__doc__.split("\n")[0])
+    defaults = Config()
+    for f in dataclasses.fields(Config):
+        kind = _field_type(f)
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif typing.get_origin(kind) is tuple:
+            parser.add_argument(flag, default=",".join(default), help=f"comma-separated (default: {','.join(default)})")
+        else:
+            args = typing.get_args(kind)
+            base = next((a for a in args if a is not type(None)), kind) if args else kind
+            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
+    ns = parser.parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(Config):
+        value = getattr(ns, f.name)
+        if typing.get_origin(_field_type(f)) is tuple and isinstance(value, str):
+            value = tuple(v for v in value.split(",") if v)
+        values[f.name] = value
+    return Config(**values)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    main(parse_args(sys.argv[1:]))
