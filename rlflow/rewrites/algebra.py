@@ -8,14 +8,11 @@ from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, broadcast_shape, clone_node, combine,
                                   constant_input, dynamic_axes, emit, input_producer, is_float, matmul_flops,
-                                  matmul_result, matmul_shapes, perm_of, private, same_op, split_sizes, to_rank)
+                                  matmul_result, matmul_shapes, perm_of, private, private_producer, same_op,
+                                  split_sizes, to_rank)
 
 _LAYOUT = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 
-
-def _private_producer(graph: Graph, node: gs.Node, index: int, op) -> gs.Node | None:
-    producer = input_producer(node, index, op)
-    return producer if producer is not None and private(graph, producer.outputs[0]) else None
 
 
 class MatMulAssoc(Rule):
@@ -28,7 +25,7 @@ class MatMulAssoc(Rule):
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         found = False
         for side in (0, 1):
-            inner = _private_producer(graph, node, side, "MatMul")
+            inner = private_producer(graph, node, side, "MatMul")
             if inner is None:
                 continue
             found = True
@@ -70,7 +67,7 @@ class MatMulConstChainFold(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         for side in (0, 1):
-            inner = _private_producer(graph, node, side, "MatMul")
+            inner = private_producer(graph, node, side, "MatMul")
             if inner is None or constant_input(node, 1 - side) is None or constant_input(inner, 1 - side) is None:
                 continue
             b, c = constant_input(inner, 1 - side), constant_input(node, 1 - side)
@@ -99,7 +96,7 @@ class _MatMulFactor(Rule):
     shared: int = 0
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        left, right = (_private_producer(graph, node, i, "MatMul") for i in (0, 1))
+        left, right = (private_producer(graph, node, i, "MatMul") for i in (0, 1))
         if left is None or right is None or left is right:
             return self.no(node, "the Add's inputs are not two private MatMuls")
         if left.inputs[self.shared] is not right.inputs[self.shared]:
@@ -145,7 +142,7 @@ class MulFactor(Rule):
     root_ops = ("Add",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        left, right = (_private_producer(graph, node, i, "Mul") for i in (0, 1))
+        left, right = (private_producer(graph, node, i, "Mul") for i in (0, 1))
         if left is None or right is None or left is right:
             return self.no(node, "the Add's inputs are not two private Muls")
         if not is_float(node.outputs[0]):
@@ -195,7 +192,7 @@ class TransposeMatMul(Rule):
     root_ops = ("Transpose",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        matmul = _private_producer(graph, node, 0, "MatMul")
+        matmul = private_producer(graph, node, 0, "MatMul")
         if matmul is None:
             return self.no(node, "input is not a private MatMul")
         shapes = matmul_shapes(graph, matmul)
@@ -228,7 +225,7 @@ class MatMulTransposeFactor(Rule):
         if shapes is None or len(shapes[0]) != len(shapes[1]):
             return self.no(node, "operands of different or unknown ranks")
         rank = len(shapes[0])
-        ts = [_private_producer(graph, node, i, "Transpose") for i in (0, 1)]
+        ts = [private_producer(graph, node, i, "Transpose") for i in (0, 1)]
         if any(t is None or not _swaps_last_two(perm_of(t, rank)) for t in ts) or ts[0] is ts[1]:
             return self.no(node, "the operands are not both private transposes of their last two axes")
         return self.match([node, *ts])
@@ -241,6 +238,12 @@ class MatMulTransposeFactor(Rule):
                                                  {"perm": [*range(rank - 2), rank - 1, rank - 2]}))
 
 
+def _concat_producers(graph: Graph, node: gs.Node, ops) -> list[gs.Node] | None:
+    """The private producers of every input of a Concat of two or more, when all are among `ops`."""
+    producers = [private_producer(graph, node, i, tuple(ops)) for i in range(len(node.inputs))]
+    return producers if len(producers) >= 2 and all(p is not None for p in producers) else None
+
+
 class ConcatUnaryCommute(Rule):
     """Replaces `Concat(f(a), f(b), ...)` with `f(Concat(a, b, ...))` for an elementwise f."""
 
@@ -249,8 +252,8 @@ class ConcatUnaryCommute(Rule):
     root_ops = ("Concat",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        producers = [_private_producer(graph, node, i, tuple(UNARY_ELEMENTWISE)) for i in range(len(node.inputs))]
-        if len(producers) < 2 or any(p is None for p in producers):
+        producers = _concat_producers(graph, node, UNARY_ELEMENTWISE)
+        if producers is None:
             return self.no(node, "not every input is a private elementwise operator")
         if not all(same_op(p, producers[0]) and len(p.inputs) == 1 for p in producers):
             return self.no(node, "the inputs come from different operators or attributes")
@@ -273,8 +276,8 @@ class ConcatBinaryCommute(Rule):
     root_ops = ("Concat",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        producers = [_private_producer(graph, node, i, tuple(BINARY_ELEMENTWISE)) for i in range(len(node.inputs))]
-        if len(producers) < 2 or any(p is None for p in producers):
+        producers = _concat_producers(graph, node, BINARY_ELEMENTWISE)
+        if producers is None:
             return self.no(node, "not every input is a private elementwise binary operator")
         if not all(same_op(p, producers[0]) for p in producers):
             return self.no(node, "the inputs come from different operators")
@@ -404,7 +407,7 @@ class ScalarMulHoist(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         for side in ((1, 0) if node.op == "Mul" else (1,)):
-            matmul = _private_producer(graph, node, 1 - side, "MatMul")
+            matmul = private_producer(graph, node, 1 - side, "MatMul")
             if matmul is None or _scalar_operand(graph, node, side) is None:
                 continue
             sizes = [graph.shape(t) for t in matmul.inputs]
@@ -439,7 +442,7 @@ class ScalarMulThroughLayout(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         for side in ((1, 0) if node.op == "Mul" else (1,)):
-            layout = _private_producer(graph, node, 1 - side, _LAYOUT)
+            layout = private_producer(graph, node, 1 - side, _LAYOUT)
             if layout is not None and _scalar_operand(graph, node, side) is not None:
                 return self.match([node, layout], side=side)
         return self.no(node, "not a private layout operator scaled by a scalar constant")
@@ -462,7 +465,7 @@ class MulAddDistribute(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         for side in ((1, 0) if node.op == "Mul" else (1,)):
-            add = _private_producer(graph, node, 1 - side, "Add")
+            add = private_producer(graph, node, 1 - side, "Add")
             if add is None or constant_input(node, side) is None:
                 continue
             if not is_float(node.outputs[0]):

@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (DETERMINISTIC_OPS, attrs_key, bypass, constant_input, dynamic_axes, has_input,
-                                  input_producer, int_list, normalize_axis, np_dtype, onnx_dtype_to_np, scalar)
+                                  input_producer, int_list, normalize_axis, np_dtype, onnx_dtype_to_np, replace_all, scalar)
 
 _BIG = 2 ** 31 - 1
 
@@ -341,9 +341,7 @@ class DuplicateNodeElim(Rule):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, twin = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        for old, new in zip(list(node.outputs), list(twin.outputs)):
-            if old.outputs or graph.is_output(old):
-                graph.replace_uses(old, new)
+        replace_all(graph, node.outputs, twin.outputs)
 
 
 RULES = (IdentityElim(), DropoutElim(), MulOneElim(), AddZeroElim(), SubZeroElim(), DivOneElim(), CastNoopElim(),

@@ -12,7 +12,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from rlflow.graph import Graph, max_ir_version
 from rlflow.rewrites.base import Match, NoMatch, Rule, RewriteError
 from rlflow.rewrites.util import (DETERMINISTIC_OPS, broadcast_shape, combine, constant_input, conv_weights, emit,
-                                  has_input, input_producer, is_float, per_channel, private)
+                                  has_input, input_producer, is_float, per_channel, private, replace_all)
 
 log = logging.getLogger("rlflow")
 
@@ -322,9 +322,7 @@ class ConstantFold(Rule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         values = evaluate(graph, node)
-        for out, value in zip(list(node.outputs), values):
-            if out.outputs or graph.is_output(out):
-                graph.replace_uses(out, graph.add_constant(value, f"{out.name}_folded"))
+        replace_all(graph, node.outputs, [graph.add_constant(v, f"{t.name}_folded") for t, v in zip(node.outputs, values)])
 
 
 def evaluate(graph: Graph, node: gs.Node) -> list[np.ndarray]:

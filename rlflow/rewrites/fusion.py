@@ -12,14 +12,10 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (broadcast_shape, constant_input, dynamic_axes, emit, has_input, input_producer,
-                                  int_list, is_float, normalize_axis, perm_of, private, scalar)
+                                  int_list, is_float, normalize_axis, perm_of, private, private_producer, scalar)
 
 MS = "com.microsoft"
 
-
-def _private_producer(graph: Graph, node: gs.Node, index: int, op) -> gs.Node | None:
-    producer = input_producer(node, index, op)
-    return producer if producer is not None and private(graph, producer.outputs[0]) else None
 
 
 class MatMulAddToGemm(Rule):
@@ -31,7 +27,7 @@ class MatMulAddToGemm(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         for side in (0, 1):
-            matmul = _private_producer(graph, node, side, "MatMul")
+            matmul = private_producer(graph, node, side, "MatMul")
             if matmul is None:
                 continue
             a, b, c = (graph.shape(t) for t in (*matmul.inputs, node.inputs[1 - side]))
@@ -118,25 +114,25 @@ class LayerNormFusion(Rule):
 
     def _pattern(self, graph: Graph, node: gs.Node):
         """The pattern's nodes and values, or a reason string."""
-        mul = next((p for i in (0, 1) if (p := _private_producer(graph, node, i, "Mul")) is not None), None)
+        mul = next((p for i in (0, 1) if (p := private_producer(graph, node, i, "Mul")) is not None), None)
         if mul is None:
             return "not an Add of a Mul (the scale) and a bias"
         beta = _operand(node, mul.outputs[0])
-        div = next((p for i in (0, 1) if (p := _private_producer(graph, mul, i, "Div")) is not None), None)
+        div = next((p for i in (0, 1) if (p := private_producer(graph, mul, i, "Div")) is not None), None)
         if div is None or beta is None or beta[1] is None:
             return "not a scaled and shifted Div"
         gamma = _operand(mul, div.outputs[0])
-        sub, sqrt = input_producer(div, 0, "Sub"), _private_producer(graph, div, 1, "Sqrt")
+        sub, sqrt = input_producer(div, 0, "Sub"), private_producer(graph, div, 1, "Sqrt")
         if gamma is None or gamma[1] is None or sub is None or sqrt is None:
             return "the normalisation is not (x - mean) / sqrt(...)"
-        add_eps = _private_producer(graph, sqrt, 0, "Add")
+        add_eps = private_producer(graph, sqrt, 0, "Add")
         var = next((p for i in (0, 1) if add_eps is not None and
-                    (p := _private_producer(graph, add_eps, i, "ReduceMean")) is not None), None)
+                    (p := private_producer(graph, add_eps, i, "ReduceMean")) is not None), None)
         if var is None:
             return "no variance + epsilon under the Sqrt"
         eps = scalar(_operand(add_eps, var.outputs[0])[1])
-        square = _private_producer(graph, var, 0, ("Pow", "Mul"))
-        mean = _private_producer(graph, sub, 1, "ReduceMean")
+        square = private_producer(graph, var, 0, ("Pow", "Mul"))
+        mean = private_producer(graph, sub, 1, "ReduceMean")
         if eps is None or square is None or mean is None:
             return "the variance or mean is not of the expected form"
         x, d = sub.inputs[0], sub.outputs[0]
@@ -191,7 +187,7 @@ class SkipLayerNormFusion(Rule):
     contrib = True
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        add = _private_producer(graph, node, 0, "Add")
+        add = private_producer(graph, node, 0, "Add")
         if add is None:
             return self.no(node, "input is not a private Add")
         shapes = [graph.shape(t) for t in (*add.inputs, node.inputs[0])]
@@ -254,7 +250,7 @@ class _GeluBase(Rule):
         rest = [t for t in factors if t is not half[0] and Graph.producer(t) is not plus[0]]
         x = rest[0] if len(rest) == 1 else None
         add = plus[0]
-        core = next((p for i in (0, 1) if (p := _private_producer(graph, add, i, self.inner_op)) is not None), None)
+        core = next((p for i in (0, 1) if (p := private_producer(graph, add, i, self.inner_op)) is not None), None)
         if x is None or core is None or not _close(scalar(_operand(add, core.outputs[0])[1]), 1.0):
             return f"the bracket is not 1 + {self.inner_op}(...)"
         inner = self.inner(graph, core, x)
@@ -309,7 +305,7 @@ class FastGeluFusion(_GeluBase):
         if outer is None or outer.op != "Mul" or not private(graph, node.inputs[0]):
             return None
         for i in (0, 1):
-            add = _private_producer(graph, outer, i, "Add")
+            add = private_producer(graph, outer, i, "Add")
             if add is None or not _close(scalar(constant_input(outer, 1 - i)), math.sqrt(2 / math.pi)):
                 continue
             rest = _operand(add, x)
@@ -319,7 +315,7 @@ class FastGeluFusion(_GeluBase):
             if cubic is None or cubic.op != "Mul" or not private(graph, rest[0]):
                 return None
             for j in (0, 1):
-                power = _private_producer(graph, cubic, j, "Pow")
+                power = private_producer(graph, cubic, j, "Pow")
                 if (power is not None and power.inputs[0] is x and _close(scalar(constant_input(power, 1)), 3.0)
                         and _close(scalar(constant_input(cubic, 1 - j)), 0.044715)):
                     return [outer, add, cubic, power]
@@ -353,7 +349,7 @@ class ConvActivationFusion(Rule):
     contrib = True
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        conv = _private_producer(graph, node, 0, "Conv")
+        conv = private_producer(graph, node, 0, "Conv")
         if conv is None:
             return self.no(node, "input is not a private Conv")
         if _activation_params(node) is None or not is_float(node.outputs[0]) or np.dtype(node.outputs[0].dtype) != np.float32:
@@ -378,7 +374,7 @@ class GemmActivationFusion(Rule):
     contrib = True
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        gemm = _private_producer(graph, node, 0, "Gemm")
+        gemm = private_producer(graph, node, 0, "Gemm")
         if gemm is None:
             return self.no(node, "input is not a private Gemm")
         if not is_float(node.outputs[0]) or np.dtype(node.outputs[0].dtype) != np.float32:
@@ -407,7 +403,7 @@ class MatMulTransposeFusion(Rule):
             return self.no(node, "operands of unknown rank, rank below 2, or not float")
         flags, parts = [], []
         for i in (0, 1):
-            t = _private_producer(graph, node, i, "Transpose")
+            t = private_producer(graph, node, i, "Transpose")
             rank = len(shapes[i])
             swaps = t is not None and perm_of(t, rank) == (*range(rank - 2), rank - 1, rank - 2) and len(
                 graph.shape(t.inputs[0]) or ()) == rank

@@ -8,7 +8,7 @@ from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, bypass, constant_input, conv_params,
                                   conv_weights, dynamic_axes, emit, input_producer, int_list, inverse_perm,
-                                  normalize_axis, perm_of, private, split_sizes, to_rank)
+                                  normalize_axis, perm_of, private, replace_all, split_sizes, to_rank)
 
 
 def _perm(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
@@ -147,9 +147,7 @@ class ConcatSplitCancel(Rule):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         split, concat = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        for out, source in zip(list(split.outputs), list(concat.inputs)):
-            if out.outputs or graph.is_output(out):
-                graph.replace_uses(out, source)
+        replace_all(graph, split.outputs, concat.inputs)
 
 
 class SplitConcatCancel(Rule):

@@ -9,8 +9,8 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (combine, constant_input, conv_attrs, conv_params, conv_weights, dynamic_axes, emit,
-                                  emit_split, has_input, input_producer, is_float, normalize_axis, private)
+from rlflow.rewrites.util import (constant_input, conv_attrs, conv_params, conv_weights, dynamic_axes, emit, emit_split,
+                                  has_input, input_producer, is_float, normalize_axis, private)
 
 
 def _lead(node: gs.Node, group: list[gs.Node]) -> bool:

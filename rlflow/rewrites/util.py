@@ -52,6 +52,19 @@ def input_producer(node: gs.Node, index: int, op: str | Sequence[str] | None = N
     return producer
 
 
+def private_producer(graph: Graph, node: gs.Node, index: int, op: str | Sequence[str] | None = None) -> gs.Node | None:
+    """Like `input_producer`, but only when the tensor is private (the producer can disappear in the rewrite)."""
+    producer = input_producer(node, index, op)
+    return producer if producer is not None and private(graph, producer.outputs[0]) else None
+
+
+def replace_all(graph: Graph, olds: Sequence[gs.Tensor], news: Sequence[gs.Tensor]) -> None:
+    """`graph.replace_uses(old, new)` for each pair whose old tensor is read or is a graph output."""
+    for old, new in zip(list(olds), list(news)):
+        if old.outputs or graph.is_output(old):
+            graph.replace_uses(old, new)
+
+
 def constant_input(node: gs.Node, index: int) -> np.ndarray | None:
     """The value of input `index` when it is a constant (absent optional inputs give None)."""
     if index >= len(node.inputs) or node.inputs[index].name == "":
@@ -343,7 +356,9 @@ def emit_split(graph: Graph, source: gs.Tensor, axis: int, sizes: Sequence[int] 
     dynamic dimension dynamic) in the form the graph's opset wants."""
     attrs: dict = {"axis": int(axis)}
     inputs = [source]
-    if sizes is not None:
+    if sizes is not None and graph.opset < 13:  # a model whose opset could not be raised on load
+        attrs["split"] = [int(s) for s in sizes]
+    elif sizes is not None:
         inputs.append(graph.add_constant(np.array(list(sizes), dtype=np.int64), "split_sizes"))
     elif graph.opset >= 18:
         attrs["num_outputs"] = int(parts)

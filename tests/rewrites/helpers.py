@@ -5,6 +5,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.graph import Graph
@@ -110,3 +111,19 @@ def assert_refuses(g: Graph, name: str, reason: str) -> None:
     assert not the_rule.find(g), f"{name} unexpectedly matches"
     reasons = [m.reason for m in the_rule.reasons(g)]
     assert any(reason in r for r in reasons), f"{name}: expected reason {reason!r}, got {reasons}"
+
+
+def case_tests(cases: Mapping[str, tuple]):
+    """The two parametrised tests every rule gets from a table name -> (positive builder, negative builder, reason):
+    the positive graph matches and each match keeps the numbers; the negative one is refused with the reason."""
+
+    @pytest.mark.parametrize("name", list(cases))
+    def test_matches_and_keeps_numbers(name):
+        assert_rewrites(cases[name][0](), name)
+
+    @pytest.mark.parametrize("name", list(cases))
+    def test_refuses_with_reason(name):
+        _, negative, reason = cases[name]
+        assert_refuses(negative(), name, reason)
+
+    return test_matches_and_keeps_numbers, test_refuses_with_reason

@@ -1,9 +1,8 @@
 """Algebra rules: associativity, distributivity, elementwise operators commuting with Concat, Split and layout."""
 from __future__ import annotations
 
-import pytest
 
-from .helpers import assert_refuses, assert_rewrites, graph, ints, node, weights
+from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
 
 
 def _chain(a, b, c, consts=None, right=False):
@@ -116,15 +115,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_and_keeps_numbers(name):
-    assert_rewrites(CASES[name][0](), name)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_refuses_with_reason(name):
-    _, negative, reason = CASES[name]
-    assert_refuses(negative(), name, reason)
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
 def test_assoc_reverse_direction():

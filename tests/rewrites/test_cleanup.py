@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from onnx import TensorProto
 
-from .helpers import assert_refuses, assert_rewrites, graph, ints, node
+from .helpers import assert_rewrites, case_tests, graph, ints, node
 
 X = {"x": [2, 3, 4]}
 
@@ -84,16 +83,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_and_keeps_numbers(name):
-    positive, _, _ = CASES[name]
-    assert_rewrites(positive(), name)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_refuses_with_reason(name):
-    _, negative, reason = CASES[name]
-    assert_refuses(negative(), name, reason)
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
 def test_bypass_keeps_output_name():

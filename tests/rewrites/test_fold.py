@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from onnx import numpy_helper
 
-from .helpers import assert_refuses, assert_rewrites, graph, ints, node, weights
+from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
 
 IMAGE = {"x": [1, 3, 6, 6]}
 
@@ -88,15 +88,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_and_keeps_numbers(name):
-    assert_rewrites(CASES[name][0](), name)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_refuses_with_reason(name):
-    _, negative, reason = CASES[name]
-    assert_refuses(negative(), name, reason)
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
 @pytest.mark.parametrize("op,rank", [("MatMul", 2), ("MatMul", 3), ("Gemm", 2)])

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from .helpers import assert_refuses, assert_rewrites, graph, ints, node, weights
+from .helpers import assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
 
 
 def _layernorm(opset=17, square="Pow", axes=(-1,), gamma_shape=(8,)):
@@ -85,15 +85,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_and_keeps_numbers(name):
-    assert_rewrites(CASES[name][0](), name)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_refuses_with_reason(name):
-    _, negative, reason = CASES[name]
-    assert_refuses(negative(), name, reason)
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
 @pytest.mark.parametrize("opset,square,axes", [(17, "Mul", (-1,)), (18, "Pow", (-2, -1))])

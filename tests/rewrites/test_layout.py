@@ -1,9 +1,8 @@
 """Layout rules: transposes, reshapes, concatenations and splits that cancel or move."""
 from __future__ import annotations
 
-import pytest
 
-from .helpers import assert_refuses, assert_rewrites, graph, ints, node, weights
+from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
 
 X = {"x": [2, 3, 4]}
 NHWC = {"x": [1, 5, 5, 3]}
@@ -63,15 +62,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_and_keeps_numbers(name):
-    assert_rewrites(CASES[name][0](), name)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_refuses_with_reason(name):
-    _, negative, reason = CASES[name]
-    assert_refuses(negative(), name, reason)
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
 def test_transpose_pair_cancels():

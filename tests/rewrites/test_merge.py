@@ -1,9 +1,8 @@
 """Merge rules: parallel MatMuls, Gemms and Convs combined into one operator."""
 from __future__ import annotations
 
-import pytest
 
-from .helpers import assert_refuses, assert_rewrites, graph, node, weights
+from .helpers import assert_refuses, assert_rewrites, case_tests, graph, node, weights
 
 IMAGE = {"x": [1, 4, 6, 6]}
 
@@ -98,15 +97,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_matches_and_keeps_numbers(name):
-    assert_rewrites(CASES[name][0](), name)
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_refuses_with_reason(name):
-    _, negative, reason = CASES[name]
-    assert_refuses(negative(), name, reason)
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
 def test_qkv_merge_is_one_match_per_group():
