@@ -1,0 +1,199 @@
+"""The rewrite environment: Gymnasium conformance, masks, episode ends, rewards and caps."""
+from __future__ import annotations
+
+import gymnasium
+import numpy as np
+import onnx
+import pytest
+from gymnasium.utils.env_checker import check_env
+from onnx import TensorProto, helper, numpy_helper
+
+import rlflow
+from rlflow.env import RewriteEnv
+from rlflow.errors import InputError
+from rlflow.rewrites import RULES
+
+
+def _register() -> None:
+    """What `import rlflow` does (guarded), so these tests do not depend on the package's __init__."""
+    if "rlflow/Rewrite-v0" not in gymnasium.registry:
+        gymnasium.register(id="rlflow/Rewrite-v0", entry_point="rlflow.env:RewriteEnv")
+
+
+def two_branch_model() -> onnx.ModelProto:
+    """x -> Transpose -> Transpose -> two sibling MatMuls -> Relu -> Add: two rewrites apply (transpose pair,
+    sibling MatMul merge)."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "W1")
+    w2 = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "W2")
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t1"], perm=[1, 0], name="t1"),
+        helper.make_node("Transpose", ["t1"], ["t2"], perm=[1, 0], name="t2"),
+        helper.make_node("MatMul", ["t2", "W1"], ["a"], name="mm1"),
+        helper.make_node("MatMul", ["t2", "W2"], ["b"], name="mm2"),
+        helper.make_node("Relu", ["a"], ["ra"], name="relu1"),
+        helper.make_node("Relu", ["b"], ["rb"], name="relu2"),
+        helper.make_node("Add", ["ra", "rb"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(nodes, "two-branch", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 16])], [w1, w2])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("env") / "two-branch.onnx"
+    onnx.save(two_branch_model(), str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cost_model(tmp_path_factory):
+    from rlflow.measure.costmodel import CostModel
+
+    return CostModel(cache_dir=tmp_path_factory.mktemp("costmodel"))
+
+
+def node_count_ms(graph) -> float:
+    """A deterministic reward source: one 'millisecond' per node."""
+    return float(len(graph))
+
+
+def small_env(model_path, cost_model, **kwargs) -> RewriteEnv:
+    kwargs.setdefault("max_nodes", 32)
+    kwargs.setdefault("max_edges", 64)
+    kwargs.setdefault("max_candidates", 8)
+    return RewriteEnv(model_path, cost_model=cost_model, **kwargs)
+
+
+def test_check_env_passes(model_path, cost_model):
+    env = small_env(model_path, cost_model)
+    check_env(env, skip_render_check=True)  # rendering: test_render_ansi
+    for section in ("## Description", "## Action Space", "## Observation Space", "## Rewards", "## Episode End",
+                    "## Version History"):
+        assert section in RewriteEnv.__doc__
+
+
+def test_make_after_import_with_defaults(model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    _register()
+    env = gymnasium.make("rlflow/Rewrite-v0", model=model_path)
+    obs, info = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    assert env.action_space.n == 257 and info["action_mask"].dtype == np.int8
+
+
+def test_model_is_required():
+    with pytest.raises(InputError, match="needs a model"):
+        RewriteEnv()
+
+
+def test_action_mask_marks_candidates_and_terminate(model_path, cost_model):
+    env = small_env(model_path, cost_model)
+    obs, info = env.reset(seed=0)
+    mask = info["action_mask"]
+    assert mask.dtype == np.int8 and mask.shape == (env.action_space.n,)
+    assert sorted(m.rule for m in env.candidates) == ["matmul-merge-siblings", "transpose-transpose"]
+    assert mask.tolist() == [1, 1] + [0] * 6 + [1]
+    assert obs["cand_mask"].tolist() == mask[:-1].tolist()
+    # each candidate's rule id and root node row
+    for c, match in enumerate(env.candidates):
+        assert RULES[obs["cand_rule"][c]].name == match.rule
+        assert obs["cand_nodes"][c, 0] == [n.name for n in env.graph.gs.nodes].index(match.root)
+
+
+def test_invalid_action_is_penalised_and_changes_nothing(model_path, cost_model):
+    env = small_env(model_path, cost_model, invalid_penalty=-2.5)
+    env.reset(seed=0)
+    before = env.graph.fingerprint()
+    _, reward, terminated, truncated, info = env.step(5)  # masked: only 0, 1 and 8 are valid
+    assert reward == -2.5 and info["invalid_action"] and not terminated and not truncated
+    assert env.graph.fingerprint() == before and info["episode_steps"] == 1
+
+
+def test_terminate_ends_the_episode(model_path, cost_model):
+    env = small_env(model_path, cost_model)
+    env.reset(seed=0)
+    _, reward, terminated, truncated, _ = env.step(env.terminate_action)
+    assert terminated and not truncated and reward == 0.0
+
+
+def test_truncation_at_max_episode_steps(model_path, cost_model):
+    env = small_env(model_path, cost_model, max_episode_steps=3)
+    env.reset(seed=0)
+    flags = [env.step(7)[2:4] for _ in range(3)]
+    assert flags == [(False, False), (False, False), (False, True)]
+
+
+def test_reward_is_relative_improvement_of_the_reward_source(model_path, cost_model):
+    env = small_env(model_path, cost_model, reward=node_count_ms)
+    _, info = env.reset(seed=0)
+    initial = previous = float(len(env.graph))
+    assert info["initial_runtime"] == initial
+    total = 0.0
+    done = False
+    while not done:
+        _, reward, terminated, truncated, info = env.step(0)
+        new = float(len(env.graph))
+        assert reward == pytest.approx(100.0 * (previous - new) / initial)
+        previous, total, done = new, total + reward, terminated or truncated
+    assert total == pytest.approx(100.0 * (initial - previous) / initial)
+    assert info["real_steps"] == info["episode_steps"] and info["cost_evaluations"] == info["episode_steps"] + 1
+
+
+def test_episode_ends_when_no_candidate_is_left(model_path, cost_model):
+    env = small_env(model_path, cost_model, max_episode_steps=50)
+    env.reset(seed=0)
+    terminated = truncated = False
+    steps = 0
+    while not (terminated or truncated):
+        _, _, terminated, truncated, info = env.step(0)
+        steps += 1
+    assert terminated and not truncated and steps < 50
+    assert info["action_mask"].tolist() == [0] * 8 + [1]
+
+
+def test_measure_source_measures_every_k_steps_and_caches_by_fingerprint(model_path, cost_model):
+    env = small_env(model_path, cost_model, reward="measure", measure_every=2, measure_repeats=3)
+    _, info = env.reset(seed=0)
+    assert info["measurements"] == 1
+    _, reward, *_ , info = env.step(0)
+    assert reward == 0.0 and info["measurements"] == 1  # step 1: not measured
+    env.step(env.terminate_action)  # the end is always measured
+    measured = env.measurements
+    assert measured == 2
+    env.reset()
+    env.step(0)
+    env.step(env.terminate_action)
+    assert env.measurements == measured  # same graphs: the fingerprint cache answers
+
+
+def test_models_are_taken_in_turn_and_a_seed_restarts(model_path, cost_model, tmp_path):
+    other = tmp_path / "other.onnx"
+    onnx.save(two_branch_model(), str(other))
+    env = small_env([model_path, str(other)], cost_model)
+    names = [env.reset(seed=0)[1]["model"], env.reset()[1]["model"], env.reset()[1]["model"]]
+    assert names == ["two-branch", "other", "two-branch"]
+    assert env.reset(seed=1)[1]["model"] == "two-branch"
+    assert env.reset(options={"model": 1})[1]["model"] == "other"
+
+
+def test_caps_on_candidates_and_nodes(model_path, cost_model):
+    env = small_env(model_path, cost_model, max_candidates=1, max_nodes=2)
+    obs, info = env.reset(seed=0)
+    assert len(env.candidates) == 1 and info["n_matches"] == 2 and info["action_mask"].tolist() == [1, 1]
+    assert obs["node_mask"].tolist() == [1, 1]
+    assert env.observation_space.contains(obs)
+    assert env.candidates[0].rule == "transpose-transpose" and obs["cand_nodes"][0, 0] == 1  # t2 is row 1
+    # a candidate whose root is past the node cap points at -1
+    env2 = small_env(model_path, cost_model, max_nodes=2, rules=[r for r in RULES if r.name == "matmul-merge-siblings"])
+    obs, _ = env2.reset(seed=0)
+    assert obs["cand_nodes"][0, 0] == -1
+    assert RULES[obs["cand_rule"][0]].name == "matmul-merge-siblings"  # ids are registry indices
+
+
+def test_render_ansi(model_path, cost_model):
+    env = small_env(model_path, cost_model, render_mode="ansi")
+    env.reset(seed=0)
+    env.step(0)
+    assert "two-branch: step 1/50" in env.render()
