@@ -72,7 +72,7 @@ def assert_rewrites(g: Graph, name: str, *, dynamic: Mapping[str, Sequence[int]]
     if count is not None:
         assert len(matches) == count, matches
     before = g.fingerprint()
-    dynamic = dynamic if dynamic is not None else _other_sizes(g)
+    dynamic = dynamic if dynamic is not None else other_input_sizes(g)
     static = dynamic is None
     reference = g.to_model(static=static)
     first = None
@@ -92,7 +92,7 @@ def assert_rewrites(g: Graph, name: str, *, dynamic: Mapping[str, Sequence[int]]
     return first
 
 
-def _other_sizes(g: Graph) -> dict[str, list[int]] | None:
+def other_input_sizes(g: Graph) -> dict[str, list[int]] | None:
     """Input shapes with every dynamic dimension set to 3 (the static graph uses 1), or None when all are static."""
     shapes, dynamic = {}, False
     for vi in g.interface[0]:

@@ -17,7 +17,7 @@ from rlflow.graph import Graph
 from rlflow.measure.verify import verify
 from rlflow.rewrites import RULES, apply
 
-from .helpers import graph, ints, node, weights
+from .helpers import graph, ints, node, other_input_sizes, weights
 
 
 def _attention():
@@ -44,7 +44,7 @@ def _cnn():
                   node("Relu", ["n1"], "r1"), node("Conv", ["x", "w3", "b3"], "c3", pads=[1, 1, 1, 1]),
                   node("Relu", ["c3"], "r3"), node("Concat", ["r1", "r3"], "cat", axis=1), node("Mul", ["cat", "k"], "sc"),
                   node("Conv", ["sc", "wd"], "dw", group=2, pads=[1, 1, 1, 1]), node("Identity", ["dw"], "y")],
-                 {"x": [1, 4, 6, 6]}, consts=consts)
+                 {"x": ["n", 4, 6, 6]}, consts=consts)
 
 
 def _mlp():
@@ -55,7 +55,7 @@ def _mlp():
                   node("Erf", ["t"], "e"), node("Add", ["e", "one"], "a"), node("Mul", ["h1", "a"], "m"),
                   node("Mul", ["m", "half"], "gl"), node("MatMul", ["gl", "w2"], "o0"), node("Add", ["o0", "b2"], "o1"),
                   node("Dropout", ["o1"], "o2"), node("Add", ["o2", "x"], "res"),
-                  node("LayerNormalization", ["res", "g", "be"])], {"x": [3, 8]}, consts=consts, opset=17)
+                  node("LayerNormalization", ["res", "g", "be"])], {"x": ["n", 8]}, consts=consts, opset=17)
 
 
 def _rnn():
@@ -64,16 +64,16 @@ def _rnn():
              node("Tanh", ["s"], "t"), node("MatMul", ["x", "w2"], "c"), node("MatMul", ["h", "w3"], "d"),
              node("Add", ["c", "d"], "u"), node("Sigmoid", ["u"], "g"), node("Mul", ["t", "g"], "tg"),
              node("Mul", ["h", "g"], "hg"), node("Add", ["tg", "hg"], "y")]
-    return graph(nodes, {"x": [2, 8], "h": [2, 8]}, consts=consts)
+    return graph(nodes, {"x": ["n", 8], "h": ["n", 8]}, consts=consts)
 
 
 def _layout():
-    consts = {"w": weights(6, 3, 1, 1), "b": weights(6), "s": ints(1, 30, 6), "c": weights(6, seed=1)}
+    consts = {"w": weights(6, 3, 1, 1), "b": weights(6), "s": ints(0, 30, 6), "c": weights(6, seed=1)}
     return graph([node("Transpose", ["x"], "a", perm=[0, 3, 1, 2]), node("Conv", ["a", "w", "b"], "c0"),
                   node("Transpose", ["c0"], "c1", perm=[0, 2, 3, 1]), node("Relu", ["c1"], "r"),
                   node("Add", ["r", "c"], "ad"), node("Reshape", ["ad", "s"], "rs"),
                   node("Split", ["rs"], ["p", "q"], axis=1), node("Sigmoid", ["p"], "sp"), node("Sigmoid", ["q"], "sq"),
-                  node("Concat", ["sp", "sq"], "y", axis=1)], {"x": [1, 5, 6, 3]}, consts=consts)
+                  node("Concat", ["sp", "sq"], "y", axis=1)], {"x": ["n", 5, 6, 3]}, consts=consts)
 
 
 SYNTHETIC = {"attention": _attention, "cnn": _cnn, "mlp": _mlp, "rnn": _rnn, "layout": _layout}
@@ -83,6 +83,8 @@ def fuzz(start: Graph, seed: int, steps: int, label: str) -> list[str]:
     """Applies `steps` random matches (a random rule among those that match, then a random match), verifying each."""
     rng = np.random.default_rng(seed)
     reference = start.to_model()
+    other_sizes = other_input_sizes(start)  # dynamic inputs: also check the written (dynamic) models at other sizes
+    written = start.to_model(static=False) if other_sizes else None
     g, applied = start, []
     for _ in range(steps):
         by_rule = {}
@@ -106,6 +108,9 @@ def fuzz(start: Graph, seed: int, steps: int, label: str) -> list[str]:
         result = verify(reference, new.to_model(), seeds=(seed,))
         applied.append(str(match))
         assert result.ok, f"{label} seed={seed} after {applied}: {result.message}"
+        if written is not None:
+            result = verify(written, new.to_model(static=False), seeds=(seed,), shapes=(other_sizes,))
+            assert result.ok, f"{label} seed={seed} after {applied}, at sizes {other_sizes}: {result.message}"
         g = new
     return applied
 
@@ -121,6 +126,21 @@ def test_fuzz_synthetic(name, seed):
 @pytest.mark.parametrize("name", SYNTHETIC)
 def test_fuzz_synthetic_long(name, seed):
     fuzz(SYNTHETIC[name](), seed, steps=25, label=name)
+
+
+def test_fuzz_exported_transformer(transformer_path):
+    """A PyTorch export (opset 17, dynamic batch): the rules meet an exporter's idioms, not only ours."""
+    import rlflow
+
+    fuzz(rlflow.load(transformer_path, {"x": [2, 16, 32]}), 0, steps=6, label="transformer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 6))
+def test_fuzz_exported_transformer_long(transformer_path, seed):
+    import rlflow
+
+    fuzz(rlflow.load(transformer_path, {"x": [2, 16, 32]}), seed, steps=30, label="transformer")
 
 
 def _zoo():
