@@ -212,6 +212,12 @@ class CostModel:
             self._table = on_disk
             self._new = 0
 
+    def __del__(self) -> None:
+        try:
+            self.save()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
     def __len__(self) -> int:
         """Number of measured configurations in the table."""
         return len(self.table["costs"])

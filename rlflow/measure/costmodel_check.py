@@ -72,7 +72,7 @@ def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator) 
 
 
 def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, sequences: int, length: int,
-                seed: int, rounds: int) -> dict:
+                seed: int, rounds: int, repeats: int = 2) -> dict:
     """Estimates and measures the random-rewrite graphs of one model; returns its result record."""
     import rlflow
     from tqdm import tqdm
@@ -97,25 +97,32 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     models = [g.to_model(static=True) for _, g in graphs]
     weight_bytes = max(m.ByteSize() for m in models)
     chunk = max(1, min(len(models) - 1, MEMORY_BUDGET // max(weight_bytes, 1) - 1)) if len(models) > 1 else 1
-    ratios = [(1.0, 1.0, 1.0)] + [None] * (len(models) - 1)
+    runs = []  # per repeat: speedup (median, low, high) of every graph over the original
     base_ms = []
-    bar = tqdm(total=len(models) - 1, desc=name, unit="graph", file=sys.stderr, leave=False)
-    for start in range(1, len(models), chunk):
-        ids = list(range(start, min(start + chunk, len(models))))
-        result = compare([models[0]] + [models[i] for i in ids], settings, rounds=rounds, seed=seed)
-        base_ms.append(result.timings[0].median_ms)
-        for k, i in enumerate(ids, start=1):
-            r = result.ratios[k]
-            ratios[i] = (r.median, r.low, r.high)
-        bar.update(len(ids))
+    bar = tqdm(total=(len(models) - 1) * repeats, desc=name, unit="graph", file=sys.stderr, leave=False)
+    for rep in range(repeats):
+        ratios = [(1.0, 1.0, 1.0)] + [None] * (len(models) - 1)
+        for start in range(1, len(models), chunk):
+            ids = list(range(start, min(start + chunk, len(models))))
+            result = compare([models[0]] + [models[i] for i in ids], settings, rounds=rounds, seed=seed + rep)
+            base_ms.append(result.timings[0].median_ms)
+            for k, i in enumerate(ids, start=1):
+                r = result.ratios[k]
+                ratios[i] = (r.median, r.low, r.high)
+            bar.update(len(ids))
+        runs.append(ratios)
     bar.close()
     if not base_ms:  # no rewrite applied: time the original alone
         from rlflow.measure.timing import time_model
 
         base_ms.append(time_model(models[0], settings, repeats=rounds).median_ms)
     base = float(np.median(base_ms))
+    # Repeats combine as the geometric mean of the medians; the interval is the union of the repeats' intervals.
+    ratios = [(float(np.exp(np.mean([np.log(run[i][0]) for run in runs]))), min(run[i][1] for run in runs),
+               max(run[i][2] for run in runs)) for i in range(len(models))]
     measured = [base / r[0] for r in ratios]
     rho = spearman(estimates, measured)
+    retest = spearman([r[0] for r in runs[0]], [r[0] for r in runs[1]]) if len(runs) > 1 else float("nan")
     records = [{
         "sequence": seq, "nodes": len(g), "estimate_ms": est, "measured_ms": meas,
         "speedup": r[0], "speedup_low": r[1], "speedup_high": r[2],
@@ -128,6 +135,7 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
         "nodes": len(graph),
         "graphs": len(graphs),
         "spearman": None if math.isnan(rho) else rho,
+        "retest_spearman": None if math.isnan(retest) else retest,
         "significant_pairs": pairs,
         "significant_pair_agreement": agree,
         "distinct_estimates": len({round(e, 9) for e in estimates}),
@@ -186,20 +194,22 @@ def markdown(report: dict) -> str:
         "sequences (the original included). *Significant* counts graphs whose measured speedup interval excludes 1;",
         "with few of them the measured ranking is mostly noise and the correlation says little. *Significant pairs*",
         "are pairs of graphs whose measured intervals are disjoint; the share the estimates order the same way",
-        "(ties count one half) is the noise-free part of the check.",
+        "(ties count one half) is the noise-free part of the check. *Retest Spearman* ranks the graphs by two",
+        "independent measurement repeats against each other: the ceiling that any estimate can reach.",
         "",
-        "| model | graphs | Spearman | distinct estimates | significant | significant pairs ordered right | "
+        "| model | graphs | Spearman | retest Spearman | distinct estimates | significant | significant pairs ordered right | "
         "measured speedup range | estimate / measured ms (original) | warm graph_cost (ms) | time (s) |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name in sorted(report["models"]):
         r = report["models"][name]
         rho = "n/a" if r["spearman"] is None else f"{r['spearman']:.3f}"
+        retest = "n/a" if r.get("retest_spearman") is None else f"{r['retest_spearman']:.3f}"
         low, high = r["measured_speedup_range"]
         agree = "n/a" if r["significant_pair_agreement"] is None else \
             f"{r['significant_pair_agreement']:.2f} of {r['significant_pairs']}"
         lines.append(
-            f"| {name} | {r['graphs']} | {rho} | {r['distinct_estimates']} | {r['significant_differences']} | {agree} | "
+            f"| {name} | {r['graphs']} | {rho} | {retest} | {r['distinct_estimates']} | {r['significant_differences']} | {agree} | "
             f"{low:.3f}-{high:.3f} | {r['original_estimate_ms']:.3f} / {r['original_measured_ms']:.3f} | "
             f"{r['graph_cost_ms_warm']:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -213,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=6, help="longest sequence")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per comparison")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="independent measurement repeats; with 2 or more the report gives their rank agreement "
+                             "(retest Spearman), the ceiling any estimate can reach")
     parser.add_argument("--provider", default="cpu", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", default=None, help="cost table folder (default $RLFLOW_CACHE/costmodel)")
@@ -234,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                   cost_table=str(cost_model.path))
     for spec in args.models:
         result = check_model(spec, cost_model, settings, sequences=args.sequences, length=args.length,
-                             seed=args.seed, rounds=args.rounds)
-        result.update(sequences=args.sequences, length=args.length, seed=args.seed, rounds=args.rounds)
+                             seed=args.seed, rounds=args.rounds, repeats=args.repeats)
+        result.update(sequences=args.sequences, length=args.length, seed=args.seed, rounds=args.rounds,
+                      repeats=args.repeats)
         report["models"][result["model"]] = result
         rho = "n/a" if result["spearman"] is None else f"{result['spearman']:.3f}"
         print(f"{result['model']}: spearman {rho} over {result['graphs']} graphs "
