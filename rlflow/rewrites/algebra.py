@@ -7,9 +7,9 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, broadcast_shape, clone_node, combine,
-                                  constant_input, dynamic_axes, emit, input_producer, is_float, matmul_flops,
-                                  matmul_result, matmul_shapes, perm_of, private, private_producer, same_op,
-                                  split_sizes, to_rank)
+                                  constant_input, dynamic_axes, emit, input_producer, is_float, is_standard,
+                                  matmul_flops, matmul_result, matmul_shapes, perm_of, private, private_producer,
+                                  same_op, split_sizes, standard_producer, to_rank)
 
 _LAYOUT = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 
@@ -175,7 +175,7 @@ def _transposed(graph: Graph, tensor: gs.Tensor) -> gs.Tensor:
     perm = [*range(rank - 2), rank - 1, rank - 2]
     if value is not None:
         return graph.add_constant(np.ascontiguousarray(np.transpose(value, perm)), f"{tensor.name}_T")
-    producer = Graph.producer(tensor)
+    producer = standard_producer(tensor)
     if producer is not None and producer.op == "Transpose" and perm_of(producer, rank) == tuple(perm):
         return producer.inputs[0]
     return emit(graph, "Transpose", [tensor], {"perm": perm})
@@ -296,7 +296,7 @@ class ConcatBinaryCommute(Rule):
 def _split_readers(graph: Graph, node: gs.Node, ops) -> list[gs.Node] | None:
     readers = []
     for out in node.outputs:
-        if not private(graph, out) or out.outputs[0].op not in ops:
+        if not private(graph, out) or out.outputs[0].op not in ops or not is_standard(out.outputs[0]):
             return None
         readers.append(out.outputs[0])
     return readers

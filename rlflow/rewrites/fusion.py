@@ -12,7 +12,8 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (broadcast_shape, constant_input, dynamic_axes, emit, has_input, input_producer,
-                                  int_list, is_float, normalize_axis, perm_of, private, private_producer, scalar)
+                                  int_list, is_float, normalize_axis, perm_of, private, private_producer, scalar,
+                                  standard_producer)
 
 MS = "com.microsoft"
 
@@ -212,7 +213,7 @@ def _factors(graph: Graph, node: gs.Node, depth: int = 2) -> tuple[list[gs.Tenso
     """The operands of a tree of private Muls rooted at `node`, and the Muls."""
     factors, muls = [], [node]
     for tensor in node.inputs:
-        inner = Graph.producer(tensor)
+        inner = standard_producer(tensor)
         if depth > 1 and inner is not None and inner.op == "Mul" and private(graph, tensor):
             more, more_muls = _factors(graph, inner, depth - 1)
             factors += more
@@ -244,10 +245,10 @@ class _GeluBase(Rule):
         if len(factors) != 3:
             return "not a product of three factors"
         half = [t for t in factors if _close(scalar(Graph.constant(t)), 0.5)]
-        plus = [p for t in factors if (p := Graph.producer(t)) is not None and p.op == "Add" and private(graph, t)]
+        plus = [p for t in factors if (p := standard_producer(t)) is not None and p.op == "Add" and private(graph, t)]
         if len(half) != 1 or len(plus) != 1:
             return "not 0.5 * x * (1 + ...)"
-        rest = [t for t in factors if t is not half[0] and Graph.producer(t) is not plus[0]]
+        rest = [t for t in factors if t is not half[0] and standard_producer(t) is not plus[0]]
         x = rest[0] if len(rest) == 1 else None
         add = plus[0]
         core = next((p for i in (0, 1) if (p := private_producer(graph, add, i, self.inner_op)) is not None), None)
@@ -272,7 +273,7 @@ class _GeluBase(Rule):
 
 def _scaled(graph: Graph, tensor: gs.Tensor, x: gs.Tensor, factor: float) -> gs.Node | None:
     """The private node computing `x * factor` (as Mul or Div) that produces `tensor`, or None."""
-    producer = Graph.producer(tensor)
+    producer = standard_producer(tensor)
     if producer is None or producer.op not in ("Mul", "Div") or not private(graph, tensor):
         return None
     if producer.op == "Div":
@@ -301,7 +302,7 @@ class FastGeluFusion(_GeluBase):
     inner_op = "Tanh"
 
     def inner(self, graph: Graph, node: gs.Node, x: gs.Tensor) -> list[gs.Node] | None:
-        outer = Graph.producer(node.inputs[0])
+        outer = standard_producer(node.inputs[0])
         if outer is None or outer.op != "Mul" or not private(graph, node.inputs[0]):
             return None
         for i in (0, 1):
@@ -311,7 +312,7 @@ class FastGeluFusion(_GeluBase):
             rest = _operand(add, x)
             if rest is None:
                 return None
-            cubic = Graph.producer(rest[0])
+            cubic = standard_producer(rest[0])
             if cubic is None or cubic.op != "Mul" or not private(graph, rest[0]):
                 return None
             for j in (0, 1):
@@ -417,7 +418,7 @@ class MatMulTransposeFusion(Rule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         flags = (match.param("trans_a"), match.param("trans_b"))
-        inputs = [Graph.producer(t).inputs[0] if flag else t for t, flag in zip(node.inputs, flags)]
+        inputs = [standard_producer(t).inputs[0] if flag else t for t, flag in zip(node.inputs, flags)]
         out = emit(graph, "FusedMatMul", inputs, {"transA": flags[0], "transB": flags[1], "alpha": 1.0}, domain=MS)
         graph.replace_uses(node.outputs[0], out)
 

@@ -10,7 +10,7 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (constant_input, conv_attrs, conv_params, conv_weights, dynamic_axes, emit, emit_split,
-                                  has_input, input_producer, is_float, normalize_axis, private)
+                                  has_input, input_producer, is_float, is_standard, normalize_axis, private)
 
 
 def _lead(node: gs.Node, group: list[gs.Node]) -> bool:
@@ -22,7 +22,7 @@ def _siblings(tensor: gs.Tensor, fits) -> list[gs.Node]:
     """Distinct readers of `tensor` for which `fits(reader)` holds, by name."""
     seen, group = set(), []
     for reader in tensor.outputs:
-        if id(reader) not in seen and fits(reader):
+        if id(reader) not in seen and is_standard(reader) and fits(reader):
             seen.add(id(reader))
             group.append(reader)
     return sorted(group, key=lambda n: n.name)

@@ -52,6 +52,17 @@ def input_producer(node: gs.Node, index: int, op: str | Sequence[str] | None = N
     return producer
 
 
+def is_standard(node: gs.Node | None) -> bool:
+    """True for a node of the default ONNX domain (a custom-domain `Mul` is not a Mul)."""
+    return node is not None and (node.domain or "") in ("", "ai.onnx")
+
+
+def standard_producer(tensor: gs.Tensor) -> gs.Node | None:
+    """The node writing `tensor` when it is a default-domain operator, else None."""
+    producer = Graph.producer(tensor)
+    return producer if is_standard(producer) else None
+
+
 def private_producer(graph: Graph, node: gs.Node, index: int, op: str | Sequence[str] | None = None) -> gs.Node | None:
     """Like `input_producer`, but only when the tensor is private (the producer can disappear in the rewrite)."""
     producer = input_producer(node, index, op)

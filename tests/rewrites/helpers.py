@@ -33,18 +33,21 @@ def ints(*values: int) -> np.ndarray:
 
 
 def model(nodes, inputs: Mapping[str, Sequence], outputs: Sequence[str] | Mapping[str, int] = ("y",),
-          consts: Mapping[str, np.ndarray] | None = None, opset: int = 13) -> onnx.ModelProto:
+          consts: Mapping[str, np.ndarray] | None = None, opset: int = 13, custom: Sequence[str] = ()) -> onnx.ModelProto:
     """A model from nodes; inputs map a name to a shape (float32) or to (shape, element type); outputs carry no
-    shape (inference fills it) and are float32 unless a mapping gives their element type."""
+    shape (inference fills it) and are float32 unless a mapping gives their element type (or (type, shape))."""
     ins = []
     for name, spec in inputs.items():
         shape, elem = (spec if len(spec) == 2 and isinstance(spec[1], int) and isinstance(spec[0], (list, tuple))
                        else (spec, F32))
         ins.append(helper.make_tensor_value_info(name, elem, list(shape)))
     outs = outputs if isinstance(outputs, Mapping) else {name: F32 for name in outputs}
-    graph = helper.make_graph(list(nodes), "tiny", ins, [helper.make_tensor_value_info(n, e, None) for n, e in outs.items()],
+    outs = {n: (e, None) if isinstance(e, int) else e for n, e in outs.items()}
+    graph = helper.make_graph(list(nodes), "tiny", ins, [helper.make_tensor_value_info(n, e, shape)
+                                                         for n, (e, shape) in outs.items()],
                               initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in (consts or {}).items()])
-    opsets = [helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid(domain, version) for domain, version in
+              [("", opset), ("com.microsoft", 1), *((d, 1) for d in custom)]]
     proto = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     inferred = onnx.shape_inference.infer_shapes(proto)  # fills in the outputs' shapes, which the checker wants
     known = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)}
@@ -54,9 +57,9 @@ def model(nodes, inputs: Mapping[str, Sequence], outputs: Sequence[str] | Mappin
     return proto
 
 
-def graph(nodes, inputs, outputs=("y",), consts=None, opset: int = 13, input_shapes=None) -> Graph:
-    """A Graph from nodes (see `model`)."""
-    return Graph.from_model(model(nodes, inputs, outputs, consts, opset), input_shapes)
+def graph(nodes, inputs, outputs=("y",), consts=None, opset: int = 13, input_shapes=None, custom=()) -> Graph:
+    """A Graph from nodes (see `model`); `custom` names extra operator domains."""
+    return Graph.from_model(model(nodes, inputs, outputs, consts, opset, custom), input_shapes)
 
 
 def assert_rewrites(g: Graph, name: str, *, dynamic: Mapping[str, Sequence[int]] | None = None,

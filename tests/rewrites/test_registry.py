@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from onnx import TensorProto
 
 from rlflow.rewrites import CATEGORIES, REGISTRY_VERSION, RULES, match_counts, rule
 from rlflow.rewrites.base import registry_version
@@ -66,3 +67,13 @@ def test_readme_example_runs():
         for code in blocks:
             exec(compile(code, str(README), "exec"), {"__name__": "readme"})
     assert "matmul-merge-siblings" in out.getvalue()
+
+
+def test_custom_domain_look_alikes_are_left_alone():
+    from rlflow.rewrites import find_matches
+
+    g = graph([node("Relu", ["x"], "t", domain="my.ops"), node("Relu", ["t"], "u", domain="my.ops"),
+               node("Split", ["u"], ["p", "q"], axis=1), node("Tanh", ["p"], "a", domain="my.ops"),
+               node("Tanh", ["q"], "b", domain="my.ops"), node("Concat", ["a", "b"], axis=1)], {"x": [2, 4]},
+              outputs={"y": (TensorProto.FLOAT, [2, 4])}, custom=("my.ops",))
+    assert find_matches(g) == []
