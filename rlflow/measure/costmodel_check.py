@@ -27,7 +27,7 @@ from rlflow.measure.costmodel import CostModel, spearman
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.timing import compare
 
-MEMORY_BUDGET = 3_000_000_000
+MEMORY_BUDGET = 2_000_000_000
 """Bytes of model weights that one interleaved comparison may hold in sessions at once."""
 
 
@@ -94,17 +94,20 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     after = cost_model.stats.as_dict()
     cost_model.save()
 
-    models = [g.to_model(static=True) for _, g in graphs]
-    weight_bytes = max(m.ByteSize() for m in models)
-    chunk = max(1, min(len(models) - 1, MEMORY_BUDGET // max(weight_bytes, 1) - 1)) if len(models) > 1 else 1
+    # Models are exported per comparison and dropped after it: a dozen BERT-sized protos do not fit in memory at once.
+    original = graphs[0][1].to_model(static=True)
+    count = len(graphs)
+    chunk = max(1, min(count - 1, MEMORY_BUDGET // max(original.ByteSize(), 1) - 1)) if count > 1 else 1
     runs = []  # per repeat: speedup (median, low, high) of every graph over the original
     base_ms = []
-    bar = tqdm(total=(len(models) - 1) * repeats, desc=name, unit="graph", file=sys.stderr, leave=False)
+    bar = tqdm(total=(count - 1) * repeats, desc=name, unit="graph", file=sys.stderr, leave=False)
     for rep in range(repeats):
-        ratios = [(1.0, 1.0, 1.0)] + [None] * (len(models) - 1)
-        for start in range(1, len(models), chunk):
-            ids = list(range(start, min(start + chunk, len(models))))
-            result = compare([models[0]] + [models[i] for i in ids], settings, rounds=rounds, seed=seed + rep)
+        ratios = [(1.0, 1.0, 1.0)] + [None] * (count - 1)
+        for start in range(1, count, chunk):
+            ids = list(range(start, min(start + chunk, count)))
+            batch = [original] + [graphs[i][1].to_model(static=True) for i in ids]
+            result = compare(batch, settings, rounds=rounds, seed=seed + rep)
+            del batch
             base_ms.append(result.timings[0].median_ms)
             for k, i in enumerate(ids, start=1):
                 r = result.ratios[k]
@@ -115,11 +118,11 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     if not base_ms:  # no rewrite applied: time the original alone
         from rlflow.measure.timing import time_model
 
-        base_ms.append(time_model(models[0], settings, repeats=rounds).median_ms)
+        base_ms.append(time_model(original, settings, repeats=rounds).median_ms)
     base = float(np.median(base_ms))
     # Repeats combine as the geometric mean of the medians; the interval is the union of the repeats' intervals.
     ratios = [(float(np.exp(np.mean([np.log(run[i][0]) for run in runs]))), min(run[i][1] for run in runs),
-               max(run[i][2] for run in runs)) for i in range(len(models))]
+               max(run[i][2] for run in runs)) for i in range(count)]
     measured = [base / r[0] for r in ratios]
     rho = spearman(estimates, measured)
     retest = spearman([r[0] for r in runs[0]], [r[0] for r in runs[1]]) if len(runs) > 1 else float("nan")
