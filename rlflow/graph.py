@@ -457,6 +457,9 @@ def _check(model: onnx.ModelProto | str) -> None:
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"the onnx checker rejects the model: {first}") from None
+    except UnicodeDecodeError:  # the checker's own message quotes a corrupted name
+        raise InputError("the onnx checker rejects the model: it holds text that is not valid UTF-8 "
+                         "(a corrupted file?)") from None
 
 
 def _upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:

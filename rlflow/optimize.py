@@ -15,9 +15,9 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError, ProviderError
-from rlflow.graph import Graph, load, save_model
+from rlflow.graph import Graph, load, max_ir_version, save_model
 from rlflow.measure.memory import check_fits
-from rlflow.measure.session import SessionSettings, create_session, resolve_provider
+from rlflow.measure.session import SessionSettings, check_runs, resolve_provider
 from rlflow.measure.timing import Comparison, Ratio, compare
 from rlflow.measure.verify import Verification, verify
 from rlflow.rewrites import REGISTRY_VERSION, RULES, Rule
@@ -114,7 +114,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     check_fits(graph)
     settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
     input_model = graph.to_model(static=True)
-    create_session(input_model, settings)  # the provider must run the input at all: ProviderError otherwise
+    given = _given_model(graph)
+    check_runs(given, settings, seed)  # the provider must run the input as the user has it: ProviderError otherwise
 
     search = _search(graph, settings, method, time_limit, seed, rules, progress)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
@@ -129,7 +130,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         reason = f"input kept: {search.stop_reason}"
     else:
         candidate = search.graph.to_model(static=False)
-        verification = verify(_reference_model(graph), candidate, seeds=(seed, seed + 1, seed + 2),
+        verification = verify(given, candidate, seeds=(seed, seed + 1, seed + 2),
                               shapes=verification_shapes(graph))
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     if verification is not None and verification.ok:
@@ -149,7 +150,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     output = search.graph if keep else graph
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
-                  output_model=candidate if keep else _unchanged_model(graph), **common)
+                  output_model=candidate if keep else given, **common)
 
 
 def _search(graph: Graph, settings: SessionSettings, method: str, time_limit: float, seed: int,
@@ -175,25 +176,16 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
     return [fixed] if other == fixed else [fixed, other]
 
 
-def _reference_model(graph: Graph) -> onnx.ModelProto:
-    """The user's own file when onnxruntime can run it, so verification also covers rlflow's loading; else the graph."""
-    if graph.source:
-        try:
-            original = onnx.load(graph.source)
-            create_session(original, SessionSettings(opt_level="disable"))
-            return original
-        except (ProviderError, OSError, ValueError) as exc:
-            log.debug("verifying against the loaded graph instead of the file: %s", exc)
-    return graph.to_model(static=False)
+def _given_model(graph: Graph) -> onnx.ModelProto:
+    """The model as the user has it: their file (at an IR version onnxruntime accepts), else the graph's export.
 
-
-def _unchanged_model(graph: Graph) -> onnx.ModelProto:
-    """The model written when nothing is kept: the input file's model as it was, else the graph's export."""
+    It is the reference every output is verified against, so verification also covers rlflow's own loading, and it is
+    what is written, unchanged, when no rewrite is kept.
+    """
     if graph.source:
-        try:
-            return onnx.load(graph.source)
-        except (OSError, ValueError) as exc:
-            log.debug("re-exporting the graph: %s", exc)
+        model = onnx.load(graph.source)
+        model.ir_version = min(model.ir_version, max_ir_version())
+        return model
     return graph.to_model(static=False)
 
 

@@ -279,3 +279,4 @@ def test_ctrl_c_leaves_no_partial_output(transformer_path, tmp_path):
 def test_graph_input_errors_are_input_errors(tmp_path, matmul_model):
     with pytest.raises(InputError):
         load(save(matmul_model, tmp_path / "m.onnx"), {"x": (0, 8)})
+

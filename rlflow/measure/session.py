@@ -130,6 +130,20 @@ def _session_from_large_model(model: onnx.ModelProto, options, providers):
         return ort.InferenceSession(str(path), sess_options=options, providers=providers)
 
 
+def check_runs(model: onnx.ModelProto, settings: SessionSettings, seed: int = 0) -> None:
+    """Raises ProviderError unless onnxruntime builds a session for the model AND runs it once on random inputs.
+
+    Some models pass session creation and fail only when run (a Reshape to an impossible shape, say).
+    """
+    from rlflow.measure.inputs import random_inputs
+
+    session = create_session(model, settings)
+    try:
+        run_session(session, [o.name for o in session.get_outputs()], random_inputs(model, seed))
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
+        raise ProviderError(f"onnxruntime ({settings.provider}) cannot run the model: {_first_line(exc)}") from None
+
+
 def ort_feeds(feeds: Mapping[str, np.ndarray]) -> dict:
     """Inputs as OrtValues: the only way to hand onnxruntime bfloat16 data from Python."""
     ort = _ort()

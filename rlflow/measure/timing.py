@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import onnx
 
+from rlflow.errors import ProviderError
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, create_session, ort_feeds
 
@@ -173,9 +174,13 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         runners: list[Runner | None] = [None] * len(models)
         for i in rng.permutation(len(models)):
             runners[i] = Runner(models[i], settings, feeds)
-        for runner in runners:
-            for _ in range(warmup):
-                runner.run()
+        try:
+            for runner in runners:
+                for _ in range(warmup):
+                    runner.run()
+        except Exception as exc:  # noqa: BLE001 - a model that builds but cannot run (bad Reshape...) is not measurable
+            raise ProviderError(f"onnxruntime ({settings.provider}) cannot run a model: "
+                                f"{str(exc).strip().splitlines()[0][:300]}") from None
         if runs is None:
             slowest = max(r.time(1) for r in runners)
             runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(slowest, 1e-9)))

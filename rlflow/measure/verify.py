@@ -83,7 +83,11 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
         for seed in seeds:
             feeds = random_inputs(reference, seed, shape)
             expected = run_session(ref_session, ref_names, feeds)
-            actual = run_session(cand_session, ref_names, feeds)
+            try:
+                actual = run_session(cand_session, ref_names, feeds)
+            except Exception as exc:  # noqa: BLE001 - a candidate that fails to run simply does not verify
+                return Verification(False, [], tuple(seeds), [dict(s or {}) for s in shapes], opt_level,
+                                    f"candidate fails to run: {str(exc).strip().splitlines()[0][:300]}")
             for name, a, b in zip(ref_names, expected, actual):
                 check = compare_arrays(name, np.asarray(a), np.asarray(b), tolerance)
                 if name not in worst or _worse(check, worst[name]):
