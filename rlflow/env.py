@@ -356,6 +356,8 @@ class RewriteEnv(gym.Env):
             if unknown > state.unknown_shapes:
                 return f"the result has {unknown - state.unknown_shapes} more tensors without a static shape"
         child = self._lookup(graph)
+        if len(self._transitions) >= 16 * self.cache_size:  # bounded like the state cache (crudely: it only saves time)
+            self._transitions.clear()
         self._transitions[(state.fingerprint, match)] = child.fingerprint
         return child
 
