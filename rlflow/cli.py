@@ -63,20 +63,16 @@ def optimize(model, output, provider, threads, method, time_limit, input_shapes,
 def rules(model, input_shapes) -> None:
     """List the rewrite rules (with --model: how often each matches)."""
     from rlflow.graph import load, parse_input_shapes
-    from rlflow.rewrites import RULES, find_matches
+    from rlflow.rewrites import RULES, match_counts
 
-    counts = None
-    if model:
-        counts = {}
-        for match in find_matches(load(model, parse_input_shapes(input_shapes))):
-            counts[match.rule] = counts.get(match.rule, 0) + 1
+    counts = match_counts(load(model, parse_input_shapes(input_shapes))) if model else None
     width = max(len(r.name) for r in RULES)
     for index, rule in enumerate(RULES):
         count = "" if counts is None else f"{counts.get(rule.name, 0):>6}  "
         contrib = " [contrib]" if rule.contrib else ""
         click.echo(f"{index:>3}  {rule.name:<{width}}  {rule.category:<8}  {count}{rule.description}{contrib}")
     if counts is not None:
-        click.echo(f"{sum(counts.values())} matches of {len(counts)} rules in {model}")
+        click.echo(f"{sum(counts.values())} matches of {sum(c > 0 for c in counts.values())} rules in {model}")
 
 
 @cli.command()
