@@ -78,6 +78,8 @@ class Rule:
         category: one of CATEGORIES.
         root_ops: operator types a match can be rooted at (the index `find` uses).
         contrib: True when the rewrite emits onnxruntime contrib operators (com.microsoft domain).
+        domains: operator domains a root may come from ("" and "ai.onnx" are the default domain); rules that undo
+            onnxruntime fusions root at com.microsoft operators.
     The class docstring's first line says what it does: "Replaces `A(B(x))` with `C(x)`."
     """
 
@@ -85,6 +87,7 @@ class Rule:
     category: ClassVar[str] = ""
     root_ops: ClassVar[tuple[str, ...]] = ()
     contrib: ClassVar[bool] = False
+    domains: ClassVar[tuple[str, ...]] = ("", "ai.onnx")
 
     def __init__(self) -> None:
         cls = type(self)
@@ -126,7 +129,7 @@ class Rule:
 
     def _checks(self, graph: Graph) -> Iterable[Match | NoMatch]:
         for node in graph.gs.nodes:
-            if node.op in self.root_ops and is_standard(node):
+            if node.op in self.root_ops and (node.domain or "") in self.domains:
                 yield self.check(graph, node)
 
     def no(self, node: gs.Node, reason: str) -> NoMatch:
