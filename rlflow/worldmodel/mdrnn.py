@@ -1,0 +1,198 @@
+"""M: the MDN-RNN that learns how a rewrite changes the latent graph state, what it earns and whether the episode ends.
+
+As in ctallec/world-models: an LSTM reads (z_t, action_t) and a mixture-density head gives a mixture of K diagonal
+Gaussians over z_{t+1}, plus the reward and a termination logit.  `MDRNN` runs whole sequences (training) and
+`MDRNNCell` one step (the dream and real rollouts); the cell holds the sequence model itself, so the two share every
+weight by construction.
+
+Actions are rule ids (`0..R-1`: apply one match of that rule) and `R` (terminate), one-hot encoded: the dream acts
+over rule types, so it needs no candidate list from a real graph.  What a real candidate list would say is
+predicted too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the graph have a match of rule r?) of
+the state (z_t, h_t), which is the action mask the dream hands to the controller.  The heads read the LSTM output
+together with z_t and the action (a skip connection: reward is mostly a function of the graph and the rule, which
+the LSTM need not relay).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MDRNNOutput(NamedTuple):
+    """Predictions for each step (leading dims L = (T, B) for sequences, (B,) for the cell; K Gaussians, Z latent)."""
+
+    mus: torch.Tensor  # (*L, K, Z)
+    sigmas: torch.Tensor  # (*L, K, Z)
+    logpi: torch.Tensor  # (*L, K) log mixture weights
+    reward: torch.Tensor  # (*L,) predicted reward of the step (in reward units / reward_scale)
+    done_logit: torch.Tensor  # (*L,) termination after the step (no rewrite left)
+    mask_logits: torch.Tensor  # (*L, R) per-rule availability of the state *before* the step (z_t, h_t)
+
+
+def gmm_loss(batch: torch.Tensor, mus: torch.Tensor, sigmas: torch.Tensor, logpi: torch.Tensor,
+             reduce: bool = True) -> torch.Tensor:
+    """Negative log-likelihood of `batch` under a mixture of diagonal Gaussians (ctallec/world-models' gmm_loss).
+
+    Args:
+        batch: (*L, Z) observed next latents.
+        mus: (*L, K, Z) component means.
+        sigmas: (*L, K, Z) component standard deviations (> 0).
+        logpi: (*L, K) log mixture weights (log-softmax normalised).
+        reduce: mean over the leading dims if True, else the per-element NLL (*L,).
+
+    Returns:
+        - log sum_k pi_k prod_z N(batch_z; mu_kz, sigma_kz), computed with torch.logsumexp for stability.
+    """
+    batch = batch.unsqueeze(-2)  # (*L, 1, Z)
+    normal = torch.distributions.Normal(mus, sigmas)
+    log_probs = logpi + normal.log_prob(batch).sum(-1)  # (*L, K)
+    nll = -torch.logsumexp(log_probs, dim=-1)
+    return nll.mean() if reduce else nll
+
+
+class MDRNN(nn.Module):
+    """The sequence model.
+
+    Args:
+        latent_size: size of z (Z).
+        n_actions: number of actions (rules plus terminate); actions enter one-hot.
+        n_rules: rules of the availability head (R).
+        hidden: LSTM size (H).
+        gaussians: mixture components (K).
+    """
+
+    def __init__(self, latent_size: int, n_actions: int, n_rules: int, hidden: int = 128, gaussians: int = 5):
+        super().__init__()
+        self.latent_size, self.n_actions, self.n_rules = latent_size, n_actions, n_rules
+        self.hidden, self.gaussians = hidden, gaussians
+        self.rnn = nn.LSTM(latent_size + n_actions, hidden)
+        head_in = hidden + latent_size + n_actions
+        self.gmm_linear = nn.Linear(head_in, (2 * latent_size + 1) * gaussians)
+        self.reward_head = nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.done_head = nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.mask_head = nn.Sequential(nn.Linear(latent_size + hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_rules))
+
+    def spec(self) -> dict:
+        """Constructor arguments (stored in checkpoints)."""
+        return {"latent_size": self.latent_size, "n_actions": self.n_actions, "n_rules": self.n_rules,
+                "hidden": self.hidden, "gaussians": self.gaussians}
+
+    def initial_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero (h, c), each (B, H)."""
+        zeros = torch.zeros(batch, self.hidden, device=device)
+        return zeros, zeros.clone()
+
+    def mask_logits(self, latents: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Per-rule availability logits (*L, R) of the state (z, h): latents (*L, Z), h (*L, H)."""
+        return self.mask_head(torch.cat([latents, h], -1))
+
+    def _heads(self, outs: torch.Tensor, latents: torch.Tensor, onehot: torch.Tensor):
+        """outs (*L, H), latents (*L, Z), onehot (*L, A) -> mus, sigmas, logpi, reward, done_logit."""
+        x = torch.cat([outs, latents, onehot], -1)
+        gmm = self.gmm_linear(x)
+        k, z = self.gaussians, self.latent_size
+        lead = gmm.shape[:-1]
+        mus = gmm[..., : k * z].reshape(*lead, k, z)
+        sigmas = gmm[..., k * z: 2 * k * z].reshape(*lead, k, z).clamp(-7.0, 5.0).exp()
+        logpi = F.log_softmax(gmm[..., 2 * k * z:], dim=-1)
+        return mus, sigmas, logpi, self.reward_head(x).squeeze(-1), self.done_head(x).squeeze(-1)
+
+    def forward(self, actions: torch.Tensor, latents: torch.Tensor,
+                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> MDRNNOutput:
+        """Predictions for a batch of sequences.
+
+        Args:
+            actions: (T, B) long action ids.
+            latents: (T, B, Z) z_t.
+            state: initial (h, c), each (B, H); zeros when None.
+
+        Returns:
+            `MDRNNOutput` with leading dims (T, B); `mask_logits[t]` is the availability of state t, read from z_t
+            and the hidden state h_t before step t (h_0 = the initial state).
+        """
+        t, b = actions.shape
+        if state is None:
+            state = self.initial_state(b, latents.device)
+        onehot = F.one_hot(actions.long(), self.n_actions).float()
+        outs, _ = self.rnn(torch.cat([latents, onehot], -1), (state[0].unsqueeze(0), state[1].unsqueeze(0)))
+        before = torch.cat([state[0].unsqueeze(0), outs[:-1]], 0)  # h_t for each t
+        mus, sigmas, logpi, reward, done = self._heads(outs, latents, onehot)
+        return MDRNNOutput(mus, sigmas, logpi, reward, done, self.mask_logits(latents, before))
+
+
+class MDRNNCell(nn.Module):
+    """One step of an `MDRNN`, with the very same weights (it holds the sequence model).
+
+    Args:
+        mdrnn: the trained sequence model.
+    """
+
+    def __init__(self, mdrnn: MDRNN):
+        super().__init__()
+        self.mdrnn = mdrnn
+
+    def forward(self, action: torch.Tensor, latent: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
+        """One step: action (B,) long, latent (B, Z), state (h, c) each (B, H) ->
+        (`MDRNNOutput` with leading dim B, next state (h, c))."""
+        m = self.mdrnn
+        onehot = F.one_hot(action.long(), m.n_actions).float()
+        out, (h, c) = m.rnn(torch.cat([latent, onehot], -1).unsqueeze(0), (state[0].unsqueeze(0),
+                                                                            state[1].unsqueeze(0)))
+        out = out.squeeze(0)
+        mus, sigmas, logpi, reward, done = m._heads(out, latent, onehot)
+        return (MDRNNOutput(mus, sigmas, logpi, reward, done, m.mask_logits(latent, state[0])),
+                (h.squeeze(0), c.squeeze(0)))
+
+
+def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor,
+               masks: torch.Tensor, valid: torch.Tensor, state_valid: torch.Tensor | None = None,
+               mask_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """The world model's training loss over padded sequences.
+
+    Args:
+        out: `MDRNN.forward` output, leading dims (T, B).
+        next_latents: (T, B, Z) z_{t+1}.
+        rewards: (T, B) real rewards (already divided by the reward scale).
+        dones: (T, B) 1 where the episode ended after the step because no rewrite was left.
+        masks: (T, B, R) real per-rule availability of state t.
+        valid: (T, B) 1 on steps with a transition target (a rule was applied), 0 elsewhere.
+        state_valid: (T, B) 1 on real states (availability targets); `valid` when None.
+        mask_weight: weight of the availability loss.
+
+    Returns:
+        Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) / (Z + 2) as in ctallec plus
+        mask_weight * mask BCE (per rule); and `gmm`, `reward_mse`, `done_bce`, `mask_bce`.
+    """
+    valid = valid.float()
+    count = valid.sum().clamp_min(1.0)
+    gmm = (gmm_loss(next_latents, out.mus, out.sigmas, out.logpi, reduce=False) * valid).sum() / count
+    mse = ((out.reward - rewards).pow(2) * valid).sum() / count
+    bce = (F.binary_cross_entropy_with_logits(out.done_logit, dones.float(), reduction="none") * valid).sum() / count
+    state_valid = valid if state_valid is None else state_valid.float()
+    mask = (F.binary_cross_entropy_with_logits(out.mask_logits, masks.float(), reduction="none").mean(-1)
+            * state_valid).sum() / state_valid.sum().clamp_min(1.0)
+    z = next_latents.shape[-1]
+    loss = (gmm + bce + mse) / (z + 2) + mask_weight * mask
+    return {"loss": loss, "gmm": gmm, "reward_mse": mse, "done_bce": bce, "mask_bce": mask}
+
+
+def sample_gmm(mus: torch.Tensor, sigmas: torch.Tensor, logpi: torch.Tensor, temperature: float,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """Samples z (B, Z) from mixtures mus, sigmas (B, K, Z), logpi (B, K) at `temperature` (World Models, sec. 4.4):
+    component weights softmax(logpi / tau), standard deviations times sqrt(tau); tau = 0 takes the most likely
+    component's mean."""
+    if temperature <= 0:
+        index = logpi.argmax(-1)
+        return mus[torch.arange(mus.shape[0]), index]
+    probs = F.softmax(logpi / temperature, -1)
+    index = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    rows = torch.arange(mus.shape[0])
+    eps = torch.randn(mus[rows, index].shape, generator=generator)
+    return mus[rows, index] + sigmas[rows, index] * math.sqrt(temperature) * eps
+
+
+__all__ = ["MDRNN", "MDRNNCell", "MDRNNOutput", "gmm_loss", "mdrnn_loss", "sample_gmm"]

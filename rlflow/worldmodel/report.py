@@ -1,0 +1,211 @@
+"""World-model quality on held-out real transitions, and the plots of docs/results/.
+
+`quality` measures V and M on episodes that never trained them: V's reconstruction error and KL, M's mixture
+negative log-likelihood of the next latent, reward error and Pearson correlation between predicted and real reward,
+termination accuracy, and the accuracy of the predicted per-rule availability (the dream's action mask).  Mask
+accuracy is given three ways, since most of the registry's rules never match a -tiny model and a predictor that says
+"unavailable" everywhere already scores high per entry: per entry, per entry over the rules seen available at least
+once, and per state (the whole mask right).  Transitions whose (state, rule) pair also occurs in the training
+episodes are counted too (the environment is deterministic and starts from the same graphs, so many do): the
+correlation is also given over the unseen ones.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlflow.worldmodel.replay import Episode, Replay, sequences
+
+
+def pearson(x, y) -> float:
+    """Pearson correlation of two 1-D sequences (nan when either is constant or shorter than 2)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 2 or x.std() == 0 or y.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+@torch.no_grad()
+def encode_all(vision, replay: Replay, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Posteriors (mu, logvar), each (S, Z), of every replay state."""
+    vision.eval()
+    mus, logvars = [], []
+    for begin in range(0, len(replay.states), batch):
+        mu, logvar = vision.encode(replay.batch(range(begin, min(begin + batch, len(replay.states)))))
+        mus.append(mu)
+        logvars.append(logvar)
+    return torch.cat(mus), torch.cat(logvars)
+
+
+@torch.no_grad()
+def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episodes: list[Episode],
+            mu: torch.Tensor, logvar: torch.Tensor, reward_scale: float) -> dict:
+    """World-model figures on `episodes` (held out); see the module docstring."""
+    from rlflow.worldmodel.vae import kl_divergence
+
+    if not episodes:
+        return {}
+    vision.eval()
+    mdrnn.eval()
+    ids = replay.state_ids(episodes)
+    recon, kl = [], []
+    for begin in range(0, len(ids), 128):
+        out = vision(replay.batch(ids[begin: begin + 128]), sample=False)
+        recon.append((out.recon - out.embedding).pow(2).sum(-1))
+        kl.append(kl_divergence(out.mu, out.logvar))
+    recon, kl = torch.cat(recon), torch.cat(kl)
+    masks = torch.as_tensor(np.stack(replay.rule_masks))
+    terminate = mdrnn.n_rules
+    seq = sequences(episodes, mu, logvar, masks, terminate, sample=False, reward_scale=reward_scale)
+    out = mdrnn(seq["actions"], seq["latents"])
+    from rlflow.worldmodel.mdrnn import gmm_loss
+
+    valid = seq["valid"].bool()
+    nll = gmm_loss(seq["next_latents"], out.mus, out.sigmas, out.logpi, reduce=False)[valid]
+    predicted = (out.reward[valid] * reward_scale).numpy()
+    real = (seq["rewards"][valid] * reward_scale).numpy()
+    done_pred = (out.done_logit[valid] > 0).numpy()
+    done_real = seq["dones"][valid].bool().numpy()
+    state_valid = seq["state_valid"].bool()
+    mask_pred = (out.mask_logits[state_valid] > 0).numpy()
+    mask_real = seq["masks"][state_valid].bool().numpy()
+    seen_rules = masks.any(0).numpy()
+    # (state, action) pairs that training episodes also contain
+    trained_pairs = {(s, a) for e in train_episodes for s, a in zip(e.states, e.actions)}
+    # sequences() orders valid entries time-major; rebuild the same order for the seen flags
+    order = [(t, col) for t in range(seq["valid"].shape[0]) for col in range(seq["valid"].shape[1]) if valid[t, col]]
+    flags = {}
+    for col, e in enumerate(episodes):
+        for t, (s, a) in enumerate(zip(e.states, e.actions)):
+            if a != terminate:
+                flags[(t, col)] = (s, a) in trained_pairs
+    seen = np.array([flags[k] for k in order], bool) if order else np.zeros(0, bool)
+    unseen = ~seen
+    return {
+        "heldout_episodes": len(episodes),
+        "heldout_states": len(ids),
+        "heldout_transitions": int(valid.sum()),
+        "vae_reconstruction": float(recon.mean()),
+        "vae_kl": float(kl.mean()),
+        "mdn_nll": float(nll.mean()) if len(nll) else float("nan"),
+        "reward_mse": float(np.mean((predicted - real) ** 2)) if len(real) else float("nan"),
+        "reward_mae": float(np.mean(np.abs(predicted - real))) if len(real) else float("nan"),
+        "reward_pearson": pearson(predicted, real),
+        "reward_pearson_unseen": pearson(predicted[unseen], real[unseen]),
+        "unseen_transitions": int(unseen.sum()),
+        "done_accuracy": float(np.mean(done_pred == done_real)) if len(real) else float("nan"),
+        "mask_accuracy": float(np.mean(mask_pred == mask_real)),
+        "mask_accuracy_seen_rules": float(np.mean(mask_pred[:, seen_rules] == mask_real[:, seen_rules])),
+        "mask_exact": float(np.mean((mask_pred == mask_real).all(-1))),
+        "mask_false_available": float(np.mean(mask_pred & ~mask_real)),
+        "mask_false_unavailable": float(np.mean(~mask_pred & mask_real)),
+        "reward_pairs": {"predicted": predicted.tolist(), "real": real.tolist(), "seen": seen.tolist()},
+    }
+
+
+def ppo_curve(episodes: list[dict], window: int) -> tuple[np.ndarray, np.ndarray]:
+    """PPO's rolling mean episode return (over `window` episodes) against real steps."""
+    steps = np.array([e["real_steps"] for e in episodes], float)
+    returns = np.array([e["return"] for e in episodes], float)
+    window = max(1, min(window, len(returns)))
+    smooth = np.convolve(returns, np.ones(window) / window, mode="valid")
+    return steps[window - 1:], smooth
+
+
+def plot_sample_efficiency(wm_points: list[dict], ppo: dict | None, path: Path, title: str) -> None:
+    """Mean real-environment return vs real-environment steps: world-model agent (greedy evaluations and its
+    collection episodes) and model-free PPO (rolling mean of its training episodes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    if ppo is not None and ppo.get("curve"):
+        window = 3 * len(ppo["config"]["models"])
+        x, y = ppo_curve(ppo["curve"], window)
+        ax.plot(x, y, color="tab:blue", label=f"model-free PPO (mean of last {window} episodes)")
+        final = ppo["train"]["final_mean_return"]
+        ax.axhline(final, color="tab:blue", ls=":", lw=1, label=f"PPO final mean return {final:.2f}")
+        ax.axvline(ppo["train"]["real_steps"] / 5, color="grey", ls="--", lw=1,
+                   label=f"1/5 of PPO's real steps ({ppo['train']['real_steps'] / 5:.0f})")
+    if wm_points:
+        x = [p["real_steps"] for p in wm_points]
+        ax.plot(x, [p["eval_mean_return"] for p in wm_points], "o-", color="tab:red",
+                label="world-model agent (greedy, one episode per model)")
+        ax.plot(x, [p["collect_mean_return"] for p in wm_points], "x", color="tab:orange",
+                label="world-model agent's collection episodes (mean per iteration)")
+    ax.axhline(0.0, color="grey", lw=0.5)
+    low = min([0.0] + [p["eval_mean_return"] for p in wm_points])
+    ax.set_ylim(max(low - 3, -20), None)
+    ax.set_xscale("log")
+    ax.set_xlabel("real environment steps (log scale)")
+    ax.set_ylabel("mean return (% of initial estimated runtime saved)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_quality(history: list[dict], final: dict, path: Path) -> None:
+    """World-model quality: predicted vs real reward on held-out transitions, and each figure per iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(9, 7))
+    ax = axes[0, 0]
+    pairs = final.get("reward_pairs", {})
+    if pairs.get("real"):
+        real, pred = np.array(pairs["real"]), np.array(pairs["predicted"])
+        seen = np.array(pairs["seen"], bool)
+        ax.scatter(real[seen], pred[seen], s=10, alpha=0.5, label="(state, rule) also in training")
+        ax.scatter(real[~seen], pred[~seen], s=14, alpha=0.8, marker="x", label="unseen (state, rule)")
+        lo, hi = min(real.min(), pred.min()), max(real.max(), pred.max())
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("real reward")
+    ax.set_ylabel("predicted reward")
+    ax.set_title(f"held-out transitions: Pearson {final.get('reward_pearson', math.nan):.3f} "
+                 f"(unseen {final.get('reward_pearson_unseen', math.nan):.3f})", fontsize=9)
+    its = [h["iteration"] for h in history]
+    ax = axes[0, 1]
+    ax.plot(its, [h["vae_reconstruction"] for h in history], "o-", label="V reconstruction (sum sq. error)")
+    ax.plot(its, [h["vae_kl"] for h in history], "o-", label="V KL")
+    ax.plot(its, [h["mdn_nll"] for h in history], "o-", label="M mixture NLL of z'")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=7)
+    ax.set_title("latent model on held-out states", fontsize=9)
+    ax = axes[1, 0]
+    ax.plot(its, [h["reward_pearson"] for h in history], "o-", label="reward Pearson")
+    ax.plot(its, [h["reward_pearson_unseen"] for h in history], "o-", label="reward Pearson (unseen)")
+    ax.plot(its, [h["done_accuracy"] for h in history], "o-", label="termination accuracy")
+    ax.axhline(0.8, color="grey", ls="--", lw=0.5)
+    ax.set_ylim(-0.1, 1.05)
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=7)
+    ax.set_title("reward and termination", fontsize=9)
+    ax2 = ax.twinx()
+    ax2.plot(its, [h["reward_mae"] for h in history], "s--", color="tab:red", label="reward MAE")
+    ax2.set_ylabel("reward MAE", fontsize=8)
+    ax = axes[1, 1]
+    ax.plot(its, [h["mask_accuracy"] for h in history], "o-", label="per rule (all rules)")
+    ax.plot(its, [h["mask_accuracy_seen_rules"] for h in history], "o-", label="per rule (rules ever available)")
+    ax.plot(its, [h["mask_exact"] for h in history], "o-", label="whole mask right")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=7)
+    ax.set_title("predicted rule availability (the dream's action mask)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["pearson", "encode_all", "quality", "ppo_curve", "plot_sample_efficiency", "plot_quality"]

@@ -1,0 +1,616 @@
+"""The world-model agent (RLFlow's loop, done properly): real rollouts -> V and M -> controller in the dream -> repeat.
+
+Each iteration:
+1. collect real episodes on the training models: uniformly random rule-level actions at first, then the current
+   controller with epsilon-random exploration; a fraction of the episodes is held out (never trains V or M);
+2. train V (`GraphVAE`: graph encoder + VAE + grounding heads) on the training states, encode every state;
+3. train M (`MDRNN`) on the training episodes' latent sequences (z sampled from V's posteriors);
+4. train the controller (`LatentPolicy` over (z, h)) with masked PPO in the dream (`DreamBatch`), which never
+   touches a real graph: the action mask is M's predicted rule availability;
+5. evaluate: one greedy episode per model in the real environment (these steps count as real steps too), and the
+   world model's quality on the held-out episodes.
+
+Actions are rule types plus terminate.  In the real environment the chosen rule is applied at its first listed
+candidate (the location heuristic: `rlflow.controller.dream_ppo.first_candidate`), masked by the real availability.
+
+Everything the run needs to resume (weights, optimiser states, replay, curves, config, rule-registry version) is in
+`<run_dir>/worldmodel.pt`; metrics (`charts/`, `losses/`, `eval/`) go to `<run_dir>/metrics.csv`; the report
+(`worldmodel.json`, `worldmodel-quality.png`, `sample-efficiency.png`) goes to `<out>`, compared with the model-free
+PPO results in `ppo_results`.
+
+    python -m rlflow.worldmodel.train --out docs/results
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("rlflow")
+
+CHECKPOINT_FORMAT = 1
+
+DEFAULT_MODELS = ("squeezenet-1.1-tiny", "resnet-18-tiny", "resnet-50-tiny", "resnext-50-32x4d-tiny",
+                  "inception-v3-tiny", "mobilenet-v2-tiny", "densenet-121-tiny", "nasrnn-tiny", "bert-base-tiny",
+                  "vit-b-16-tiny", "gpt2-small-tiny")
+"""The models of the model-free baseline's acceptance run (`rlflow.controller.ppo.DEFAULT_MODELS`)."""
+
+
+@dataclass
+class Config:
+    """Settings of a world-model run.
+
+    Attributes:
+        models: zoo model names (built into `zoo_dir` when needed) or .onnx paths; trained and evaluated on.
+        iterations: collect -> train V, M -> train the controller in the dream -> evaluate, this many times.
+        random_steps: real steps of uniformly random rule-level actions in the first iteration.
+        random_terminate: probability that a random action is terminate (lower explores deeper graphs).
+        collect_steps: real steps with the current controller in each later iteration.
+        explore_epsilon: probability of a uniformly random available rule during controller collection.
+        heldout_fraction: share of collected episodes held out of V and M training (for the quality figures).
+        latent_size: size of z.
+        hidden: graph-encoder width (embedding size).
+        rounds: message-passing rounds.
+        vae_epochs: epochs of V per iteration.
+        vae_lr: V's Adam learning rate.
+        vae_batch: V's batch size (states).
+        beta: weight of V's KL term.
+        rnn_hidden: LSTM size of M.
+        gaussians: mixture components of M.
+        mdrnn_epochs: epochs of M per iteration.
+        mdrnn_lr: M's Adam learning rate.
+        mdrnn_batch: M's batch size (episodes).
+        mask_weight: weight of M's availability loss.
+        reward_scale: rewards are predicted divided by this.
+        temperature: sampling temperature of the dream.
+        dream_steps: dream steps of controller training per iteration.
+        dream_envs: dreams stepped together.
+        dream_rollout: steps per dream per PPO rollout.
+        controller_hidden: width of the controller.
+        controller_lr: controller's Adam learning rate.
+        ent_coef: controller's entropy bonus.
+        max_episode_steps: episode step limit (real and dream).
+        max_nodes: observation node cap.
+        max_edges: observation edge cap.
+        max_candidates: candidate cap.
+        seed: seeds torch, numpy, random.
+        threads: torch threads (1: polite on shared machines).
+        out: folder of worldmodel.json and the plots.
+        run_dir: folder of metrics and the checkpoint.
+        zoo_dir: where zoo models are built (default: the zoo cache).
+        ppo_results: the model-free baseline's results (`rlflow.controller.ppo`) to compare with.
+        resume: continue from `<run_dir>/worldmodel.pt` when it exists.
+        report: write worldmodel.json and the plots to `out` at the end.
+    """
+
+    models: tuple[str, ...] = DEFAULT_MODELS
+    iterations: int = 4
+    random_steps: int = 500
+    random_terminate: float = 0.1
+    collect_steps: int = 200
+    explore_epsilon: float = 0.2
+    heldout_fraction: float = 0.2
+    latent_size: int = 32
+    hidden: int = 64
+    rounds: int = 3
+    vae_epochs: int = 30
+    vae_lr: float = 1e-3
+    vae_batch: int = 64
+    beta: float = 1.0
+    rnn_hidden: int = 128
+    gaussians: int = 5
+    mdrnn_epochs: int = 150
+    mdrnn_lr: float = 1e-3
+    mdrnn_batch: int = 32
+    mask_weight: float = 10.0
+    reward_scale: float = 10.0
+    temperature: float = 1.0
+    dream_steps: int = 50_000
+    dream_envs: int = 64
+    dream_rollout: int = 32
+    controller_hidden: int = 128
+    controller_lr: float = 1e-3
+    ent_coef: float = 0.01
+    max_episode_steps: int = 25
+    max_nodes: int = 512
+    max_edges: int = 1024
+    max_candidates: int = 256
+    seed: int = 0
+    threads: int = 1
+    out: str = "docs/results"
+    run_dir: str = "build/worldmodel"
+    zoo_dir: str | None = None
+    ppo_results: str = "docs/results/ppo.json"
+    resume: bool = False
+    report: bool = True
+
+
+class Agent:
+    """V, M and the controller with their optimisers (what a checkpoint holds besides the replay and curves)."""
+
+    def __init__(self, config: Config, n_rules: int):
+        import torch
+
+        from rlflow.controller.dream_ppo import LatentPolicy
+        from rlflow.worldmodel.mdrnn import MDRNN
+        from rlflow.worldmodel.vae import GraphVAE
+
+        self.n_rules = n_rules
+        self.vision = GraphVAE(n_rules, config.hidden, config.rounds, config.latent_size)
+        self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians)
+        self.policy = LatentPolicy(config.latent_size + config.rnn_hidden, n_rules + 1, config.controller_hidden)
+        self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=config.vae_lr)
+        self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=config.mdrnn_lr)
+        self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=config.controller_lr, eps=1e-5)
+
+    def state_dict(self) -> dict:
+        return {"vision": self.vision.state_dict(), "mdrnn": self.mdrnn.state_dict(),
+                "policy": self.policy.state_dict(), "vision_opt": self.vision_opt.state_dict(),
+                "mdrnn_opt": self.mdrnn_opt.state_dict(), "policy_opt": self.policy_opt.state_dict(),
+                "specs": {"vision": self.vision.spec(), "mdrnn": self.mdrnn.spec(), "policy": self.policy.spec()}}
+
+    def load_state_dict(self, data: dict) -> None:
+        for name in ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt"):
+            getattr(self, name).load_state_dict(data[name])
+
+
+# ----------------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path: str | os.PathLike, agent: Agent, config: Config | dict, **extra) -> Path:
+    """Writes weights, optimiser states, config, rule-registry and observation versions and `extra` (atomically)."""
+    import torch
+
+    from rlflow.features import OBS_VERSION
+    from rlflow.rewrites import REGISTRY_VERSION, RULES
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": CHECKPOINT_FORMAT, "algo": "worldmodel", "registry_version": REGISTRY_VERSION,
+               "rules": [r.name for r in RULES], "obs_version": OBS_VERSION,
+               "config": asdict(config) if dataclasses.is_dataclass(config) else dict(config),
+               "agent": agent.state_dict(), **extra}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[Agent, dict]:
+    """The agent stored at `path` and the whole checkpoint.
+
+    Raises:
+        RlflowError: missing file, not a world-model checkpoint, or another rule registry or observation version
+            (rule ids would mean other rules).
+    """
+    import torch
+
+    from rlflow.errors import RlflowError
+    from rlflow.features import OBS_VERSION
+    from rlflow.rewrites import REGISTRY_VERSION
+
+    path = Path(path)
+    if not path.is_file():
+        raise RlflowError(f"{path}: no such checkpoint")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
+        raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT or payload.get("algo") != "worldmodel":
+        raise RlflowError(f"{path}: not an rlflow world-model checkpoint")
+    expected = registry_version or REGISTRY_VERSION
+    if payload["registry_version"] != expected:
+        raise RlflowError(f"{path}: trained on rule registry {payload['registry_version']} "
+                          f"({len(payload['rules'])} rules), but this rlflow has registry {expected}: rule ids would "
+                          f"mean other rules; retrain (rlflow train --algo worldmodel)")
+    if payload["obs_version"] != OBS_VERSION:
+        raise RlflowError(f"{path}: trained on observation version {payload['obs_version']}, this rlflow has "
+                          f"{OBS_VERSION}; retrain")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["config"].items() if k in fields})
+    agent = Agent(config, len(payload["rules"]))
+    agent.load_state_dict(payload["agent"])
+    return agent, payload
+
+
+# -------------------------------------------------------------------------------------------------- real rollouts
+def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.random.Generator, *, greedy: bool,
+                 epsilon: float = 0.0, random_terminate: float = 0.1, heldout: bool = False, source: str = "random",
+                 iteration: int = 0, max_steps: int | None = None):
+    """One real episode with rule-level actions (uniformly random when `agent` is None), recorded in `replay`.
+
+    Returns:
+        The `Episode` (also appended to `replay.episodes`).
+    """
+    import torch
+
+    from rlflow.controller.dream_ppo import first_candidate, rule_mask_from_obs
+    from rlflow.controller.policy import obs_to_torch
+    from rlflow.worldmodel.mdrnn import MDRNNCell
+    from rlflow.worldmodel.replay import Episode
+
+    n_rules = replay.n_rules
+    obs, info = env.reset(options={"model": model_index})
+    episode = Episode(model=info["model"], heldout=heldout, source=source, iteration=iteration)
+    if agent is not None:
+        cell = MDRNNCell(agent.mdrnn)
+        state = agent.mdrnn.initial_state(1)
+    done = False
+    while not done:
+        mask = rule_mask_from_obs(obs, n_rules)
+        episode.states.append(replay.add_state(obs, mask))
+        rules = np.flatnonzero(mask[:n_rules])
+        if agent is not None:
+            with torch.no_grad():
+                z, _ = agent.vision.encode(obs_to_torch(obs))
+        if agent is None or (epsilon > 0 and rng.random() < epsilon):
+            action = n_rules if len(rules) == 0 or rng.random() < random_terminate else int(rng.choice(rules))
+        else:
+            with torch.no_grad():
+                chosen, *_ = agent.policy.get_action_and_value(torch.cat([z, state[0]], -1),
+                                                               torch.as_tensor(mask).unsqueeze(0), greedy=greedy)
+            action = int(chosen.item())
+        env_action = env.terminate_action if action == n_rules else first_candidate(obs, action)
+        obs, reward, terminated, truncated, info = env.step(env_action)
+        episode.actions.append(int(action))
+        episode.rewards.append(float(reward))
+        if agent is not None and action != n_rules:
+            with torch.no_grad():
+                _, state = cell(torch.tensor([action]), z, state)
+        done = terminated or truncated or (max_steps is not None and len(episode.actions) >= max_steps)
+        if done:
+            episode.states.append(replay.add_state(obs, rule_mask_from_obs(obs, n_rules)))
+            episode.ended_empty = bool(terminated and action != n_rules)
+            episode.truncated = bool(truncated)
+    replay.episodes.append(episode)
+    return episode
+
+
+def collect(env, agent: Agent | None, replay, steps: int, config: Config, rng: np.random.Generator, *,
+            iteration: int, progress=None) -> list:
+    """Real episodes, models in turn, until `steps` real steps: random (agent None) or the controller with
+    epsilon exploration (sampled actions)."""
+    episodes, taken = [], 0
+    while taken < steps:
+        index = len(replay.episodes) % len(env.models)
+        heldout = bool(rng.random() < config.heldout_fraction)
+        ep = real_episode(env, index, agent, replay, rng, greedy=False, epsilon=config.explore_epsilon,
+                          random_terminate=config.random_terminate, heldout=heldout,
+                          source="random" if agent is None else "controller", iteration=iteration)
+        episodes.append(ep)
+        taken += len(ep.actions)
+        if progress is not None:
+            progress.update(len(ep.actions))
+    return episodes
+
+
+def evaluate_real(env, agent: Agent, replay, config: Config, rng: np.random.Generator, iteration: int) -> list:
+    """One greedy episode per model in the real environment (recorded: they are real experience too)."""
+    return [real_episode(env, index, agent, replay, rng, greedy=True,
+                         heldout=bool(rng.random() < config.heldout_fraction), source="eval", iteration=iteration)
+            for index in range(len(env.models))]
+
+
+def train_vision(agent: Agent, replay, ids: list[int], config: Config, rng: np.random.Generator,
+                 progress=None) -> dict:
+    """Epochs of V over the training states; returns the last epoch's mean losses."""
+    import torch
+
+    from rlflow.worldmodel.vae import graph_vae_loss
+
+    agent.vision.train()
+    ids = np.asarray(ids)
+    totals: dict[str, float] = {}
+    for _ in range(config.vae_epochs):
+        totals, batches = {}, 0
+        shuffled = ids[rng.permutation(len(ids))]
+        for begin in range(0, len(ids), config.vae_batch):
+            chunk = shuffled[begin: begin + config.vae_batch]
+            obs = replay.batch(chunk.tolist())
+            out = agent.vision(obs)
+            losses = graph_vae_loss(out, replay.masks(chunk.tolist()), obs["graph"], config.beta)
+            agent.vision_opt.zero_grad()
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(agent.vision.parameters(), 5.0)
+            agent.vision_opt.step()
+            for key, value in losses.items():
+                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            batches += 1
+        totals = {k: v / max(batches, 1) for k, v in totals.items()}
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{totals['loss']:.2f}", kl=f"{totals['kl']:.2f}")
+    return totals
+
+
+def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config, rng: np.random.Generator,
+                progress=None) -> dict:
+    """Epochs of M over the training episodes (z sampled from V's posteriors each epoch)."""
+    import torch
+
+    from rlflow.worldmodel.mdrnn import mdrnn_loss
+    from rlflow.worldmodel.replay import sequences
+
+    agent.mdrnn.train()
+    masks = torch.as_tensor(np.stack(replay.rule_masks))
+    terminate = agent.n_rules
+    totals: dict[str, float] = {}
+    for _ in range(config.mdrnn_epochs):
+        order = rng.permutation(len(episodes))
+        totals, batches = {}, 0
+        for begin in range(0, len(order), config.mdrnn_batch):
+            chunk = [episodes[i] for i in order[begin: begin + config.mdrnn_batch]]
+            seq = sequences(chunk, mu, logvar, masks, terminate, sample=True, reward_scale=config.reward_scale)
+            out = agent.mdrnn(seq["actions"], seq["latents"])
+            losses = mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
+                                seq["state_valid"], config.mask_weight)
+            agent.mdrnn_opt.zero_grad()
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(agent.mdrnn.parameters(), 5.0)
+            agent.mdrnn_opt.step()
+            for key, value in losses.items():
+                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            batches += 1
+        totals = {k: v / max(batches, 1) for k, v in totals.items()}
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{totals['loss']:.3f}", reward=f"{totals['reward_mse']:.3f}")
+    return totals
+
+
+def command_line(config: Config) -> str:
+    """The command that reproduces `config` (options that differ from the defaults)."""
+    defaults = Config()
+    parts = ["python -m rlflow.worldmodel.train"]
+    for f in dataclasses.fields(Config):
+        value, default = getattr(config, f.name), getattr(defaults, f.name)
+        if value == default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, tuple):
+            parts.append(f"{flag} {','.join(value)}")
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _load_ppo(path: str) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(config: Config) -> dict:
+    """Runs the loop, checkpoints after every iteration, writes the report; returns what worldmodel.json holds."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from rlflow.controller.dream_ppo import DreamPPOConfig, train_in_dream
+    from rlflow.controller.ppo import CsvWriter, make_env, resolve_models
+    from rlflow.measure.costmodel import CostModel
+    from rlflow.rewrites import REGISTRY_VERSION, RULES
+    from rlflow.worldmodel.dream import DreamBatch
+    from rlflow.worldmodel.replay import Replay
+    from rlflow.worldmodel.report import encode_all, quality
+
+    wall_start = time.monotonic()
+    torch.set_num_threads(config.threads)
+    random.seed(config.seed)
+    np.random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    rng = np.random.default_rng(config.seed)
+    out, run_dir = Path(config.out), Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_path = run_dir / "worldmodel.pt"
+
+    n_rules = len(RULES)
+    agent = Agent(config, n_rules)
+    replay = Replay(n_rules)
+    points: list[dict] = []
+    history: list[dict] = []
+    real_steps, start_iteration = 0, 0
+    if config.resume and checkpoint_path.is_file():
+        agent, payload = load_checkpoint(checkpoint_path)
+        replay = Replay.from_state_dict(payload["replay"])
+        points, history = payload["points"], payload["history"]
+        real_steps, start_iteration = payload["real_steps"], payload["iteration"] + 1
+        rng = payload["rng"]
+        torch.set_rng_state(payload["torch_rng"])
+        print(f"resumed from {checkpoint_path}: iteration {start_iteration}, {real_steps} real steps", flush=True)
+    writer = CsvWriter(run_dir / "metrics.csv")
+
+    paths = resolve_models(config.models, config.zoo_dir)
+    cost_model = CostModel()
+    env_config = dataclasses.make_dataclass("EnvConfig", [("reward", str, "cost"), ("measure_every", int, 5),
+                                                          ("max_episode_steps", int, config.max_episode_steps),
+                                                          ("max_nodes", int, config.max_nodes),
+                                                          ("max_edges", int, config.max_edges),
+                                                          ("max_candidates", int, config.max_candidates)])()
+    env = make_env(paths, env_config, cost_model)
+    dream_config = DreamPPOConfig(total_steps=config.dream_steps, num_envs=config.dream_envs,
+                                  num_steps=config.dream_rollout, learning_rate=config.controller_lr,
+                                  ent_coef=config.ent_coef)
+    print(f"world-model agent on {len(paths)} models, {config.iterations} iterations, {n_rules} rules "
+          f"(actions: rule types + terminate)", flush=True)
+    quality_now: dict = history[-1] if history else {}
+    for iteration in range(start_iteration, config.iterations):
+        it_start = time.monotonic()
+        # 1. real experience
+        steps = config.random_steps if iteration == 0 else config.collect_steps
+        with tqdm(total=steps, desc=f"[{iteration}] collect", leave=False, file=sys.stderr) as bar:
+            collected = collect(env, None if iteration == 0 else agent, replay, steps, config, rng,
+                                iteration=iteration, progress=bar)
+        real_steps += sum(len(e.actions) for e in collected)
+        collect_returns = [e.ret for e in collected]
+        train_eps, held_eps = replay.split(False), replay.split(True)
+        # 2. V
+        ids = replay.state_ids(train_eps)
+        with tqdm(total=config.vae_epochs, desc=f"[{iteration}] V", leave=False, file=sys.stderr) as bar:
+            v_losses = train_vision(agent, replay, ids, config, rng, bar)
+        mu, logvar = encode_all(agent.vision, replay)
+        # 3. M
+        with tqdm(total=config.mdrnn_epochs, desc=f"[{iteration}] M", leave=False, file=sys.stderr) as bar:
+            m_losses = train_mdrnn(agent, replay, train_eps, mu, logvar, config, rng, bar)
+        quality_now = quality(agent.vision, agent.mdrnn, replay, held_eps, train_eps, mu, logvar, config.reward_scale)
+        quality_now["iteration"] = iteration
+        history.append(quality_now)
+        # 4. controller in the dream (start latents: the real starting graphs, encoded once)
+        starts = sorted({e.states[0] for e in replay.episodes})
+        dream = DreamBatch(agent.mdrnn, mu[starts], logvar[starts], config.dream_envs,
+                           temperature=config.temperature, max_episode_steps=config.max_episode_steps,
+                           reward_scale=config.reward_scale, seed=config.seed + iteration)
+        with tqdm(total=config.dream_steps, desc=f"[{iteration}] dream PPO", leave=False, file=sys.stderr) as bar:
+            d_stats = train_in_dream(agent.policy, agent.policy_opt, dream, dream_config, bar)
+        # 5. real evaluation
+        agent.vision.eval()
+        agent.mdrnn.eval()
+        evals = evaluate_real(env, agent, replay, config, rng, iteration)
+        real_steps += sum(len(e.actions) for e in evals)
+        point = {"iteration": iteration, "real_steps": real_steps,
+                 "eval_mean_return": float(np.mean([e.ret for e in evals])),
+                 "collect_mean_return": float(np.mean(collect_returns)) if collect_returns else float("nan"),
+                 "eval": {e.model: {"return": e.ret, "rules": [RULES[a].name if a < n_rules else "terminate"
+                                                               for a in e.actions]} for e in evals},
+                 "dream_return": d_stats["dream_return"], "seconds": time.monotonic() - it_start}
+        points.append(point)
+        for key, value in v_losses.items():
+            writer.add_scalar(f"losses/vae_{key}", value, real_steps)
+        for key, value in m_losses.items():
+            writer.add_scalar(f"losses/mdrnn_{key}", value, real_steps)
+        for key in ("policy_loss", "value_loss", "entropy"):
+            writer.add_scalar(f"losses/controller_{key}", d_stats[key], real_steps)
+        writer.add_scalar("charts/dream_return", d_stats["dream_return"], real_steps)
+        writer.add_scalar("charts/collect_mean_return", point["collect_mean_return"], real_steps)
+        writer.add_scalar("charts/real_steps", real_steps, real_steps)
+        writer.add_scalar("eval/mean_return", point["eval_mean_return"], real_steps)
+        for key in ("reward_pearson", "mask_accuracy", "mask_exact", "mdn_nll", "vae_kl", "vae_reconstruction"):
+            writer.add_scalar(f"eval/{key}", quality_now.get(key, float("nan")), real_steps)
+        print(f"iteration {iteration}: real steps {real_steps}  collect {point['collect_mean_return']:+.2f}  "
+              f"dream {d_stats['dream_return']:+.2f}  real greedy {point['eval_mean_return']:+.2f}  "
+              f"reward r {quality_now.get('reward_pearson', float('nan')):.3f}  "
+              f"mask acc {quality_now.get('mask_accuracy', float('nan')):.3f} "
+              f"(exact {quality_now.get('mask_exact', float('nan')):.3f})  {point['seconds']:.0f}s", flush=True)
+        save_checkpoint(checkpoint_path, agent, config, replay=replay.state_dict(), points=points, history=history,
+                        real_steps=real_steps, iteration=iteration, rng=rng, torch_rng=torch.get_rng_state())
+        cost_model.save()
+    writer.close()
+    result = build_result(config, points, history, real_steps, REGISTRY_VERSION, n_rules,
+                          time.monotonic() - wall_start)
+    if config.report:
+        write_report(result, history, points, out)
+    return result
+
+
+def build_result(config: Config, points: list[dict], history: list[dict], real_steps: int, registry_version: str,
+                 n_rules: int, seconds: float) -> dict:
+    """What worldmodel.json holds: the headline keys, the acceptance checks, the curves and the quality history."""
+    ppo = _load_ppo(config.ppo_results)
+    final_q = {k: v for k, v in (history[-1] if history else {}).items() if k != "reward_pairs"}
+    final_ppo = ppo["train"]["final_mean_return"] if ppo else None
+    steps_ppo = ppo["train"]["real_steps"] if ppo else None
+    final_wm = points[-1]["eval_mean_return"] if points else None
+    reached = next((p["real_steps"] for p in points if final_ppo is not None and p["eval_mean_return"] >= final_ppo),
+                   None)
+    ppo_greedy = None
+    if ppo and ppo.get("eval"):
+        rows = [r for r in ppo["eval"] if not r["heldout"]]
+        ppo_greedy = float(np.mean([r["policy"]["return"] for r in rows]))
+    return {
+        "algo": "worldmodel",
+        "command": command_line(config),
+        "reward_pearson": final_q.get("reward_pearson"),
+        "mask_accuracy": final_q.get("mask_accuracy"),
+        "real_steps_worldmodel": real_steps,
+        "real_steps_ppo": steps_ppo,
+        "final_reward_worldmodel": final_wm,
+        "final_reward_ppo": final_ppo,
+        "real_steps_worldmodel_to_reach_ppo_final": reached,
+        "ppo_greedy_eval_mean_return": ppo_greedy,
+        "acceptance": {
+            "reward_pearson_at_least_0.8": bool(final_q.get("reward_pearson") is not None
+                                                and final_q["reward_pearson"] >= 0.8),
+            "reaches_ppo_final_within_one_fifth_of_its_steps": bool(
+                reached is not None and steps_ppo is not None and reached <= steps_ppo / 5),
+        },
+        "definitions": {
+            "final_reward_worldmodel": "mean return of one greedy real episode per model after the last iteration",
+            "final_reward_ppo": "ppo.json train.final_mean_return: mean return of PPO's last 3 x models training "
+                                "episodes (sampled actions)",
+            "real_steps_worldmodel": "every real environment step of the run: random and controller collection and "
+                                     "the greedy evaluations",
+            "real_steps_ppo": "ppo.json train.real_steps (training steps; its random-baseline episodes excluded)",
+            "reward_pearson": "predicted vs real reward on the transitions of held-out real episodes",
+            "mask_accuracy": "per-rule availability predicted by M from (z, h) vs the real candidate list, per "
+                             "entry over all rules, on held-out states (see mask_accuracy_seen_rules, mask_exact)",
+            "location": "actions are rule types; a rule runs at its first listed candidate in the real environment",
+        },
+        "same_models_as_ppo": bool(ppo and tuple(ppo["config"]["models"]) == tuple(config.models)),
+        "quality": final_q,
+        "quality_history": [{k: v for k, v in h.items() if k != "reward_pairs"} for h in history],
+        "curve": points,
+        "config": asdict(config),
+        "registry_version": registry_version,
+        "rules": n_rules,
+        "wall_seconds": seconds,
+    }
+
+
+def write_report(result: dict, history: list[dict], points: list[dict], out: Path) -> None:
+    """worldmodel.json, worldmodel-quality.png and sample-efficiency.png in `out`."""
+    from rlflow.worldmodel.report import plot_quality, plot_sample_efficiency
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "worldmodel.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if history:
+        plot_quality(history, history[-1], out / "worldmodel-quality.png")
+    plot_sample_efficiency(points, _load_ppo(result["config"]["ppo_results"]), out / "sample-efficiency.png",
+                           f"real-environment sample efficiency on {len(result['config']['models'])} -tiny models "
+                           f"(cost-model reward, {result['rules']} rules)")
+    print(f"wrote {out / 'worldmodel.json'}, {out / 'worldmodel-quality.png'} and {out / 'sample-efficiency.png'}: "
+          f"reward Pearson {result['reward_pearson']}, mask accuracy {result['mask_accuracy']}, real steps "
+          f"{result['real_steps_worldmodel']} vs PPO {result['real_steps_ppo']}, final reward "
+          f"{result['final_reward_worldmodel']} vs PPO {result['final_reward_ppo']}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------- command line
+def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
+    """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
+    parser = argparse.ArgumentParser(prog="python -m rlflow.worldmodel.train", description=__doc__.split("\n")[0])
+    defaults = Config()
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        kind = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif typing.get_origin(kind) is tuple:
+            parser.add_argument(flag, default=",".join(default), help=f"comma-separated (default: {','.join(default)})")
+        else:
+            args = typing.get_args(kind)
+            base = next((a for a in args if a is not type(None)), kind) if args else kind
+            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
+    ns = parser.parse_args(argv)
+    values = {}
+    for f in dataclasses.fields(Config):
+        value = getattr(ns, f.name)
+        if typing.get_origin(hints[f.name]) is tuple and isinstance(value, str):
+            value = tuple(v for v in value.split(",") if v)
+        values[f.name] = value
+    return Config(**values)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    main(parse_args(sys.argv[1:]))
