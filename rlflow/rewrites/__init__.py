@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlflow.graph import Graph
-from rlflow.rewrites import algebra, base, cleanup, fold, fusion, layout, merge
+from rlflow.rewrites import algebra, base, cleanup, fold, fusion, inverse, layout, merge
 from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
 
 RULES: tuple[Rule, ...] = (
@@ -27,8 +27,25 @@ RULES: tuple[Rule, ...] = (
     *fold.RULES,
     *merge.RULES,
     *fusion.RULES,
+    # -- appended after the first release (action ids 68 on)
+    *layout.NEW_RULES,
+    *fusion.NEW_RULES,
+    *inverse.RULES,
 )
 """Every rule, in action-id order.  Append only."""
+
+_INVERSE = frozenset({r.name for r in inverse.RULES} | {"gemm-to-matmul-add"})
+GROUPS: dict[str, tuple[Rule, ...]] = {
+    "merge": tuple(r for r in RULES if r.category == "merge" and r.name not in _INVERSE),
+    "algebra": tuple(r for r in RULES if r.category == "algebra"),
+    "fold": tuple(r for r in RULES if r.category in ("fold", "cleanup")),
+    "layout": tuple(r for r in RULES if r.category == "layout" and r.name not in _INVERSE),
+    "fusion": tuple(r for r in RULES if r.category == "fusion" and r.name not in _INVERSE),
+    "inverse": tuple(r for r in RULES if r.name in _INVERSE),
+}
+"""The six groups of the rule library's specification (issue 3): merging parallel work, algebra, folding (cleanup
+included), layout, onnxruntime-aware fusions, and inverse rules (split a merged operator, undo a fusion) that let a
+sequence pass through a slower graph.  Every rule is in exactly one group."""
 
 REGISTRY_VERSION = registry_version(RULES)
 
@@ -60,5 +77,5 @@ def rule(name: str) -> Rule:
     raise KeyError(f"no rule named {name!r}")
 
 
-__all__ = ["RULES", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
+__all__ = ["RULES", "GROUPS", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
            "apply", "match_counts", "rule"]

@@ -334,6 +334,9 @@ def _activation_params(node: gs.Node) -> list[float] | None:
         if (len(node.inputs) > 1 and node.inputs[1].name and low is None) or (
                 len(node.inputs) > 2 and node.inputs[2].name and high is None):
             return None
+        if any(bound is not None and bound.size != 1 for bound in (low, high)):
+            return None
+        low, high = (bound.reshape(-1)[0] if bound is not None else None for bound in (low, high))
         return [float(low) if low is not None else -3.4028234663852886e38,
                 float(high) if high is not None else 3.4028234663852886e38]
     if node.op not in _ACTIVATIONS:
@@ -425,3 +428,165 @@ class MatMulTransposeFusion(Rule):
 
 RULES = (MatMulAddToGemm(), GemmToMatMulAdd(), LayerNormFusion(), SkipLayerNormFusion(), GeluFusion(), FastGeluFusion(),
          ConvActivationFusion(), GemmActivationFusion(), MatMulTransposeFusion())
+
+
+def _bias_vector(graph: Graph, node: gs.Node, add: gs.Node) -> int | None:
+    """The side of `add` holding a constant vector over the last axis of `node`'s input (the bias), or None."""
+    shape = graph.shape(add.outputs[0])
+    if shape is None or not shape:
+        return None
+    for side in (0, 1):
+        value = constant_input(add, side)
+        if (value is not None and value.ndim == 1 and value.shape[0] == shape[-1] and graph.shape(add.inputs[1 - side])
+                == shape and value.dtype == np.float32):
+            return side
+    return None
+
+
+class _BiasActivationFusion(Rule):
+    """`f(Add(x, b))` with b a constant vector over the last axis, for an onnxruntime activation f taking a bias."""
+
+    category = "fusion"
+    contrib = True
+    domains = (MS,)
+    fused_op = ""
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        if len(node.inputs) > 1 and node.inputs[1].name:
+            return self.no(node, "it already has a bias")
+        add = private_producer(graph, node, 0, "Add")
+        if add is None:
+            return self.no(node, "input is not a private Add")
+        side = _bias_vector(graph, node, add)
+        if side is None:
+            return self.no(node, "the Add is not of a float32 constant vector over the last axis")
+        return self.match([node, add], side=side)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        side = match.param("side")
+        out = emit(graph, self.fused_op, [add.inputs[1 - side], add.inputs[side]], domain=MS)
+        graph.replace_uses(node.outputs[0], out)
+
+
+class BiasGeluFusion(_BiasActivationFusion):
+    """Replaces onnxruntime's `Gelu(Add(x, b))` with `BiasGelu(x, b)` for a constant vector b over the last axis."""
+
+    name = "bias-gelu-fusion"
+    root_ops = ("Gelu",)
+    fused_op = "BiasGelu"
+
+
+class BiasFastGeluFusion(_BiasActivationFusion):
+    """Replaces onnxruntime's `FastGelu(Add(x, b))` with `FastGelu(x, b)` for a constant vector b over the last axis."""
+
+    name = "bias-fast-gelu-fusion"
+    root_ops = ("FastGelu",)
+    fused_op = "FastGelu"
+
+
+def _heads_of(graph: Graph, transpose: gs.Node, perm: tuple[int, ...]) -> tuple[gs.Node, gs.Tensor] | None:
+    """For `Transpose(Reshape(x, [B, S, H, Dh]), perm)`, both private: (the Reshape, x) when x is [B, S, H*Dh]."""
+    if perm_of(transpose, 4) != perm:
+        return None
+    reshape = private_producer(graph, transpose, 0, "Reshape")
+    if reshape is None or not private(graph, transpose.outputs[0]):
+        return None
+    x = reshape.inputs[0]
+    before, after = graph.shape(x), graph.shape(reshape.outputs[0])
+    if before is None or after is None or len(before) != 3 or len(after) != 4:
+        return None
+    if after[:2] != before[:2] or after[2] * after[3] != before[2]:
+        return None
+    moved_before, moved_after = dynamic_axes(graph, x), dynamic_axes(graph, reshape.outputs[0])
+    if moved_before is None or moved_after is None or moved_after != (*moved_before[:2], False, False) or moved_before[2]:
+        return None
+    return reshape, x
+
+
+def _scaled_operand(graph: Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, float, list[gs.Node]]:
+    """A MatMul operand as (what is scaled, the scalar factor, the private Mul/Div nodes applying it)."""
+    factor, nodes = 1.0, []
+    producer = standard_producer(tensor)
+    while producer is not None and producer.op in ("Mul", "Div") and private(graph, tensor):
+        side = next((i for i in (1, 0) if scalar(constant_input(producer, i)) is not None
+                     and graph.shape(producer.inputs[1 - i]) == graph.shape(tensor)), None)
+        if side is None or (producer.op == "Div" and side == 0):
+            break
+        value = scalar(constant_input(producer, side))
+        if producer.op == "Div" and value == 0:
+            break
+        factor *= 1 / value if producer.op == "Div" else value
+        nodes.append(producer)
+        tensor = producer.inputs[1 - side]
+        producer = standard_producer(tensor)
+    return tensor, factor, nodes
+
+
+class AttentionFusion(Rule):
+    """Replaces multi-head attention on [B, S, hidden] queries, keys and values with onnxruntime's `MultiHeadAttention`."""
+
+    name = "attention-fusion"
+    category = "fusion"
+    root_ops = ("Reshape",)
+    contrib = True
+
+    def _pattern(self, graph: Graph, node: gs.Node):
+        """(nodes, q, k, v, heads, scale) of `Reshape(Transpose(Softmax(s * Q.K^T).V))` split into heads, or a reason."""
+        merge = private_producer(graph, node, 0, "Transpose")
+        if merge is None or perm_of(merge, 4) != (0, 2, 1, 3):
+            return "not a Reshape of heads transposed back ([B, H, S, Dh] -> [B, S, H, Dh])"
+        context = private_producer(graph, merge, 0, "MatMul")
+        if context is None:
+            return "the heads are not a MatMul of probabilities and values"
+        softmax = private_producer(graph, context, 0, "Softmax")
+        if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
+            return "the probabilities are not a Softmax over the last axis"
+        scores, scale, scale_nodes = _scaled_operand(graph, softmax.inputs[0])
+        qk = standard_producer(scores)
+        if qk is None or qk.op != "MatMul" or not private(graph, scores):
+            return "something other than a scale lies between the scores and the Softmax (a mask?)"
+        q_in, q_scale, q_nodes = _scaled_operand(graph, qk.inputs[0])
+        k_in, k_scale, k_nodes = _scaled_operand(graph, qk.inputs[1])
+        q_t, k_t, v_t = standard_producer(q_in), standard_producer(k_in), standard_producer(context.inputs[1])
+        if any(t is None or t.op != "Transpose" for t in (q_t, k_t, v_t)):
+            return "Q, K or V is not a Transpose of heads"
+        query, key, value = _heads_of(graph, q_t, (0, 2, 1, 3)), _heads_of(graph, k_t, (0, 2, 3, 1)), None
+        k_nodes = [*k_nodes, k_t]
+        if key is None:  # K split into heads like Q, then its last two axes swapped
+            inner = private_producer(graph, k_t, 0, "Transpose")
+            if perm_of(k_t, 4) == (0, 1, 3, 2) and private(graph, k_in) and inner is not None:
+                key = _heads_of(graph, inner, (0, 2, 1, 3))
+                k_nodes.append(inner)
+        value = _heads_of(graph, v_t, (0, 2, 1, 3))
+        if query is None or key is None or value is None:
+            return "Q, K or V is not a private [B, S, hidden] tensor split into heads"
+        shapes = [graph.shape(t) for t in (query[1], key[1], value[1], node.outputs[0])]
+        heads = graph.shape(query[0].outputs[0])[2]
+        if not (shapes[0][0] == shapes[1][0] == shapes[2][0] and shapes[1][1] == shapes[2][1]
+                and shapes[0][2] == shapes[1][2] == shapes[2][2] and shapes[3] == shapes[0]
+                and graph.shape(key[0].outputs[0])[2] == graph.shape(value[0].outputs[0])[2] == heads):
+            return "Q, K, V and the output disagree on batch, length, hidden size or heads"
+        if dynamic_axes(graph, node.outputs[0]) != dynamic_axes(graph, query[1]):
+            return "the output does not follow the query's dynamic dimensions"
+        if not all(is_float(t) and np.dtype(t.dtype) == np.float32 for t in (query[1], key[1], value[1])):
+            return "not float32"
+        nodes = [node, merge, context, softmax, *scale_nodes, qk, *q_nodes, q_t, query[0], *k_nodes, key[0], v_t,
+                 value[0]]
+        return nodes, query[1], key[1], value[1], heads, float(np.float32(scale * q_scale * k_scale))
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        found = self._pattern(graph, node)
+        if isinstance(found, str):
+            return self.no(node, found)
+        return self.match(found[0], heads=found[4], scale=found[5])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        _, q, k, v, heads, scale = self._pattern(graph, node)
+        out = emit(graph, "MultiHeadAttention", [q, k, v], {"num_heads": heads, "scale": scale}, domain=MS)
+        graph.replace_uses(node.outputs[0], out)
+
+
+NEW_RULES = (BiasGeluFusion(), BiasFastGeluFusion(), AttentionFusion())
+"""Fusion rules added later (appended at the end of the registry)."""

@@ -7,8 +7,8 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, bypass, constant_input, conv_params,
-                                  conv_weights, dynamic_axes, emit, input_producer, int_list, inverse_perm,
-                                  normalize_axis, perm_of, private, replace_all, split_sizes, to_rank)
+                                  conv_weights, dynamic_axes, emit, input_producer, int_list, inverse_perm, is_float,
+                                  normalize_axis, per_channel, perm_of, private, replace_all, split_sizes, to_rank)
 
 
 def _perm(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
@@ -299,6 +299,108 @@ class Conv1x1NhwcMatmul(Rule):
         graph.replace_uses(node.outputs[0], out)
 
 
+def _swapped_2d(graph: Graph, node: gs.Node, index: int) -> gs.Node | None:
+    """The private Transpose of a 2-D tensor (perm [1, 0]) feeding input `index` of `node`, or None."""
+    transpose = input_producer(node, index, "Transpose")
+    if transpose is None or not private(graph, transpose.outputs[0]) or _rank(graph, transpose.inputs[0]) != 2:
+        return None
+    return transpose if perm_of(transpose, 2) == (1, 0) else None
+
+
+class TransposeIntoGemm(Rule):
+    """Replaces `Gemm(Transpose(A), B)` (or a transposed B) with `Gemm(A, B)` whose transA (transB) flag is flipped."""
+
+    name = "transpose-into-gemm"
+    category = "layout"
+    root_ops = ("Gemm",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        sides = tuple(i for i in (0, 1) if _swapped_2d(graph, node, i) is not None)
+        if not sides:
+            return self.no(node, "no operand is a private 2-D Transpose")
+        return self.match([node, *(_swapped_2d(graph, node, i) for i in sides)], sides=sides)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        inputs, attrs = list(node.inputs), dict(node.attrs)
+        for i in match.param("sides"):
+            inputs[i] = _swapped_2d(graph, node, i).inputs[0]
+            key = ("transA", "transB")[i]
+            attrs[key] = 1 - int(attrs.get(key, 0))
+        graph.replace_uses(node.outputs[0], emit(graph, "Gemm", inputs, attrs))
+
+
+class MatMulTransposeToGemm(Rule):
+    """Replaces `MatMul(Transpose(A), B)` on 2-D operands (or a transposed B) with `Gemm(A, B, transA=1)`."""
+
+    name = "matmul-transpose-to-gemm"
+    category = "layout"
+    root_ops = ("MatMul",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        if any(_rank(graph, t) != 2 for t in node.inputs) or not is_float(node.outputs[0]):
+            return self.no(node, "not a float product of 2-D operands")
+        sides = tuple(i for i in (0, 1) if _swapped_2d(graph, node, i) is not None)
+        if not sides:
+            return self.no(node, "no operand is a private 2-D Transpose")
+        return self.match([node, *(_swapped_2d(graph, node, i) for i in sides)], sides=sides)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        inputs, attrs = list(node.inputs), {}
+        for i in match.param("sides"):
+            inputs[i] = _swapped_2d(graph, node, i).inputs[0]
+            attrs[("transA", "transB")[i]] = 1
+        graph.replace_uses(node.outputs[0], emit(graph, "Gemm", inputs, attrs))
+
+
+def _reshape_target(graph: Graph, tensor: gs.Tensor, last: int) -> tuple[int, ...] | None:
+    """A Reshape target giving `tensor`'s leading dimensions and `last`, with -1 for the one leading dimension that
+    follows the model's dynamic inputs (so it stays dynamic); None when more than one leading dimension does."""
+    shape, dynamic = graph.shape(tensor), dynamic_axes(graph, tensor)
+    if shape is None or dynamic is None or dynamic[-1] or sum(dynamic[:-1]) > 1:
+        return None
+    return tuple(-1 if moves else int(d) for d, moves in zip(shape[:-1], dynamic[:-1])) + (int(last),)
+
+
+class MatMul3dToGemm(Rule):
+    """Replaces `Add(MatMul(X, W), b)` with X of rank 3+ by `Reshape(Gemm(Reshape(X, [-1, K]), W, b), [..., N])`."""
+
+    name = "matmul3d-add-to-gemm"
+    category = "layout"
+    root_ops = ("Add",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        for side in (0, 1):
+            matmul = input_producer(node, side, "MatMul")
+            if matmul is None or not private(graph, matmul.outputs[0]):
+                continue
+            x, weight, bias = graph.shape(matmul.inputs[0]), constant_input(matmul, 1), constant_input(node, 1 - side)
+            if x is None or len(x) < 3 or weight is None or weight.ndim != 2 or not is_float(node.outputs[0]):
+                return self.no(node, "not a float MatMul of a rank-3+ tensor and a constant matrix")
+            if bias is None or per_channel(bias, (*x[:-1], weight.shape[1]), len(x) - 1) is None:
+                return self.no(node, "the addend is not a constant vector along the last axis")
+            target = _reshape_target(graph, matmul.inputs[0], weight.shape[1])
+            if target is None:
+                return self.no(node, "more than one leading dimension (or the last one) is dynamic")
+            return self.match([node, matmul], side=side, target=target)
+        return self.no(node, "no input is a private MatMul")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node, matmul = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        x, weight = matmul.inputs
+        bias = constant_input(node, 1 - match.param("side"))
+        rows = emit(graph, "Reshape", [x, graph.add_constant(np.array([-1, weight.shape[0]], np.int64), "rows")])
+        vector = per_channel(bias, (1, weight.shape[1]), 1)
+        gemm = emit(graph, "Gemm", [rows, weight, graph.add_constant(vector, f"{node.name}_bias")])
+        target = graph.add_constant(np.array(match.param("target"), np.int64), "shape")
+        graph.replace_uses(node.outputs[0], emit(graph, "Reshape", [gemm, target]))
+
+
 RULES = (ReshapeChain(), SqueezeUnsqueezeCancel(), ConcatSplitCancel(), SplitConcatCancel(), ConcatFlatten(),
          TransposeUnarySink(), TransposeBinarySink(), Conv1x1NhwcMatmul())
+"""The layout rules of the first release, in registry order."""
+
+NEW_RULES = (TransposeIntoGemm(), MatMulTransposeToGemm(), MatMul3dToGemm())
+"""Layout rules added later (appended at the end of the registry)."""
 """The layout rules after transpose-transpose (which the registry lists first), in registry order."""

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from .helpers import assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
+from .helpers import F32, assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
 
 
 def _layernorm(opset=17, square="Pow", axes=(-1,), gamma_shape=(8,)):
@@ -50,6 +50,45 @@ def _activation_after(op, act, **attrs):
     return graph([first, node(act, inputs, **attrs)], x, consts=consts)
 
 
+def _bias_act(op, bias_input=False, bias_shape=(8,)):
+    inputs = {"x": ["n", 3, 8]}
+    consts = {}
+    if bias_input:
+        inputs["b"] = list(bias_shape)
+    else:
+        consts["b"] = weights(*bias_shape)
+    return graph([node("Add", ["x", "b"], "s"), node(op, ["s"], domain="com.microsoft")], inputs,
+                 {"y": (F32, ["n", 3, 8])}, consts=consts)
+
+
+def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dynamic=True):
+    """Self-attention as exporters write it: Q, K, V projections split into heads, scaled scores, Softmax, heads
+    merged back; `k_form` "0231" transposes K once, "twice" like the dynamo exporter; `scale_form` "div" divides the
+    scores, "qk" multiplies Q and K by sqrt(scale) each (scaled_dot_product_attention)."""
+    d = heads * size
+    consts = {f"w{k}": weights(d, d, seed=i) for i, k in enumerate("qkv")}
+    consts.update({f"b{k}": weights(d, seed=10 + i) for i, k in enumerate("qkv")})
+    consts.update(split=ints(0, 0, heads, size), merge=ints(0, 0, d), div=np.array(math.sqrt(size), np.float32),
+                  root=np.array(size ** -0.25, np.float32), mask=weights(1, 1, 5, 5, seed=20))
+    nodes = []
+    for k in "qkv":
+        perm = [0, 2, 3, 1] if k == "k" and k_form == "0231" else [0, 2, 1, 3]
+        nodes += [node("MatMul", ["x", f"w{k}"], f"{k}0"), node("Add", [f"{k}0", f"b{k}"], f"{k}1"),
+                  node("Reshape", [f"{k}1", "split"], f"{k}2"), node("Transpose", [f"{k}2"], f"{k}3", perm=perm)]
+    if k_form != "0231":
+        nodes.append(node("Transpose", ["k3"], "k4", perm=[0, 1, 3, 2]))
+    key = "k3" if k_form == "0231" else "k4"
+    if scale_form == "qk":
+        nodes += [node("Mul", ["q3", "root"], "qs"), node("Mul", [key, "root"], "ks"), node("MatMul", ["qs", "ks"], "s1")]
+    else:
+        nodes += [node("MatMul", ["q3", key], "s0"), node("Div", ["s0", "div"], "s1")]
+    if mask:
+        nodes.append(node("Add", ["s1", "mask"], "s2"))
+    nodes += [node("Softmax", ["s2" if mask else "s1"], "p", axis=-1), node("MatMul", ["p", "v3"], "a0"),
+              node("Transpose", ["a0"], "a1", perm=[0, 2, 1, 3]), node("Reshape", ["a1", "merge"], "y")]
+    return graph(nodes, {"x": ["batch" if dynamic else 2, 5, d]}, consts=consts)
+
+
 CASES = {
     "matmul-add-to-gemm": (
         lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"])], {"x": ["n", 4]},
@@ -82,6 +121,12 @@ CASES = {
         lambda: graph([node("Transpose", ["k"], "kt", perm=[1, 0, 2]), node("MatMul", ["q", "kt"])],
                       {"q": [2, 3, 4], "k": [4, 2, 5]}),
         "no operand is a private Transpose of its last two axes"),
+    "bias-gelu-fusion": (
+        lambda: _bias_act("Gelu"), lambda: _bias_act("Gelu", bias_input=True), "not of a float32 constant vector"),
+    "bias-fast-gelu-fusion": (
+        lambda: _bias_act("FastGelu"), lambda: _bias_act("FastGelu", bias_shape=(3, 8)),
+        "not of a float32 constant vector"),
+    "attention-fusion": (lambda: attention(), lambda: attention(mask=True), "something other than a scale"),
 }
 
 
@@ -117,3 +162,16 @@ def test_gemm_round_trip_keeps_numbers():
     unfused = assert_rewrites(g, "gemm-to-matmul-add")
     assert unfused.op_counts() == {"Add": 1, "MatMul": 1}
     assert apply(unfused, rule("matmul-add-to-gemm").find(unfused)[0]).op_counts() == {"Gemm": 1}
+
+
+@pytest.mark.parametrize("k_form,scale_form", [("twice", "div"), ("0231", "qk"), ("twice", "qk")])
+def test_attention_fusion_variants(k_form, scale_form):
+    new = assert_rewrites(attention(heads=4, size=2, k_form=k_form, scale_form=scale_form), "attention-fusion")
+    assert new.op_counts()["MultiHeadAttention"] == 1 and "Softmax" not in new.op_counts()
+
+
+def test_attention_round_trip():
+    fused = assert_rewrites(attention(dynamic=False), "attention-fusion")
+    unfused = assert_rewrites(fused, "attention-unfuse")
+    assert "MultiHeadAttention" not in unfused.op_counts()
+    assert len(assert_rewrites(unfused, "attention-fusion").gs.nodes) == len(fused.gs.nodes)

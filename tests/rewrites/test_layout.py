@@ -59,6 +59,24 @@ CASES = {
                        node("Add", ["t", "u"])], {"x": [3, 3, 3]}),
         "the two Transposes differ"),
     "conv1x1-nhwc-matmul": (lambda: _conv_nhwc(), lambda: _conv_nhwc(kernel=3), "not a 1x1 Conv"),
+    "transpose-into-gemm": (
+        lambda: graph([node("Transpose", ["x"], "t", perm=[1, 0]), node("Transpose", ["w"], "u"),
+                       node("Gemm", ["t", "u", "c"], transB=1, alpha=0.5)], {"x": [4, 3]},
+                      consts={"w": weights(4, 5), "c": weights(5)}),
+        lambda: graph([node("Transpose", ["x"], "t", perm=[1, 0]), node("Gemm", ["t", "w"], "g"), node("Add", ["g", "t"])],
+                      {"x": [3, 3]}, consts={"w": weights(3, 3)}),
+        "no operand is a private 2-D Transpose"),
+    "matmul-transpose-to-gemm": (
+        lambda: graph([node("Transpose", ["z"], "t"), node("MatMul", ["x", "t"])], {"x": ["n", 4], "z": [5, 4]}),
+        lambda: graph([node("Transpose", ["z"], "t", perm=[0, 2, 1]), node("MatMul", ["x", "t"])],
+                      {"x": [2, 3, 4], "z": [2, 5, 4]}),
+        "not a float product of 2-D operands"),
+    "matmul3d-add-to-gemm": (
+        lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["b", "m"])], {"x": ["batch", 6, 4]},
+                      consts={"w": weights(4, 5), "b": weights(5)}),
+        lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"])], {"x": ["batch", "seq", 4]},
+                      consts={"w": weights(4, 5), "b": weights(5)}),
+        "more than one leading dimension"),
 }
 
 
@@ -81,3 +99,19 @@ def test_conv1x1_without_bias_and_nhwc_removes_transposes():
     g = graph([node("Transpose", ["x"], "a", perm=[0, 3, 1, 2]), node("Conv", ["a", "w"], "c"),
                node("Transpose", ["c"], perm=[0, 2, 3, 1])], NHWC, consts={"w": weights(6, 3, 1, 1)})
     assert assert_rewrites(g, "conv1x1-nhwc-matmul").op_counts() == {"MatMul": 1}
+
+
+def test_matmul3d_to_gemm_round_trip():
+    g = graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"], "y")], {"x": [2, 3, 6, 4]},
+              consts={"w": weights(4, 5), "b": weights(1, 5)})
+    gemm = assert_rewrites(g, "matmul3d-add-to-gemm")
+    assert gemm.op_counts() == {"Gemm": 1, "Reshape": 2}
+    assert assert_rewrites(gemm, "gemm-reshape-to-matmul").op_counts() == {"Add": 1, "MatMul": 1}
+
+
+def test_matmul3d_refuses_a_bias_that_is_not_a_vector():
+    from .helpers import assert_refuses
+
+    g = graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"])], {"x": [2, 6, 4]},
+              consts={"w": weights(4, 5), "b": weights(6, 5)})
+    assert_refuses(g, "matmul3d-add-to-gemm", "not a constant vector along the last axis")

@@ -12,7 +12,7 @@ from onnx import TensorProto
 from rlflow.rewrites import CATEGORIES, REGISTRY_VERSION, RULES, match_counts, rule
 from rlflow.rewrites.base import registry_version
 
-from . import test_algebra, test_cleanup, test_fold, test_fusion, test_layout, test_merge
+from . import test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge
 from .helpers import graph, node
 
 README = Path(__file__).resolve().parents[2] / "rlflow" / "rewrites" / "README.md"
@@ -29,7 +29,7 @@ def test_registry_shape():
 
 def test_every_rule_has_a_case():
     covered = set()
-    for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_layout, test_merge):
+    for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge):
         covered |= set(module.CASES)
     assert covered == {r.name for r in RULES}
 
@@ -37,7 +37,21 @@ def test_every_rule_has_a_case():
 def test_contrib_flag_matches_what_rules_emit():
     contrib = {r.name for r in RULES if r.contrib}
     assert contrib == {"skip-layernorm-fusion", "gelu-fusion", "fast-gelu-fusion", "conv-activation-fusion",
-                       "gemm-activation-fusion", "matmul-transpose-fusion"}
+                       "gemm-activation-fusion", "matmul-transpose-fusion", "bias-gelu-fusion", "bias-fast-gelu-fusion",
+                       "attention-fusion", "bias-gelu-unfuse"}
+
+
+def test_groups_cover_every_rule_once():
+    from rlflow.rewrites import GROUPS
+
+    assert list(GROUPS) == ["merge", "algebra", "fold", "layout", "fusion", "inverse"]
+    names = [r.name for group in GROUPS.values() for r in group]
+    assert sorted(names) == sorted(r.name for r in RULES) and all(GROUPS.values())
+
+
+def test_contrib_roots_only_where_declared():
+    assert all(r.domains == ("", "ai.onnx") for r in RULES if not r.name.endswith("-unfuse")
+               and r.name not in ("bias-gelu-fusion", "bias-fast-gelu-fusion"))
 
 
 def test_rule_lookup():
