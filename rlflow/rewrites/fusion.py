@@ -12,8 +12,8 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (broadcast_shape, constant_input, dynamic_axes, emit, has_input, input_producer,
-                                  int_list, is_float, normalize_axis, perm_of, private, private_producer, scalar,
-                                  standard_producer)
+                                  int_list, is_float, normalize_axis, perm_of, private, private_producer,
+                                  replace_typed, scalar, standard_producer)
 
 MS = "com.microsoft"
 
@@ -206,7 +206,7 @@ class SkipLayerNormFusion(Rule):
         inputs = [*add.inputs, *[t for t in node.inputs[1:] if t.name]]
         out = emit(graph, "SkipLayerNormalization", inputs, {"epsilon": float(node.attrs.get("epsilon", 1e-5))},
                    domain=MS)
-        graph.replace_uses(node.outputs[0], out)
+        replace_typed(graph, node.outputs[0], out)
 
 
 def _factors(graph: Graph, node: gs.Node, depth: int = 2) -> tuple[list[gs.Tensor], list[gs.Node]]:
@@ -268,7 +268,7 @@ class _GeluBase(Rule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         _, x = self._pattern(graph, node)
-        graph.replace_uses(node.outputs[0], emit(graph, self.fused_op, [x], domain=MS))
+        replace_typed(graph, node.outputs[0], emit(graph, self.fused_op, [x], domain=MS))
 
 
 def _scaled(graph: Graph, tensor: gs.Tensor, x: gs.Tensor, factor: float) -> gs.Node | None:
@@ -366,7 +366,7 @@ class ConvActivationFusion(Rule):
         params = _activation_params(node)
         if params:
             attrs["activation_params"] = params
-        graph.replace_uses(node.outputs[0], emit(graph, "FusedConv", list(conv.inputs), attrs, domain=MS))
+        replace_typed(graph, node.outputs[0], emit(graph, "FusedConv", list(conv.inputs), attrs, domain=MS))
 
 
 class GemmActivationFusion(Rule):
@@ -390,7 +390,7 @@ class GemmActivationFusion(Rule):
         attrs = {**gemm.attrs, "activation": node.op}
         for (key, _), value in zip(_ACTIVATIONS[node.op], _activation_params(node)):
             attrs[f"activation_{key}"] = value
-        graph.replace_uses(node.outputs[0], emit(graph, "FusedGemm", list(gemm.inputs), attrs, domain=MS))
+        replace_typed(graph, node.outputs[0], emit(graph, "FusedGemm", list(gemm.inputs), attrs, domain=MS))
 
 
 class MatMulTransposeFusion(Rule):
@@ -423,7 +423,7 @@ class MatMulTransposeFusion(Rule):
         flags = (match.param("trans_a"), match.param("trans_b"))
         inputs = [standard_producer(t).inputs[0] if flag else t for t, flag in zip(node.inputs, flags)]
         out = emit(graph, "FusedMatMul", inputs, {"transA": flags[0], "transB": flags[1], "alpha": 1.0}, domain=MS)
-        graph.replace_uses(node.outputs[0], out)
+        replace_typed(graph, node.outputs[0], out)
 
 
 RULES = (MatMulAddToGemm(), GemmToMatMulAdd(), LayerNormFusion(), SkipLayerNormFusion(), GeluFusion(), FastGeluFusion(),
@@ -466,7 +466,7 @@ class _BiasActivationFusion(Rule):
         node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
         side = match.param("side")
         out = emit(graph, self.fused_op, [add.inputs[1 - side], add.inputs[side]], domain=MS)
-        graph.replace_uses(node.outputs[0], out)
+        replace_typed(graph, node.outputs[0], out)
 
 
 class BiasGeluFusion(_BiasActivationFusion):
@@ -585,7 +585,7 @@ class AttentionFusion(Rule):
         node = nodes[match.root]
         _, q, k, v, heads, scale = self._pattern(graph, node)
         out = emit(graph, "MultiHeadAttention", [q, k, v], {"num_heads": heads, "scale": scale}, domain=MS)
-        graph.replace_uses(node.outputs[0], out)
+        replace_typed(graph, node.outputs[0], out)
 
 
 NEW_RULES = (BiasGeluFusion(), BiasFastGeluFusion(), AttentionFusion())

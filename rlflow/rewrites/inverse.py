@@ -15,7 +15,8 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (broadcast_shape, constant_input, conv_params, dynamic_axes, emit, has_input,
-                                  input_producer, is_float, private, replace_all, split_sizes, used_outputs)
+                                  input_producer, is_float, private, replace_all, replace_typed, split_sizes,
+                                  used_outputs)
 
 MS = "com.microsoft"
 
@@ -385,7 +386,7 @@ class BiasGeluUnfuse(_Unfuse):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         added = emit(graph, "Add", list(node.inputs[:2]))
-        graph.replace_uses(node.outputs[0], emit(graph, "Gelu", [added], domain=MS))
+        replace_typed(graph, node.outputs[0], emit(graph, "Gelu", [added], domain=MS))
 
 
 class SkipLayerNormUnfuse(_Unfuse):

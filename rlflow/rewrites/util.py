@@ -76,6 +76,14 @@ def replace_all(graph: Graph, olds: Sequence[gs.Tensor], news: Sequence[gs.Tenso
             graph.replace_uses(old, new)
 
 
+def replace_typed(graph: Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """`graph.replace_uses(old, new)` for a `new` that onnx shape inference cannot type (a contrib operator's output):
+    it takes old's element type and shape, which a semantics-preserving rewrite keeps, so later rules still see them."""
+    if new.dtype is None and new.shape is None and not isinstance(new, gs.Constant):
+        new.dtype, new.shape = old.dtype, old.shape
+    graph.replace_uses(old, new)
+
+
 def constant_input(node: gs.Node, index: int) -> np.ndarray | None:
     """The value of input `index` when it is a constant (absent optional inputs give None)."""
     if index >= len(node.inputs) or node.inputs[index].name == "":
