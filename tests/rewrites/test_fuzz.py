@@ -132,7 +132,26 @@ def test_fuzz_exported_transformer(transformer_path):
     """A PyTorch export (opset 17, dynamic batch): the rules meet an exporter's idioms, not only ours."""
     import rlflow
 
-    fuzz(rlflow.load(transformer_path, {"x": [2, 16, 32]}), 0, steps=6, label="transformer")
+    fuzz(rlflow.load(transformer_path, {"x": [2, 16, 32]}), 0, steps=20, label="transformer")
+
+
+QUICK_EXPORTS = ("transformer-dynamo", "cnn-torchscript", "bert-base-tiny")
+ALL_EXPORTS = ("transformer-torchscript", "transformer-dynamo", "cnn-torchscript", "cnn-dynamo", "bert-base-tiny",
+               "resnet-18-tiny")
+
+
+@pytest.mark.parametrize("name", QUICK_EXPORTS)
+def test_fuzz_real_exports(name, exports):
+    """Sequences of 20 random rewrites on real exports (both PyTorch exporters, the zoo), verified after every step."""
+    applied = fuzz(exports[name], 0, steps=20, label=name)
+    assert len(applied) == 20, applied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 6))
+@pytest.mark.parametrize("name", ALL_EXPORTS)
+def test_fuzz_real_exports_long(name, seed, exports):
+    fuzz(exports[name], seed, steps=40, label=name)
 
 
 @pytest.mark.slow
@@ -170,7 +189,7 @@ def _zoo_graph(name, out_dir):
 
 @pytest.mark.parametrize("name", QUICK_TINY)
 def test_fuzz_zoo_quick(name, zoo_dir):
-    fuzz(_zoo_graph(name, zoo_dir), 0, steps=6, label=name)
+    fuzz(_zoo_graph(name, zoo_dir), 0, steps=20, label=name)
 
 
 @pytest.mark.slow
