@@ -62,8 +62,9 @@ class RewriteEnv(gym.Env):
     ## Description
     The state is a real graph (`rlflow.Graph`).  Each step applies one match of one rule of `rules` (a *candidate*)
     and the graph changes; the agent is rewarded by how much the runtime dropped.  Given several models, each reset
-    takes the next one in turn (a reset with a seed starts again from the first and zeroes the counters), so one environment can train a
-    policy over a list of models.  The environment is deterministic: the seed only restarts the model cycle.
+    takes the next one in turn (a reset with a seed starts again from the first and zeroes the counters), so one
+    environment can train a policy over a list of models.  The environment is deterministic: the seed only restarts
+    the model cycle.
 
     ## Action Space
     `Discrete(max_candidates + 1)`.  Action `i < max_candidates` applies the i-th candidate of the current list
@@ -80,8 +81,9 @@ class RewriteEnv(gym.Env):
     `node_op` (N,) int64 operator ids (`rlflow.features.OP_TYPES`); `node_features` (N, 10) float32 (output size,
     rank, FLOPs, estimated cost and its share, input/output counts; see `NODE_FEATURES`); `node_mask` (N,) int8;
     `edge_index` (E, 2) int64 producer -> consumer node rows; `edge_features` (E, 6) float32 (tensor size, rank,
-    first four dimensions); `edge_mask` (E,) int8; `cand_rule` (C,) int64 rule ids (index into `rlflow.rewrites.RULES`, whatever subset `rules` searches);
-    `cand_nodes` (C, K) int64 rows of the nodes each candidate touches, root first, -1 for none or dropped;
+    first four dimensions); `edge_mask` (E,) int8; `cand_rule` (C,) int64 rule ids (indices into
+    `rlflow.rewrites.RULES`, whatever subset `rules` searches); `cand_nodes` (C, K) int64 rows of the nodes each
+    candidate touches, root first, -1 for none or dropped;
     `cand_mask` (C,) int8; `graph` (5,) float32 (cost / initial cost, log initial cost, step fraction, log node and
     candidate counts).  Nodes past N and edges past E are dropped (see `rlflow.features`).
 
@@ -101,8 +103,9 @@ class RewriteEnv(gym.Env):
 
     ## Info
     `action_mask`; `real_steps`, `measurements` and `cost_evaluations` (counters since construction or the last
-    reset with a seed, for sample-efficiency comparisons; a measurement is an end-to-end timing, cache misses only); `episode_steps`; `cost`, `initial_cost` and `speedup` (initial / current): the
-    cost model's estimates whatever the reward source; `runtime` and `initial_runtime`: the reward source's latest
+    reset with a seed, for sample-efficiency comparisons; a measurement is an end-to-end timing, cache misses only);
+    `episode_steps`; `cost`, `initial_cost` and `speedup` (initial / current): the cost model's estimates whatever
+    the reward source; `runtime` and `initial_runtime`: the reward source's latest
     and first values (ms); `applied` (the rewrites so far), `n_matches` (before the cap), `model`.
 
     ## Arguments
@@ -123,8 +126,7 @@ class RewriteEnv(gym.Env):
                  settings=None, measure_every: int = 5, measure_repeats: int = 30, max_episode_steps: int = 50,
                  max_nodes: int = MAX_NODES, max_edges: int = MAX_EDGES, max_candidates: int = MAX_CANDIDATES,
                  invalid_penalty: float = -1.0, require_static_shapes: bool = True, input_shapes: dict | None = None,
-                 cache_size: int = 4096,
-                 render_mode: str | None = None):
+                 cache_size: int = 4096, render_mode: str | None = None):
         if model is None:
             raise InputError("RewriteEnv needs a model: gymnasium.make('rlflow/Rewrite-v0', model=PATH)")
         if not isinstance(reward, str) and not callable(reward):

@@ -172,7 +172,8 @@ def graph_arrays(graph: Graph, node_costs: Mapping[str, float] | None = None, *,
         for tensor in node.outputs:
             shape = graph.shape(tensor)
             dims = [math.log1p(d) for d in (shape or ())[:4]]
-            row = (math.log1p(_elements(shape)), len(shape) if shape is not None else 0, *dims, *[0.0] * (4 - len(dims)))
+            rank = len(shape) if shape is not None else 0
+            row = (math.log1p(_elements(shape)), rank, *dims, *[0.0] * (4 - len(dims)))
             for consumer in tensor.outputs:
                 j = node_ids.get(id(consumer))
                 if j is None or n_edges >= max_edges:

@@ -155,7 +155,8 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
         raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise RlflowError(f"{path}: not an rlflow checkpoint (format {payload.get('format') if isinstance(payload, dict) else '?'})")
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise RlflowError(f"{path}: not an rlflow checkpoint (format {found})")
     expected = registry_version or REGISTRY_VERSION
     if payload["registry_version"] != expected:
         raise RlflowError(

@@ -282,7 +282,7 @@ def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: 
         clipped = int((returns < 1.5 * low - 5).sum())
         ax.set_ylim(1.5 * low - 5, max(float(returns.max()), 1.0) + 2)
         if clipped:
-            ax.text(0.99, 0.02, f"{clipped} episodes below the axis", transform=ax.transAxes, ha="right", fontsize=7)
+            ax.text(0.01, 0.02, f"{clipped} episodes below the axis", transform=ax.transAxes, fontsize=7)
     if baseline is not None:
         ax.axhline(baseline, color="tab:red", ls="--", label="uniformly random policy")
     ax.axhline(0.0, color="grey", lw=0.5)
@@ -451,6 +451,7 @@ def main(config: Config) -> dict:
     checkpoint = save_checkpoint(run_dir / "ppo.pt", policy, optimizer, asdict(config), real_steps=env.real_steps,
                                  update=update)
     cost_model.save()
+    recent_episodes = episodes[-3 * len(paths):]
     result = {
         "algo": "ppo",
         "config": asdict(config),
@@ -464,7 +465,7 @@ def main(config: Config) -> dict:
             "seconds": train_seconds,
             "stop_reason": stop_reason,
             "random_policy_mean_return": baseline,
-            "final_mean_return": float(np.mean([e["return"] for e in episodes[-3 * len(paths):]])) if episodes else None,
+            "final_mean_return": float(np.mean([e["return"] for e in recent_episodes])) if recent_episodes else None,
             "checkpoint": str(checkpoint),
         },
         "curve": [{k: e[k] for k in ("real_steps", "model", "return")} for e in episodes],
