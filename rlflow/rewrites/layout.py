@@ -391,7 +391,8 @@ class MatMul3dToGemm(Rule):
         x, weight = matmul.inputs
         bias = constant_input(node, 1 - match.param("side"))
         rows = emit(graph, "Reshape", [x, graph.add_constant(np.array([-1, weight.shape[0]], np.int64), "rows")])
-        vector = per_channel(bias, (1, weight.shape[1]), 1)
+        out_shape = graph.shape(matmul.outputs[0])
+        vector = per_channel(bias, out_shape, len(out_shape) - 1)
         gemm = emit(graph, "Gemm", [rows, weight, graph.add_constant(vector, f"{node.name}_bias")])
         target = graph.add_constant(np.array(match.param("target"), np.int64), "shape")
         graph.replace_uses(node.outputs[0], emit(graph, "Reshape", [gemm, target]))

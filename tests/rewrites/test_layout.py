@@ -103,7 +103,7 @@ def test_conv1x1_without_bias_and_nhwc_removes_transposes():
 
 def test_matmul3d_to_gemm_round_trip():
     g = graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"], "y")], {"x": [2, 3, 6, 4]},
-              consts={"w": weights(4, 5), "b": weights(1, 5)})
+              consts={"w": weights(4, 5), "b": weights(1, 1, 1, 5)})
     gemm = assert_rewrites(g, "matmul3d-add-to-gemm")
     assert gemm.op_counts() == {"Gemm": 1, "Reshape": 2}
     assert assert_rewrites(gemm, "gemm-reshape-to-matmul").op_counts() == {"Add": 1, "MatMul": 1}
