@@ -97,74 +97,72 @@ class MatMulSplitUnmerge(Rule):
         replace_all(graph, split.outputs, parts)
 
 
-class GemmSplitUnmerge(Rule):
+class _SplitUnmerge(Rule):
+    """`Split(op(x, W, b))` along op's output channels, W and b constants: one op per part on slices of W and b."""
+
+    category = "merge"
+    root_ops = ("Split",)
+    op = ""
+    axis_name = ""
+
+    def refuse(self, graph: Graph, producer: gs.Node) -> str | None:
+        """A reason the producer cannot be split, or None."""
+        return None
+
+    def weight_axis(self, producer: gs.Node) -> int:
+        """The axis of W that holds the output channels."""
+        return 0
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        producer = input_producer(node, 0, self.op)
+        if producer is None or not private(graph, node.inputs[0]):
+            return self.no(node, f"input is not a private {self.op}")
+        if constant_input(producer, 1) is None or (has_input(producer, 2) and constant_input(producer, 2) is None):
+            return self.no(node, f"the {self.op}'s weights or bias are not constant")
+        reason = self.refuse(graph, producer)
+        found = _split_of(graph, node) if reason is None else reason
+        if isinstance(found, str):
+            return self.no(node, found)
+        if found[0] != 1:
+            return self.no(node, f"the Split is not along the {self.axis_name}")
+        return self.match([node, producer], sizes=found[1])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        split, producer = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        weight = constant_input(producer, 1)
+        bias = constant_input(producer, 2) if has_input(producer, 2) else None
+        channels = sum(match.param("sizes"))
+        parts = []
+        for k, piece in enumerate(_slices(match.param("sizes"))):
+            w = _part(weight, self.weight_axis(producer), piece, channels)
+            inputs = [producer.inputs[0], graph.add_constant(w, f"{producer.name}_W{k}")]
+            if bias is not None:
+                inputs.append(graph.add_constant(_part(bias, -1, piece, channels), f"{producer.name}_B{k}"))
+            parts.append(emit(graph, self.op, inputs, dict(producer.attrs)))
+        replace_all(graph, split.outputs, parts)
+
+
+class GemmSplitUnmerge(_SplitUnmerge):
     """Replaces `Split(Gemm(A, B, C))` along the columns with one `Gemm(A, B_i, C_i)` per part, B and C constants."""
 
     name = "gemm-split-unmerge"
-    category = "merge"
-    root_ops = ("Split",)
+    op = "Gemm"
+    axis_name = "columns"
 
-    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        gemm = input_producer(node, 0, "Gemm")
-        if gemm is None or not private(graph, node.inputs[0]):
-            return self.no(node, "input is not a private Gemm")
-        if constant_input(gemm, 1) is None or (has_input(gemm, 2) and constant_input(gemm, 2) is None):
-            return self.no(node, "the Gemm's B or C is not constant")
-        found = _split_of(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        if found[0] != 1:
-            return self.no(node, "the Split is not along the columns")
-        return self.match([node, gemm], sizes=found[1])
-
-    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        split, gemm = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        weight, trans_b = constant_input(gemm, 1), int(gemm.attrs.get("transB", 0))
-        bias = constant_input(gemm, 2) if has_input(gemm, 2) else None
-        columns = sum(match.param("sizes"))
-        parts = []
-        for k, piece in enumerate(_slices(match.param("sizes"))):
-            inputs = [gemm.inputs[0], graph.add_constant(_part(weight, 1 - trans_b, piece, columns), f"{gemm.name}_B{k}")]
-            if bias is not None:
-                inputs.append(graph.add_constant(_part(bias, -1, piece, columns), f"{gemm.name}_C{k}"))
-            parts.append(emit(graph, "Gemm", inputs, dict(gemm.attrs)))
-        replace_all(graph, split.outputs, parts)
+    def weight_axis(self, producer: gs.Node) -> int:
+        return 0 if producer.attrs.get("transB", 0) else 1
 
 
-class ConvSplitUnmerge(Rule):
+class ConvSplitUnmerge(_SplitUnmerge):
     """Replaces `Split(Conv(x, W, b))` along the channels with one `Conv(x, W_i, b_i)` per part, W and b constants."""
 
     name = "conv-split-unmerge"
-    category = "merge"
-    root_ops = ("Split",)
+    op = "Conv"
+    axis_name = "channels"
 
-    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        conv = input_producer(node, 0, "Conv")
-        if conv is None or not private(graph, node.inputs[0]):
-            return self.no(node, "input is not a private Conv")
-        if constant_input(conv, 1) is None or (has_input(conv, 2) and constant_input(conv, 2) is None):
-            return self.no(node, "the Conv's weights or bias are not constant")
-        params = conv_params(graph, conv)
-        if params is None or params["group"] != 1:
-            return self.no(node, "the Conv is grouped or its geometry unknown")
-        found = _split_of(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        if found[0] != 1:
-            return self.no(node, "the Split is not along the channels")
-        return self.match([node, conv], sizes=found[1])
-
-    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        split, conv = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        weight = constant_input(conv, 1)
-        bias = constant_input(conv, 2) if has_input(conv, 2) else None
-        parts = []
-        for k, piece in enumerate(_slices(match.param("sizes"))):
-            inputs = [conv.inputs[0], graph.add_constant(np.ascontiguousarray(weight[piece]), f"{conv.name}_W{k}")]
-            if bias is not None:
-                inputs.append(graph.add_constant(np.ascontiguousarray(bias[piece]), f"{conv.name}_B{k}"))
-            parts.append(emit(graph, "Conv", inputs, dict(conv.attrs)))
-        replace_all(graph, split.outputs, parts)
+    def refuse(self, graph: Graph, producer: gs.Node) -> str | None:
+        params = conv_params(graph, producer)
+        return "the Conv is grouped or its geometry unknown" if params is None or params["group"] != 1 else None
 
 
 class GemmReshapeToMatMul(Rule):

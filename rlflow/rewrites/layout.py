@@ -330,28 +330,16 @@ class TransposeIntoGemm(Rule):
         graph.replace_uses(node.outputs[0], emit(graph, "Gemm", inputs, attrs))
 
 
-class MatMulTransposeToGemm(Rule):
+class MatMulTransposeToGemm(TransposeIntoGemm):
     """Replaces `MatMul(Transpose(A), B)` on 2-D operands (or a transposed B) with `Gemm(A, B, transA=1)`."""
 
     name = "matmul-transpose-to-gemm"
-    category = "layout"
     root_ops = ("MatMul",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         if any(_rank(graph, t) != 2 for t in node.inputs) or not is_float(node.outputs[0]):
             return self.no(node, "not a float product of 2-D operands")
-        sides = tuple(i for i in (0, 1) if _swapped_2d(graph, node, i) is not None)
-        if not sides:
-            return self.no(node, "no operand is a private 2-D Transpose")
-        return self.match([node, *(_swapped_2d(graph, node, i) for i in sides)], sides=sides)
-
-    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        node = nodes[match.root]
-        inputs, attrs = list(node.inputs), {}
-        for i in match.param("sides"):
-            inputs[i] = _swapped_2d(graph, node, i).inputs[0]
-            attrs[("transA", "transB")[i]] = 1
-        graph.replace_uses(node.outputs[0], emit(graph, "Gemm", inputs, attrs))
+        return super().check(graph, node)
 
 
 def _reshape_target(graph: Graph, tensor: gs.Tensor, last: int) -> tuple[int, ...] | None:
