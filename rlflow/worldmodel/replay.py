@@ -100,6 +100,25 @@ class Replay:
         """(B, R) per-rule availability of states `ids`."""
         return torch.as_tensor(np.stack([self.rule_masks[i] for i in ids]))
 
+    def reward_table(self, episodes: list[Episode], reward_scale: float) -> dict[int, dict[int, float]]:
+        """state -> {rule: reward / reward_scale} observed in `episodes` (the environment is deterministic; repeated
+        observations are averaged)."""
+        sums: dict[int, dict[int, list[float]]] = {}
+        for e in episodes:
+            for s, a, r in zip(e.states, e.actions, e.rewards):
+                if a < self.n_rules:
+                    sums.setdefault(s, {}).setdefault(a, []).append(r / reward_scale)
+        return {s: {a: sum(v) / len(v) for a, v in rules.items()} for s, rules in sums.items()}
+
+    def reward_targets(self, ids, table: dict[int, dict[int, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, R) reward targets and (B, R) known flags of states `ids` from a `reward_table`."""
+        target = torch.zeros(len(ids), self.n_rules)
+        known = torch.zeros(len(ids), self.n_rules)
+        for row, s in enumerate(ids):
+            for a, r in table.get(s, {}).items():
+                target[row, a], known[row, a] = r, 1.0
+        return target, known
+
     def state_dict(self) -> dict:
         return {"n_rules": self.n_rules, "states": self.states, "rule_masks": self.rule_masks,
                 "episodes": [vars(e) for e in self.episodes], "index": self._index}

@@ -88,6 +88,7 @@ class Config:
         out: folder of worldmodel.json and the plots.
         run_dir: folder of metrics and the checkpoint.
         zoo_dir: where zoo models are built (default: the zoo cache).
+        cost_cache: the cost model's cache folder (default: the shared one).
         ppo_results: the model-free baseline's results (`rlflow.controller.ppo`) to compare with.
         resume: continue from `<run_dir>/worldmodel.pt` when it exists.
         report: write worldmodel.json and the plots to `out` at the end.
@@ -130,6 +131,7 @@ class Config:
     out: str = "docs/results"
     run_dir: str = "build/worldmodel"
     zoo_dir: str | None = None
+    cost_cache: str | None = None
     ppo_results: str = "docs/results/ppo.json"
     resume: bool = False
     report: bool = True
@@ -299,14 +301,16 @@ def evaluate_real(env, agent: Agent, replay, config: Config, rng: np.random.Gene
             for index in range(len(env.models))]
 
 
-def train_vision(agent: Agent, replay, ids: list[int], config: Config, rng: np.random.Generator,
+def train_vision(agent: Agent, replay, ids: list[int], episodes: list, config: Config, rng: np.random.Generator,
                  progress=None) -> dict:
-    """Epochs of V over the training states; returns the last epoch's mean losses."""
+    """Epochs of V over the training states (rewards observed in `episodes`); returns the last epoch's mean
+    losses."""
     import torch
 
     from rlflow.worldmodel.vae import graph_vae_loss
 
     agent.vision.train()
+    table = replay.reward_table(episodes, config.reward_scale)
     ids = np.asarray(ids)
     totals: dict[str, float] = {}
     for _ in range(config.vae_epochs):
@@ -316,7 +320,9 @@ def train_vision(agent: Agent, replay, ids: list[int], config: Config, rng: np.r
             chunk = shuffled[begin: begin + config.vae_batch]
             obs = replay.batch(chunk.tolist())
             out = agent.vision(obs)
-            losses = graph_vae_loss(out, replay.masks(chunk.tolist()), obs["graph"], config.beta)
+            target, known = replay.reward_targets(chunk.tolist(), table)
+            losses = graph_vae_loss(out, replay.masks(chunk.tolist()), obs["graph"], config.beta,
+                                    reward_target=target, reward_known=known)
             agent.vision_opt.zero_grad()
             losses["loss"].backward()
             torch.nn.utils.clip_grad_norm_(agent.vision.parameters(), 5.0)
@@ -431,7 +437,7 @@ def main(config: Config) -> dict:
     writer = CsvWriter(run_dir / "metrics.csv")
 
     paths = resolve_models(config.models, config.zoo_dir)
-    cost_model = CostModel()
+    cost_model = CostModel(cache_dir=config.cost_cache)
     env_config = dataclasses.make_dataclass("EnvConfig", [("reward", str, "cost"), ("measure_every", int, 5),
                                                           ("max_episode_steps", int, config.max_episode_steps),
                                                           ("max_nodes", int, config.max_nodes),
@@ -457,7 +463,7 @@ def main(config: Config) -> dict:
         # 2. V
         ids = replay.state_ids(train_eps)
         with tqdm(total=config.vae_epochs, desc=f"[{iteration}] V", leave=False, file=sys.stderr) as bar:
-            v_losses = train_vision(agent, replay, ids, config, rng, bar)
+            v_losses = train_vision(agent, replay, ids, train_eps, config, rng, bar)
         mu, logvar = encode_all(agent.vision, replay)
         # 3. M
         with tqdm(total=config.mdrnn_epochs, desc=f"[{iteration}] M", leave=False, file=sys.stderr) as bar:

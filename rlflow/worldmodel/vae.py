@@ -5,10 +5,11 @@ message-passing `GraphEncoder` on an observation, normalises the graph embedding
 so the encoder cannot shrink it to make reconstruction trivial), encodes it to a mean and a log-variance, samples
 z = mu + sigma * eps (reparameterisation, `LATENT_SIZE` = 32 by default) and decodes z back to e.
 
-The encoder is trained together with the VAE, so two grounding heads read z and keep it about the graph rather than
-about nothing: which rules have a match in the graph (per-rule availability, binary cross-entropy) and the
-observation's global vector (cost ratio, log initial cost, step fraction, log node and candidate counts; squared
-error).  The world model's own availability predictor lives in `rlflow.worldmodel.mdrnn` (it reads z and h).
+The encoder is trained together with the VAE, so grounding heads read z and keep it about the graph rather than about
+nothing: which rules have a match in the graph (per-rule availability, binary cross-entropy), the observation's
+global vector (cost ratio, log initial cost, step fraction, log node and candidate counts; squared error) and, per
+rule, the reward its rewrite earned from this graph where one was observed (squared error): the latent must carry
+what the world model has to predict, as the reward heads of PlaNet and Dreamer shape theirs.  The world model's own availability predictor lives in `rlflow.worldmodel.mdrnn` (it reads z and h).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class VAEOutput(NamedTuple):
     logvar: torch.Tensor  # (B, Z)
     z: torch.Tensor  # (B, Z) sampled (or mu when not training)
     rule_logits: torch.Tensor  # (B, R) per-rule availability
+    rule_rewards: torch.Tensor  # (B, R) predicted reward of each rule's rewrite (reward units / reward scale)
     globals_pred: torch.Tensor  # (B, GLOBAL_DIM)
 
 
@@ -114,6 +116,7 @@ class GraphVAE(nn.Module):
         self.vae = VAE(hidden, latent_size, 2 * hidden)
         self.rule_head = nn.Sequential(nn.Linear(latent_size, hidden), nn.ReLU(), nn.Linear(hidden, n_rules))
         self.globals_head = nn.Sequential(nn.Linear(latent_size, hidden), nn.ReLU(), nn.Linear(hidden, GLOBAL_DIM))
+        self.reward_head = nn.Sequential(nn.Linear(latent_size, 2 * hidden), nn.ReLU(), nn.Linear(2 * hidden, n_rules))
 
     def embed(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Normalised graph embedding (B, E) of a batch of observations (see `GraphEncoder.forward`)."""
@@ -123,7 +126,8 @@ class GraphVAE(nn.Module):
     def forward(self, obs: Mapping[str, torch.Tensor], sample: bool | None = None) -> VAEOutput:
         embedding = self.embed(obs)
         recon, mu, logvar, z = self.vae(embedding, sample)
-        return VAEOutput(embedding, recon, mu, logvar, z, self.rule_head(z), self.globals_head(z))
+        return VAEOutput(embedding, recon, mu, logvar, z, self.rule_head(z), self.reward_head(z),
+                         self.globals_head(z))
 
     @torch.no_grad()
     def encode(self, obs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,26 +141,33 @@ class GraphVAE(nn.Module):
 
 
 def graph_vae_loss(out: VAEOutput, rule_target: torch.Tensor, globals_target: torch.Tensor, beta: float = 1.0,
-                   aux_weight: float = 1.0) -> dict[str, torch.Tensor]:
+                   aux_weight: float = 1.0, reward_target: torch.Tensor | None = None,
+                   reward_known: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The VAE loss plus the grounding heads' losses.
 
     Args:
         out: `GraphVAE.forward` output (batch B).
         rule_target: (B, R) 0/1 per-rule availability of each observation.
         globals_target: (B, GLOBAL_DIM) the observation's `graph` vector.
+        reward_target: (B, R) reward of each rule's rewrite from this graph (scaled), where known.
+        reward_known: (B, R) 1 where `reward_target` was observed.
         beta: KL weight.
         aux_weight: weight of the grounding losses.
 
     Returns:
         Scalars: `loss` (what to minimise), `reconstruction`, `kl`, `rules` (BCE summed over rules),
-        `globals` (squared error summed over columns).
+        `globals` (squared error summed over columns), `rewards` (squared error per observed (graph, rule)).
     """
     # the target is detached: the encoder learns from the grounding heads, not by making e easy to reconstruct
     loss, reconstruction, kl = vae_loss(out.recon, out.embedding.detach(), out.mu, out.logvar, beta)
     rules = F.binary_cross_entropy_with_logits(out.rule_logits, rule_target.float(), reduction="none").sum(-1).mean()
     globals_ = (out.globals_pred - globals_target.float()).pow(2).sum(-1).mean()
-    return {"loss": loss + aux_weight * (rules + globals_), "reconstruction": reconstruction, "kl": kl,
-            "rules": rules, "globals": globals_}
+    rewards = torch.zeros((), device=loss.device)
+    if reward_target is not None and reward_known is not None:
+        known = reward_known.float()
+        rewards = ((out.rule_rewards - reward_target.float()).pow(2) * known).sum() / known.sum().clamp_min(1.0)
+    return {"loss": loss + aux_weight * (rules + globals_ + rewards), "reconstruction": reconstruction, "kl": kl,
+            "rules": rules, "globals": globals_, "rewards": rewards}
 
 
 __all__ = ["LATENT_SIZE", "VAE", "VAEOutput", "GraphVAE", "reparameterize", "kl_divergence", "vae_loss",
