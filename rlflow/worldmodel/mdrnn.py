@@ -164,8 +164,8 @@ def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tens
         mask_weight: weight of the availability loss.
 
     Returns:
-        Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) / (Z + 2) as in ctallec plus
-        mask_weight * mask BCE (per rule); and `gmm`, `reward_mse`, `done_bce`, `mask_bce`.
+        Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) /
+        (Z + 2) as in ctallec plus mask_weight * mask BCE (per rule); and `gmm`, `reward_mse`, `done_bce`, `mask_bce`.
     """
     valid = valid.float()
     count = valid.sum().clamp_min(1.0)

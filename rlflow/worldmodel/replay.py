@@ -60,7 +60,8 @@ class Replay:
         state = {}
         for key in ENCODER_KEYS:
             value = np.asarray(obs[key])
-            state[key] = value[:n].copy() if key in _NODE_KEYS else value[:e].copy() if key in _EDGE_KEYS else value.copy()
+            cut = n if key in _NODE_KEYS else e if key in _EDGE_KEYS else None
+            state[key] = value[:cut].copy() if cut is not None else value.copy()
         digest = hashlib.sha1()
         for key in ENCODER_KEYS:
             digest.update(state[key].tobytes())

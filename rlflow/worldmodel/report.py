@@ -176,7 +176,8 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
                  f"(unseen {final.get('reward_pearson_unseen', math.nan):.3f})", fontsize=9)
     its = [h.get("iteration", math.nan) for h in history]
     ax = axes[0, 1]
-    ax.plot(its, [h.get("vae_reconstruction", math.nan) for h in history], "o-", label="V reconstruction (sum sq. error)")
+    ax.plot(its, [h.get("vae_reconstruction", math.nan) for h in history], "o-",
+            label="V reconstruction (sum sq. error)")
     ax.plot(its, [h.get("vae_kl", math.nan) for h in history], "o-", label="V KL")
     ax.plot(its, [h.get("mdn_nll", math.nan) for h in history], "o-", label="M mixture NLL of z'")
     ax.set_xlabel("iteration")
@@ -196,7 +197,8 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
     ax2.set_ylabel("reward MAE", fontsize=8)
     ax = axes[1, 1]
     ax.plot(its, [h.get("mask_accuracy", math.nan) for h in history], "o-", label="per rule (all rules)")
-    ax.plot(its, [h.get("mask_accuracy_seen_rules", math.nan) for h in history], "o-", label="per rule (rules ever available)")
+    ax.plot(its, [h.get("mask_accuracy_seen_rules", math.nan) for h in history], "o-",
+            label="per rule (rules ever available)")
     ax.plot(its, [h.get("mask_exact", math.nan) for h in history], "o-", label="whole mask right")
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("iteration")

@@ -64,7 +64,7 @@ class Config:
         vae_epochs: epochs of V per iteration.
         vae_lr: V's Adam learning rate.
         vae_batch: V's batch size (states).
-        beta: weight of V's KL term.
+        beta: weight of V's KL term (small: z must keep what decides the reward).
         rnn_hidden: LSTM size of M.
         gaussians: mixture components of M.
         mdrnn_epochs: epochs of M per iteration.
@@ -98,16 +98,16 @@ class Config:
     iterations: int = 4
     random_steps: int = 500
     random_terminate: float = 0.1
-    collect_steps: int = 200
+    collect_steps: int = 250
     explore_epsilon: float = 0.2
     heldout_fraction: float = 0.2
     latent_size: int = 32
     hidden: int = 64
     rounds: int = 3
-    vae_epochs: int = 30
-    vae_lr: float = 1e-3
+    vae_epochs: int = 50
+    vae_lr: float = 3e-3
     vae_batch: int = 64
-    beta: float = 1.0
+    beta: float = 0.01
     rnn_hidden: int = 128
     gaussians: int = 5
     mdrnn_epochs: int = 150
@@ -206,7 +206,8 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
         raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT or payload.get("algo") != "worldmodel":
+    if (not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT
+            or payload.get("algo") != "worldmodel"):
         raise RlflowError(f"{path}: not an rlflow world-model checkpoint")
     expected = registry_version or REGISTRY_VERSION
     if payload["registry_version"] != expected:
@@ -547,7 +548,8 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
             "reward_pearson_at_least_0.8": bool(final_q.get("reward_pearson") is not None
                                                 and final_q["reward_pearson"] >= 0.8),
             "reaches_ppo_final_within_one_fifth_of_its_steps": bool(
-                reached is not None and steps_ppo is not None and reached <= steps_ppo / 5),
+                reached is not None and steps_ppo is not None and reached <= steps_ppo / 5
+                and ppo.get("registry_version") == registry_version),
         },
         "definitions": {
             "final_reward_worldmodel": "mean return of one greedy real episode per model after the last iteration",
@@ -562,6 +564,11 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
             "location": "actions are rule types; a rule runs at its first listed candidate in the real environment",
         },
         "same_models_as_ppo": bool(ppo and tuple(ppo["config"]["models"]) == tuple(config.models)),
+        "same_registry_as_ppo": bool(ppo and ppo.get("registry_version") == registry_version),
+        "ppo_results": config.ppo_results,
+        "ppo_registry_version": ppo.get("registry_version") if ppo else None,
+        "ppo_config": ppo.get("config") if ppo else None,
+        "ppo_curve": _ppo_curve_summary(ppo),
         "quality": final_q,
         "quality_history": [{k: v for k, v in h.items() if k != "reward_pairs"} for h in history],
         "curve": points,
@@ -570,6 +577,17 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
         "rules": n_rules,
         "wall_seconds": seconds,
     }
+
+
+def _ppo_curve_summary(ppo: dict | None, points: int = 100) -> list[list[float]] | None:
+    """PPO's rolling-mean curve (as plotted) at about `points` real-step positions: [[real_steps, mean], ...]."""
+    from rlflow.worldmodel.report import ppo_curve
+
+    if not ppo or not ppo.get("curve"):
+        return None
+    x, y = ppo_curve(ppo["curve"], 3 * len(ppo["config"]["models"]))
+    keep = np.unique(np.linspace(0, len(x) - 1, min(points, len(x))).astype(int))
+    return [[float(x[i]), float(y[i])] for i in keep]
 
 
 def write_report(result: dict, history: list[dict], points: list[dict], out: Path) -> None:

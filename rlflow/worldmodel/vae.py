@@ -9,7 +9,8 @@ The encoder is trained together with the VAE, so grounding heads read z and keep
 nothing: which rules have a match in the graph (per-rule availability, binary cross-entropy), the observation's
 global vector (cost ratio, log initial cost, step fraction, log node and candidate counts; squared error) and, per
 rule, the reward its rewrite earned from this graph where one was observed (squared error): the latent must carry
-what the world model has to predict, as the reward heads of PlaNet and Dreamer shape theirs.  The world model's own availability predictor lives in `rlflow.worldmodel.mdrnn` (it reads z and h).
+what the world model has to predict, as the reward heads of PlaNet and Dreamer shape theirs.  The world model's own
+availability predictor lives in `rlflow.worldmodel.mdrnn` (it reads z and h).
 """
 from __future__ import annotations
 
