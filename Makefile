@@ -31,10 +31,11 @@ fuzz: $(STAMP)
 # The whole zoo on this machine's CPU, every method and peer, 1 thread; results under docs/results/ (about an hour
 # on 2 cores: 60 s of search per model and method, recorded in results.json).
 BENCH_TIME_LIMIT ?= 60
+BENCH_ROUNDS ?= 30
 bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
 	$(BIN)/rlflow bench models --methods greedy,taso,random --peers --threads 1 \
-		--time-limit $(BENCH_TIME_LIMIT) --out docs/results
+		--time-limit $(BENCH_TIME_LIMIT) --rounds $(BENCH_ROUNDS) --out docs/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info
