@@ -201,10 +201,17 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                     row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
                 rows.append(row)
                 bar.update(1)
-    results = {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
-               "peak": peak, "seconds": time.monotonic() - started, "rows": [asdict(r) for r in rows]}
+            # After every model, so an interrupted run keeps what it measured (results["complete"] says which).
+            write_results(_results(config, settings, peak, started, rows, complete=False), Path(out_dir))
+    results = _results(config, settings, peak, started, rows, complete=True)
     write_results(results, Path(out_dir))
     return results
+
+
+def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started: float, rows: list[Row],
+             complete: bool) -> dict:
+    return {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
+            "peak": peak, "seconds": time.monotonic() - started, "complete": complete, "rows": [asdict(r) for r in rows]}
 
 
 def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:
@@ -278,6 +285,7 @@ def markdown_table(results: dict) -> str:
         "bootstrap interval; **bold** where the interval lies above 1. `peak` = achieved FLOP/s of the output as a "
         "fraction of the measured peak. Error = worst relative-norm error of the output against the input on random "
         "inputs.", "",
+        *([] if results.get("complete", True) else ["**Partial results: the run was still going or was interrupted.**", ""]),
         "| model | method | status | input ms | output ms | speedup [95% CI] | peak | error | rewrites | time s |",
         "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
