@@ -99,6 +99,19 @@ def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, o
                "results.json, results.csv, results.md, speedup.png, time.png")
 
 
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.option("--algo", type=click.Choice(["ppo", "worldmodel"]), required=True,
+              help="ppo: model-free masked PPO; worldmodel: VAE + MDN-RNN with a controller trained in the dream.")
+@click.argument("options", nargs=-1, type=click.UNPROCESSED)
+def train(algo, options) -> None:
+    """Train an agent; every option of the trainer's Config is accepted (`rlflow train --algo ppo --help`)."""
+    if algo == "ppo":
+        from rlflow.controller import ppo as trainer
+    else:
+        from rlflow.worldmodel import train as trainer
+    trainer.main(trainer.parse_args(list(options)))
+
+
 @cli.group()
 def zoo() -> None:
     """The model zoo: real architectures defined in PyTorch, exported to ONNX offline."""

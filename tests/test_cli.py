@@ -82,3 +82,11 @@ def test_rules_listing(tmp_path, cnn_opset9_ir3_path, capsys):
     assert "matches of" in counted
     line = next(l for l in counted.splitlines() if "conv-bn-fold" in l)
     assert " 2  " in line
+
+
+@pytest.mark.parametrize("algo", ["ppo", "worldmodel"])
+def test_train_passes_options_to_the_trainer(algo, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--algo", algo, "--help"])
+    assert stop.value.code == 0
+    assert "--seed" in capsys.readouterr().out

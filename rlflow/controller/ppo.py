@@ -15,9 +15,7 @@ and checkpoints go to `<run_dir>`.
 """
 from __future__ import annotations
 
-import argparse
 import csv
-import dataclasses
 import json
 import logging
 import os
@@ -501,36 +499,11 @@ def main(config: Config) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- command line
-def _field_type(f: dataclasses.Field):
-    hints = typing.get_type_hints(Config)
-    return hints[f.name]
-
-
 def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
     """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
-    parser = argparse.ArgumentParser(prog="python -m rlflow.controller.ppo", description=__doc__.split("\n")[0])
-    defaults = Config()
-    for f in dataclasses.fields(Config):
-        kind = _field_type(f)
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, default=",".join(default), help=f"comma-separated (default: {','.join(default)})")
-        else:
-            args = typing.get_args(kind)
-            base = next((a for a in args if a is not type(None)), kind) if args else kind
-            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
-    ns = parser.parse_args(argv)
-    values = {}
-    for f in dataclasses.fields(Config):
-        value = getattr(ns, f.name)
-        if typing.get_origin(_field_type(f)) is tuple and isinstance(value, str):
-            value = tuple(v for v in value.split(",") if v)
-        values[f.name] = value
-    return Config(**values)
+    from rlflow.config_args import config_from_args
 
+    return config_from_args(Config, argv, "python -m rlflow.controller.ppo", __doc__.split("\n")[0])
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)

@@ -2,8 +2,8 @@
 
 It reads the environment's padded observation (`rlflow.env.RewriteEnv`), so it works on graphs of any size up to the
 observation caps, and its weights do not depend on the graph: a policy trained on some models runs on others.  In the
-world model this is "V" (RLFlow uses the GNN embedding as the latent, not a VAE); the controller scores candidates
-from its node embeddings.
+world model its graph embedding is the input of the VAE (`rlflow.worldmodel.vae.GraphVAE`), whose latent is "V"
+(RLFlow used the GNN embedding itself as the latent); the model-free policy scores candidates from its node embeddings.
 """
 from __future__ import annotations
 

@@ -22,7 +22,6 @@ PPO results in `ppo_results`.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -610,30 +609,9 @@ def write_report(result: dict, history: list[dict], points: list[dict], out: Pat
 # ----------------------------------------------------------------------------------------------------- command line
 def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
     """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
-    parser = argparse.ArgumentParser(prog="python -m rlflow.worldmodel.train", description=__doc__.split("\n")[0])
-    defaults = Config()
-    hints = typing.get_type_hints(Config)
-    for f in dataclasses.fields(Config):
-        kind = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif typing.get_origin(kind) is tuple:
-            parser.add_argument(flag, default=",".join(default), help=f"comma-separated (default: {','.join(default)})")
-        else:
-            args = typing.get_args(kind)
-            base = next((a for a in args if a is not type(None)), kind) if args else kind
-            parser.add_argument(flag, type=base, default=default, help=f"default: {default}")
-    ns = parser.parse_args(argv)
-    values = {}
-    for f in dataclasses.fields(Config):
-        value = getattr(ns, f.name)
-        if typing.get_origin(hints[f.name]) is tuple and isinstance(value, str):
-            value = tuple(v for v in value.split(",") if v)
-        values[f.name] = value
-    return Config(**values)
+    from rlflow.config_args import config_from_args
 
+    return config_from_args(Config, argv, "python -m rlflow.worldmodel.train", __doc__.split("\n")[0])
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
