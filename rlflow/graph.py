@@ -196,13 +196,45 @@ class Graph:
 
         Large constants travel as typed graph inputs instead of initializers, so inference never copies weights.
         """
-        skeleton = self._skeleton()
+        self._apply_inferred(self._skeleton(), self.gs.tensors())
+
+    def _infer_locally(self, nodes: list[gs.Node]) -> bool:
+        """Shapes for the outputs of `nodes` alone, from the known shapes of their inputs; False when that is not enough.
+
+        Shape inference is local for standard operators, so after a rewrite only the nodes it added need it; a value
+        computed elsewhere (a Reshape target from a Shape chain, an outer tensor of a subgraph) makes this give up, and
+        the caller falls back to the whole graph.
+        """
+        produced = {t.name: t for node in nodes for t in node.outputs}
+        inputs, initializers, seen = [], [], set()
+        for node in nodes:
+            for tensor in node.inputs:
+                if tensor.name in produced or tensor.name in seen or tensor.name == "":
+                    continue
+                seen.add(tensor.name)
+                if isinstance(tensor, gs.Constant):
+                    if tensor.values.size <= _SMALL_CONSTANT:
+                        initializers.append(OnnxExporter.export_tensor_proto(tensor))
+                        continue
+                elif tensor.dtype is None or self.shape(tensor) is None:
+                    return False
+                elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
+                inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(tensor.shape)))
+        graph = helper.make_graph([OnnxExporter.export_node(n) for n in nodes], "local", inputs,
+                                  [helper.make_empty_tensor_value_info(name) for name in produced],
+                                  initializer=initializers)
+        model = helper.make_model(graph, opset_imports=self._opset_imports(), ir_version=max_ir_version())
+        self._apply_inferred(model, produced)
+        return all(t.dtype is not None and self.shape(t) is not None for t in produced.values())
+
+    @staticmethod
+    def _apply_inferred(skeleton: onnx.ModelProto, tensors: Mapping[str, gs.Tensor]) -> None:
+        """Runs onnx shape inference on `skeleton` and copies the element types and static shapes found to `tensors`."""
         try:
             inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
         except Exception as exc:  # noqa: BLE001 - inference errors are reported, not fatal: ORT checks later
             log.debug("shape inference failed: %s", exc)
             return
-        tensors = self.gs.tensors()
         for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
             tensor = tensors.get(vi.name)
             if tensor is None or isinstance(tensor, gs.Constant):
@@ -397,10 +429,12 @@ class Graph:
                     node.inputs[i] = old
 
     def finish_edit(self) -> None:
-        """Removes dead nodes, restores topological order and refreshes shapes after a rule has edited the graph."""
+        """Removes dead nodes, restores topological order and gives the tensors a rule added their shapes."""
         self.gs.cleanup(remove_unused_graph_inputs=False).toposort()
         self._used_names = None
-        self.infer_shapes()
+        fresh = [n for n in self.gs.nodes if any(t.dtype is None or self.shape(t) is None for t in n.outputs)]
+        if fresh and not self._infer_locally(fresh):
+            self.infer_shapes()
 
     # ------------------------------------------------------------------------------------------------- summary
     def op_counts(self) -> dict[str, int]:
