@@ -141,7 +141,7 @@ class ConcatSplitCancel(Rule):
             return self.no(node, "the Split and the Concat use different axes")
         if tuple(s[axis] for s in shapes) != sizes:
             return self.no(node, "the Split's parts are not the Concat's inputs")
-        if len(node.inputs) < 2 and any(any(d) for d in (dynamic_axes(graph, t) or (True,)) for t in concat.inputs):
+        if len(node.inputs) < 2 and any(any(dynamic_axes(graph, t) or (True,)) for t in concat.inputs):
             return self.no(node, "an equal Split of dynamic inputs may cut elsewhere at other sizes")
         return self.match([node, concat])
 

@@ -115,3 +115,23 @@ def test_matmul3d_refuses_a_bias_that_is_not_a_vector():
     g = graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"])], {"x": [2, 6, 4]},
               consts={"w": weights(4, 5), "b": weights(6, 5)})
     assert_refuses(g, "matmul3d-add-to-gemm", "not a constant vector along the last axis")
+
+
+def test_concat_split_cancel_with_an_equal_split():
+    """An equal Split (no sizes input) of a Concat of static parts cancels; this path once raised a NameError."""
+    from onnx import TensorProto, helper
+
+    from rlflow.graph import Graph
+    from rlflow.measure.verify import verify
+    from rlflow.rewrites import apply, rule
+
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])  # noqa: E731
+    nodes = [helper.make_node("Concat", ["a", "b"], ["c"], axis=0),
+             helper.make_node("Split", ["c"], ["p", "q"], axis=0),
+             helper.make_node("Add", ["p", "q"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [value("a"), value("b")], [value("y")]),
+                              opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    graph = Graph.from_model(model)
+    matches = rule("concat-split-cancel").find(graph)
+    assert len(matches) == 1
+    assert verify(model, apply(graph, matches[0]).to_model()).ok
