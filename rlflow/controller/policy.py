@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
+from rlflow.training import save_checkpoint_atomic
 from rlflow.errors import RlflowError
 from rlflow.features import MAX_TOUCHED, OBS_VERSION
 from rlflow.worldmodel.encoder import GraphEncoder, trim
@@ -132,10 +133,7 @@ def save_checkpoint(path: str | os.PathLike, policy: CandidatePolicy, optimizer:
         "config": dict(config or {}),
         **extra,
     }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
+    return save_checkpoint_atomic(payload, path)
 
 
 def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[CandidatePolicy, dict]:

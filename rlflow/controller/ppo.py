@@ -19,7 +19,6 @@ import csv
 import json
 import logging
 import os
-import random
 import sys
 import time
 import typing
@@ -27,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from rlflow.training import seed_everything
 
 log = logging.getLogger("rlflow")
 
@@ -304,10 +305,7 @@ def main(config: Config) -> dict:
     from rlflow.rewrites import REGISTRY_VERSION, RULES
 
     wall_start = time.monotonic()
-    torch.set_num_threads(config.threads)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    seed_everything(config.seed, config.threads)
     out, run_dir = Path(config.out), Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     writer = CsvWriter(run_dir / "metrics.csv")

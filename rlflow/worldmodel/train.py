@@ -26,7 +26,6 @@ import dataclasses
 import json
 import logging
 import os
-import random
 import sys
 import time
 import typing
@@ -34,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from rlflow.training import save_checkpoint_atomic, seed_everything
 
 log = logging.getLogger("rlflow")
 
@@ -168,8 +169,6 @@ class Agent:
 # ----------------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(path: str | os.PathLike, agent: Agent, config: Config | dict, **extra) -> Path:
     """Writes weights, optimiser states, config, rule-registry and observation versions and `extra` (atomically)."""
-    import torch
-
     from rlflow.features import OBS_VERSION
     from rlflow.rewrites import REGISTRY_VERSION, RULES
 
@@ -179,10 +178,7 @@ def save_checkpoint(path: str | os.PathLike, agent: Agent, config: Config | dict
                "rules": [r.name for r in RULES], "obs_version": OBS_VERSION,
                "config": asdict(config) if dataclasses.is_dataclass(config) else dict(config),
                "agent": agent.state_dict(), **extra}
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
+    return save_checkpoint_atomic(payload, path)
 
 
 def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[Agent, dict]:
@@ -411,10 +407,7 @@ def main(config: Config) -> dict:
     from rlflow.worldmodel.report import encode_all, quality
 
     wall_start = time.monotonic()
-    torch.set_num_threads(config.threads)
-    random.seed(config.seed)
-    np.random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    seed_everything(config.seed, config.threads)
     rng = np.random.default_rng(config.seed)
     out, run_dir = Path(config.out), Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
