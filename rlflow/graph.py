@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, shape_inference
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from rlflow.errors import InputError

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import onnx
 
-from rlflow.errors import InputError, ProviderError
+from rlflow.errors import InputError
 from rlflow.graph import Graph, load, max_ir_version, save_model
 from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, check_runs, resolve_provider

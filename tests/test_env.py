@@ -8,7 +8,6 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from onnx import TensorProto, helper, numpy_helper
 
-import rlflow
 from rlflow.env import RewriteEnv
 from rlflow.errors import InputError
 from rlflow.rewrites import RULES
