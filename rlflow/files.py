@@ -13,3 +13,9 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def cache_dir(part: str) -> Path:
+    """rlflow's cache folder for `part`: ``$RLFLOW_CACHE/<part>`` when RLFLOW_CACHE is set, else ``~/.cache/rlflow/<part>``."""
+    root = os.environ.get("RLFLOW_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "rlflow") / part

@@ -361,8 +361,9 @@ def _op_counts(proto) -> dict[str, int]:
 
 def default_cache_dir() -> Path:
     """``$RLFLOW_CACHE/zoo`` when RLFLOW_CACHE is set, else ``~/.cache/rlflow/zoo``."""
-    root = os.environ.get("RLFLOW_CACHE")
-    return Path(root) / "zoo" if root else Path.home() / ".cache" / "rlflow" / "zoo"
+    from rlflow.files import cache_dir
+
+    return cache_dir("zoo")
 
 
 def summary(name: str, cache_dir=None) -> dict:

@@ -137,8 +137,9 @@ def machine_id() -> str:
 
 def default_cache_dir() -> Path:
     """``$RLFLOW_CACHE/costmodel`` when RLFLOW_CACHE is set, else ``~/.cache/rlflow/costmodel``."""
-    root = os.environ.get("RLFLOW_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "rlflow") / "costmodel"
+    from rlflow.files import cache_dir
+
+    return cache_dir("costmodel")
 
 
 class CostModel:
