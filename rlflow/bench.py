@@ -221,7 +221,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                       rounds=config.rounds)
     before, after = result.comparison.timings
     ratio = result.speedup
-    verification = result.verification
+    verification = result.verification if result.rewritten else None  # else the output is the input itself
     return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
                latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
                faster=ratio.faster, rewritten=result.rewritten,
