@@ -28,10 +28,10 @@ test: $(STAMP)
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
 
-# The whole zoo on this machine's CPU, every method and peer, 1 thread; results under docs/results/ (about an hour
-# on 2 cores: 60 s of search per model and method, recorded in results.json).
-BENCH_TIME_LIMIT ?= 60
-BENCH_ROUNDS ?= 30
+# The whole zoo on this machine's CPU, every method and peer, 1 thread; results under docs/results/ (33 minutes on
+# 2 cores with these limits: 15 s of search per model and method, 12 interleaved rounds; both recorded in results.json).
+BENCH_TIME_LIMIT ?= 15
+BENCH_ROUNDS ?= 12
 bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
 	$(BIN)/rlflow bench models --methods greedy,taso,random --peers --threads 1 \
