@@ -28,3 +28,39 @@ def save_checkpoint_atomic(payload: dict, path: str | os.PathLike) -> Path:
     torch.save(payload, tmp)
     os.replace(tmp, path)
     return path
+
+
+def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_version: str | None = None,
+                            algo: str | None = None, retrain: str = "retrain") -> dict:
+    """A checkpoint's dictionary, refused with one clear line unless it fits this rlflow.
+
+    Raises:
+        RlflowError: missing file, not a checkpoint (of `algo`, when given), or trained on another rule registry or
+            observation version (rule ids and observation columns would mean other things).
+    """
+    import torch
+
+    from rlflow.errors import RlflowError
+    from rlflow.features import OBS_VERSION
+    from rlflow.rewrites import REGISTRY_VERSION
+
+    path = Path(path)
+    if not path.is_file():
+        raise RlflowError(f"{path}: no such checkpoint")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
+        raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
+    kind = f"{algo} " if algo else ""
+    if not isinstance(payload, dict) or payload.get("format") != fmt or (algo and payload.get("algo") != algo):
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise RlflowError(f"{path}: not an rlflow {kind}checkpoint (format {found})")
+    expected = registry_version or REGISTRY_VERSION
+    if payload["registry_version"] != expected:
+        raise RlflowError(f"{path}: trained on rule registry {payload['registry_version']} "
+                          f"({len(payload['rules'])} rules), but this rlflow has registry {expected}: rule ids would "
+                          f"mean other rules; {retrain}")
+    if payload["obs_version"] != OBS_VERSION:
+        raise RlflowError(f"{path}: trained on observation version {payload['obs_version']}, this rlflow has "
+                          f"{OBS_VERSION}; {retrain}")
+    return payload

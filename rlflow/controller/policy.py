@@ -20,8 +20,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
-from rlflow.training import save_checkpoint_atomic
-from rlflow.errors import RlflowError
+from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic
 from rlflow.features import MAX_TOUCHED, OBS_VERSION
 from rlflow.worldmodel.encoder import GraphEncoder, trim
 
@@ -143,27 +142,9 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
         RlflowError: the file is missing or not a checkpoint, or it was trained on another rule registry or
             observation version than this rlflow's (rule ids would mean other rules).
     """
-    from rlflow.rewrites import REGISTRY_VERSION
-
-    path = Path(path)
-    if not path.is_file():
-        raise RlflowError(f"{path}: no such checkpoint")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
-        raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise RlflowError(f"{path}: not an rlflow checkpoint (format {found})")
-    expected = registry_version or REGISTRY_VERSION
-    if payload["registry_version"] != expected:
-        raise RlflowError(
-            f"{path}: trained on rule registry {payload['registry_version']} ({len(payload['rules'])} rules), but this "
-            f"rlflow has registry {expected}: rule ids would mean other rules; retrain the policy "
-            f"(rlflow train --algo ppo) or use the rlflow version it was trained with")
-    if payload["obs_version"] != OBS_VERSION:
-        raise RlflowError(f"{path}: trained on observation version {payload['obs_version']}, this rlflow has "
-                          f"{OBS_VERSION}; retrain the policy")
+    payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
+                                      retrain="retrain the policy (rlflow train --algo ppo) or use the rlflow "
+                                              "version it was trained with")
     policy = CandidatePolicy(**payload["policy"])
     policy.load_state_dict(payload["model"])
     return policy, payload

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlflow.training import save_checkpoint_atomic, seed_everything
+from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic, seed_everything
 
 log = logging.getLogger("rlflow")
 
@@ -188,30 +188,8 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
         RlflowError: missing file, not a world-model checkpoint, or another rule registry or observation version
             (rule ids would mean other rules).
     """
-    import torch
-
-    from rlflow.errors import RlflowError
-    from rlflow.features import OBS_VERSION
-    from rlflow.rewrites import REGISTRY_VERSION
-
-    path = Path(path)
-    if not path.is_file():
-        raise RlflowError(f"{path}: no such checkpoint")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
-        raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
-    if (not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT
-            or payload.get("algo") != "worldmodel"):
-        raise RlflowError(f"{path}: not an rlflow world-model checkpoint")
-    expected = registry_version or REGISTRY_VERSION
-    if payload["registry_version"] != expected:
-        raise RlflowError(f"{path}: trained on rule registry {payload['registry_version']} "
-                          f"({len(payload['rules'])} rules), but this rlflow has registry {expected}: rule ids would "
-                          f"mean other rules; retrain (rlflow train --algo worldmodel)")
-    if payload["obs_version"] != OBS_VERSION:
-        raise RlflowError(f"{path}: trained on observation version {payload['obs_version']}, this rlflow has "
-                          f"{OBS_VERSION}; retrain")
+    payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
+                                      algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
     fields = {f.name for f in dataclasses.fields(Config)}
     config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["config"].items() if k in fields})
     agent = Agent(config, len(payload["rules"]))
