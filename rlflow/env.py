@@ -231,6 +231,25 @@ class RewriteEnv(gym.Env):
         mask[self.terminate_action] = 1
         return mask
 
+    def peek(self, action: int) -> str | None:
+        """The fingerprint of the graph that `action` leads to, without taking the step.
+
+        Lets a caller refuse a rewrite that returns to a graph it has already visited (inverse rules, such as
+        matmul-add-to-gemm and gemm-to-matmul-add, undo each other).  The rewrite is applied and cached, so the step
+        that may follow costs nothing more.  None for terminate, an invalid action or a rewrite that is refused.
+        """
+        if self._state is None or not 0 <= int(action) < len(self._state.candidates):
+            return None
+        child = self._child(self._state, self._state.candidates[int(action)])
+        return None if isinstance(child, str) else child.fingerprint
+
+    @property
+    def fingerprint(self) -> str:
+        """The current graph's fingerprint."""
+        if self._state is None:
+            raise RuntimeError("call reset() first")
+        return self._state.fingerprint
+
     # --------------------------------------------------------------------------------------------------- gym API
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)

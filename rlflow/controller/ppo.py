@@ -5,11 +5,10 @@ candidate-scoring graph network of `rlflow.controller.policy`; invalid actions a
 Everything the world-model agent is compared on is counted: real environment steps, end-to-end measurements and
 cost-model evaluations.
 
-At the end the greedy policy is evaluated on each model (and on held-out models it never trained on) against
-`rlflow.search.random_walk` with the same cost model; the policy's and the random walk's graphs are then measured
-end to end against the original, interleaved, in one `compare`.  Results go to `<out>/ppo.json` and the learning
-curve (mean episode return vs real steps) to `<out>/ppo-learning-curve.png`; metrics (`charts/`, `losses/`, `eval/`)
-and checkpoints go to `<run_dir>`.
+At the end the trained policy is evaluated (`rlflow.controller.evaluate`) on each model, and on held-out models it
+never trained on, against `rlflow.search.random_walk` with the same measurement budget.  Results go to
+`<out>/ppo.json` and the learning curve (mean episode return vs real steps) to `<out>/ppo-learning-curve.png`; metrics
+(`charts/`, `losses/`, `eval/`) and checkpoints go to `<run_dir>`.
 
     python -m rlflow.controller.ppo --models squeezenet-1.1-tiny,resnet-18-tiny --total-steps 4000 --out docs/results
 """
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlflow.files import write_text_atomic
 from rlflow.training import seed_everything
 
 log = logging.getLogger("rlflow")
@@ -174,91 +174,6 @@ def random_episodes(env, episodes: int, rng: np.random.Generator) -> list[float]
                 done = terminated or truncated
             returns.append(total)
     return returns
-
-
-def rollout_greedy(policy, env, index: int):
-    """One greedy episode on model `index`: (final graph, applied rewrites, return, steps)."""
-    import torch
-
-    from rlflow.controller.policy import obs_to_torch
-
-    obs, info = env.reset(options={"model": index})
-    total, done = 0.0, False
-    while not done:
-        with torch.no_grad():
-            action, *_ = policy.get_action_and_value(obs_to_torch(obs), greedy=True)
-        obs, reward, terminated, truncated, info = env.step(int(action.item()))
-        total += reward
-        done = terminated or truncated
-    return env.graph, list(env.applied), total, info["episode_steps"]
-
-
-def evaluate(policy, paths: typing.Sequence[Path], config: Config, cost_model, writer: CsvWriter | None,
-             step: int, heldout: typing.Sequence[bool]) -> list[dict]:
-    """Greedy policy vs random walk on each model.
-
-    Both final graphs are measured against the original in one interleaved comparison (the speedups), and against
-    each other (the outcome: a win or a loss only when the interval of policy / random walk excludes 1; the same
-    graph is a tie).  The cost model's verdict is reported too (`estimated_outcome`, ties within 0.1%).
-    """
-    from rlflow.measure.timing import compare
-    from rlflow.search import RandomConfig, random_walk
-
-    env = make_env(paths, config, cost_model)
-    rows = []
-    for index, path in enumerate(paths):
-        start = time.monotonic()
-        graph, applied, ret, steps = rollout_greedy(policy, env, index)
-        policy_seconds = time.monotonic() - start
-        original = env._load(index)
-        start = time.monotonic()
-        walk = random_walk(original, env.settings, RandomConfig(walks=config.eval_walks,
-                                                                length=config.max_episode_steps,
-                                                                time_limit=config.eval_time_limit, seed=config.seed),
-                           cost_model=cost_model)
-        walk_seconds = time.monotonic() - start
-        base_cost = cost_model.graph_cost(original)
-        policy_cost, walk_cost = cost_model.graph_cost(graph), cost_model.graph_cost(walk.graph)
-        models = [original.to_model(static=True), graph.to_model(static=True), walk.graph.to_model(static=True)]
-        comparison = compare(models, env.settings, rounds=config.eval_rounds, seed=config.seed,
-                             labels=["original", "policy", "random-walk"])
-        p_ratio, w_ratio = comparison.ratios[1], comparison.ratios[2]
-        same = graph.fingerprint() == walk.graph.fingerprint()
-        head_to_head = None
-        if same:
-            outcome = "tie"
-        else:  # policy against random walk directly, with its own interval: noise must not decide
-            head_to_head = compare([models[2], models[1]], env.settings, rounds=config.eval_rounds,
-                                   seed=config.seed, labels=["random-walk", "policy"]).ratios[1]
-            outcome = "win" if head_to_head.faster else "loss" if head_to_head.slower else "tie"
-        p_est, w_est = base_cost / policy_cost, base_cost / walk_cost
-        estimated_outcome = "tie" if abs(p_est - w_est) <= 1e-3 * w_est else "win" if p_est > w_est else "loss"
-        row = {
-            "model": env.model_name(index),
-            "heldout": bool(heldout[index]),
-            "nodes": len(original),
-            "policy": {"applied": [str(m) for m in applied], "return": ret, "steps": steps,
-                       "estimated_speedup": p_est, "measured": p_ratio.as_dict(),
-                       "seconds": policy_seconds, "cost_evaluations": steps + 1},
-            "random_walk": {"applied": [str(m) for m in walk.applied], "estimated_speedup": w_est,
-                            "measured": w_ratio.as_dict(), "seconds": walk_seconds,
-                            "cost_evaluations": walk.candidates_estimated,
-                            "measured_candidates": walk.candidates_measured, "stop_reason": walk.stop_reason},
-            "same_graph": same,
-            "policy_over_random_walk": head_to_head.as_dict() if head_to_head is not None else None,
-            "outcome": outcome,
-            "estimated_outcome": estimated_outcome,
-            "original_ms": comparison.timings[0].median_ms,
-        }
-        rows.append(row)
-        if writer is not None:
-            writer.add_scalar(f"eval/{row['model']}/policy_speedup", p_ratio.median, step)
-            writer.add_scalar(f"eval/{row['model']}/random_walk_speedup", w_ratio.median, step)
-        print(f"  {row['model']:<24} policy {p_ratio.median:.3f}x (est {base_cost / policy_cost:.3f}x, "
-              f"{len(applied)} rewrites)  random walk {w_ratio.median:.3f}x (est {base_cost / walk_cost:.3f}x, "
-              f"{len(walk.applied)} rewrites)  -> measured {outcome}, estimated {estimated_outcome}"
-              f"{'  [held out]' if heldout[index] else ''}", flush=True)
-    return rows
 
 
 def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: str) -> None:
@@ -467,33 +382,24 @@ def main(config: Config) -> dict:
         "curve": [{k: e[k] for k in ("real_steps", "model", "return")} for e in episodes],
     }
     if config.evaluate:
-        print("evaluation: greedy policy vs random walk (same cost model), measured end to end", flush=True)
-        policy.eval()
-        eval_paths = list(paths) + resolve_models(config.holdout, config.zoo_dir)
-        heldout = [False] * len(paths) + [True] * len(config.holdout)
-        rows = evaluate(policy, eval_paths, config, cost_model, writer, env.real_steps, heldout)
-        trained = [r for r in rows if not r["heldout"]]
-        result["eval"] = rows
-        result["summary"] = {
-            "measured": {o: sum(r["outcome"] == o for r in trained) for o in ("win", "tie", "loss")},
-            "estimated": {o: sum(r["estimated_outcome"] == o for r in trained) for o in ("win", "tie", "loss")},
-            "models": len(trained),
-            "policy_mean_speedup": float(np.mean([r["policy"]["measured"]["median"] for r in trained])),
-            "random_walk_mean_speedup": float(np.mean([r["random_walk"]["measured"]["median"] for r in trained])),
-            "policy_mean_estimated_speedup": float(np.mean([r["policy"]["estimated_speedup"] for r in trained])),
-            "random_walk_mean_estimated_speedup": float(np.mean([r["random_walk"]["estimated_speedup"]
-                                                                 for r in trained])),
-        }
-        print(f"trained models: {result['summary']}", flush=True)
+        from rlflow.controller.evaluate import evaluate_results
+
+        evaluate_results(result, policy, config, cost_model, writer)
     cost_model.save()
     result["wall_seconds"] = time.monotonic() - wall_start
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ppo.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    plot_curve(episodes, baseline, out / "ppo-learning-curve.png",
-               f"masked PPO on {len(paths)} -tiny zoo models, cost-model reward ({len(RULES)} rules)")
+    write_results(result, out)
     writer.close()
-    print(f"wrote {out / 'ppo.json'} and {out / 'ppo-learning-curve.png'} in {result['wall_seconds']:.0f}s", flush=True)
     return result
+
+
+def write_results(result: dict, out: Path) -> None:
+    """ppo.json and the learning curve (ppo-learning-curve.png) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "ppo.json", json.dumps(result, indent=1, default=str) + "\n")
+    config = result["config"]
+    plot_curve(result["curve"], result["train"]["random_policy_mean_return"], out / "ppo-learning-curve.png",
+               f"masked PPO on {len(config['models'])} -tiny zoo models, cost-model reward ({result['rules']} rules)")
+    print(f"wrote {out / 'ppo.json'} and {out / 'ppo-learning-curve.png'}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------- command line

@@ -45,8 +45,29 @@ def test_evaluation_against_random_walk(tmp_path, zoo_paths, monkeypatch):
     assert set(rows) == {"resnet-18-tiny", "bert-base-tiny"} and rows["bert-base-tiny"]["heldout"]
     for row in rows.values():
         assert row["outcome"] in ("win", "tie", "loss")
-        assert row["policy"]["measured"]["median"] > 0 and row["random_walk"]["estimated_speedup"] > 0
-    assert result["summary"]["models"] == 1 and result["train"]["random_policy_mean_return"] is not None
+        assert row["same_graph"] == (row["agent_over_random_walk"] is None)
+        for part in ("policy", "agent", "random_walk"):
+            assert row[part]["measured"]["low"] <= row[part]["measured"]["median"] <= row[part]["measured"]["high"]
+        assert row["agent"]["measured_candidates"] <= 6 and row["random_walk"]["estimated_speedup"] > 0
+    summary = result["summary"]
+    assert summary["trained"]["models"] == 1 and summary["heldout"]["models"] == 1
+    assert sum(summary["trained"]["outcomes"].values()) == 1
+    assert result["train"]["random_policy_mean_return"] is not None
+
+
+def test_evaluate_command_adds_the_evaluation_to_a_training_run(tmp_path, zoo_paths, monkeypatch):
+    from rlflow.controller import evaluate
+
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    config = tiny_config(tmp_path, [zoo_paths["resnet-18-tiny"]], eval_walks=2, eval_rounds=3, eval_time_limit=5.0)
+    ppo.main(config)
+    assert "eval" not in json.loads((tmp_path / "out" / "ppo.json").read_text())
+    result = evaluate.main(["--checkpoint", str(tmp_path / "run" / "ppo.pt"), "--results",
+                            str(tmp_path / "out" / "ppo.json"), "--out", str(tmp_path / "evaluated")])
+    written = json.loads((tmp_path / "evaluated" / "ppo.json").read_text())
+    assert [r["model"] for r in written["eval"]] == ["resnet-18-tiny"] == [r["model"] for r in result["eval"]]
+    assert written["train"]["real_steps"] == 16 and "--checkpoint" in written["eval_command"]
+    assert (tmp_path / "evaluated" / "ppo-learning-curve.png").stat().st_size > 0
 
 
 def test_parse_args():

@@ -1,0 +1,165 @@
+"""The learned agent as a search method: a trained policy proposes rewrite sequences, measurement picks the winner.
+
+The policy (`rlflow.controller.policy.CandidatePolicy`, shipped as `rlflow/agents/default.pt`) plays a few episodes
+of `rlflow/Rewrite-v0` on the model: the first greedily, the rest sampled.  An episode never returns to a graph it
+has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
+best, are measured end to end against the input; the fastest that is measurably faster wins, else the input is kept.
+The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from tqdm import tqdm
+
+from rlflow.errors import InputError
+from rlflow.graph import Graph
+from rlflow.measure.session import SessionSettings
+from rlflow.rewrites import RULES, Rule
+from rlflow.search.candidates import Candidate, SearchResult, select_measured
+
+DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "agents" / "default.pt"
+"""The shipped agent (package data), trained by `rlflow train --algo ppo --agent-split` (see the README)."""
+
+
+@dataclass
+class AgentConfig:
+    """Settings of the agent search.
+
+    Attributes:
+        agent: checkpoint path (None: the shipped agent).
+        rollouts: episodes played (the first greedy, the others sampled).
+        length: rewrites per episode at most.
+        temperature: softness of the sampled episodes (1: the policy's own distribution).
+        time_limit: seconds for the whole search, final measurements included.
+        top_k: graphs measured end to end at the end.
+        rounds: interleaved rounds of those measurements.
+        seed: sampling, inputs and round order.
+    """
+
+    agent: str | None = None
+    rollouts: int = 6
+    length: int = 25
+    temperature: float = 1.0
+    time_limit: float = 30.0
+    top_k: int = 4
+    rounds: int = 15
+    seed: int = 0
+
+
+def load_agent(path: str | os.PathLike | None = None):
+    """The policy at `path` (default: the shipped agent), in evaluation mode.
+
+    Raises:
+        RlflowError: the file is missing, is not an rlflow policy, or was trained on another rule registry.
+    """
+    from rlflow.controller.policy import load_checkpoint
+
+    path = Path(path) if path is not None else DEFAULT_AGENT
+    if path == DEFAULT_AGENT and not path.is_file():
+        raise InputError(f"the shipped agent {path} is missing from this installation; reinstall rlflow, pass "
+                         "--agent PATH, or use --method greedy")
+    policy, _ = load_checkpoint(path)
+    return policy.eval()
+
+
+def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | None = None,
+                 rules: Sequence[Rule] = RULES, cost_model=None, policy=None, progress: bool = False) -> SearchResult:
+    """Policy rollouts, then end-to-end measurement of the best few graphs; see the module docstring."""
+    import torch
+
+    from rlflow.env import RewriteEnv
+    from rlflow.measure.costmodel import CostModel
+
+    config = config or AgentConfig()
+    start = time.monotonic()
+    search_deadline = start + 0.5 * config.time_limit
+    policy = policy if policy is not None else load_agent(config.agent)
+    cost_model = cost_model or CostModel(settings)
+    env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings, max_episode_steps=config.length)
+    generator = torch.Generator().manual_seed(config.seed)
+    visited: dict[str, tuple[float, Candidate]] = {}
+    endings: list[str] = []
+    stop = "all rollouts done"
+    with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:
+        for rollout in range(config.rollouts):
+            if time.monotonic() > search_deadline:
+                stop = "time limit"
+                break
+            endings.append(_play(env, policy, greedy=rollout == 0, temperature=config.temperature,
+                                 generator=generator, deadline=search_deadline, visited=visited))
+            bar.update(1)
+    cost_model.save()
+    original_cost = env.cost_model.graph_cost(graph)
+    pool = _pool(visited, endings, original_cost, graph.fingerprint(), config.top_k)
+    if not pool:
+        return SearchResult(graph, [], 0, time.monotonic() - start,
+                            f"{stop}; no graph the agent reached is estimated faster",
+                            candidates_estimated=len(visited))
+    return select_measured(graph, pool, settings, rounds=config.rounds, seed=config.seed,
+                           deadline=start + config.time_limit, start=start, stop_reason=stop,
+                           estimated=len(visited))
+
+
+def _play(env, policy, *, greedy: bool, temperature: float, generator, deadline: float,
+          visited: dict[str, tuple[float, Candidate]]) -> str:
+    """One episode; every graph reached goes into `visited` (fingerprint -> (estimated cost, candidate)).
+
+    Returns the fingerprint of the graph the episode ended on.
+    """
+    import torch
+
+    from rlflow.controller.policy import obs_to_torch
+
+    obs, info = env.reset(options={"model": 0})
+    seen = {env.fingerprint}
+    done = False
+    while not done and time.monotonic() < deadline:
+        with torch.no_grad():
+            logits = policy(obs_to_torch(obs))[0][0].clone()
+        action = _choose(env, logits, seen, greedy, temperature, generator)
+        obs, _, terminated, truncated, info = env.step(action)
+        done = terminated or truncated or action == env.terminate_action
+        if env.fingerprint not in seen:
+            seen.add(env.fingerprint)
+            visited.setdefault(env.fingerprint, (info["cost"], Candidate(env.graph, tuple(env.applied),
+                                                                         env.fingerprint)))
+    return env.fingerprint
+
+
+def _choose(env, logits, seen: set[str], greedy: bool, temperature: float, generator) -> int:
+    """The policy's action, skipping rewrites that return to a graph of this episode (terminate when none is left)."""
+    import torch
+
+    while True:
+        valid = logits > -1e7
+        if not bool(valid.any()):
+            return env.terminate_action
+        if greedy:
+            action = int(logits.argmax())
+        else:
+            probs = torch.softmax(logits / max(temperature, 1e-6), -1) * valid
+            action = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+        if action == env.terminate_action:
+            return action
+        child = env.peek(action)
+        if child is not None and child not in seen:
+            return action
+        logits[action] = -1e8
+
+
+def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], original_cost: float,
+          original: str, top_k: int) -> list[Candidate]:
+    """What to measure: the episodes' end graphs, then the best-estimated others; only those estimated faster."""
+    faster = {fp: pair for fp, pair in visited.items() if fp != original and pair[0] < original_cost}
+    chosen = list(dict.fromkeys(fp for fp in endings if fp in faster))
+    by_cost = sorted(faster, key=lambda fp: faster[fp][0])
+    chosen += [fp for fp in by_cost if fp not in chosen]
+    return [faster[fp][1] for fp in chosen[:top_k]]
+
+
+__all__ = ["AgentConfig", "DEFAULT_AGENT", "agent_search", "load_agent"]

@@ -1,0 +1,103 @@
+"""The agent as a search method: rollouts never revisit a graph, only estimated-faster graphs are measured, the
+time limit holds, and a missing or foreign checkpoint is refused with a clear message."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import rlflow
+from rlflow.controller.policy import CandidatePolicy, save_checkpoint
+from rlflow.errors import RlflowError
+from rlflow.measure.session import SessionSettings
+from rlflow.rewrites import RULES
+from rlflow.search import agent as agent_module
+from rlflow.search.agent import AgentConfig, agent_search, load_agent
+
+
+@pytest.fixture
+def policy():
+    torch.manual_seed(0)
+    return CandidatePolicy(len(RULES), hidden=16, rounds=2).eval()
+
+
+def test_rollouts_never_revisit_a_graph_and_only_estimated_faster_graphs_are_measured(zoo_paths, cost_model, policy,
+                                                                                       monkeypatch):
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    played, pools = [], []
+    real_play, real_pool = agent_module._play, agent_module._pool
+
+    def spy_play(env, *args, **kwargs):
+        seen = []
+        real_step = env.step
+
+        def step(action):
+            out = real_step(action)
+            seen.append(env.fingerprint)
+            return out
+
+        env.step = step
+        try:
+            return real_play(env, *args, **kwargs)
+        finally:
+            env.step = real_step
+            played.append(seen)
+
+    def spy_pool(visited, endings, original_cost, original, top_k):
+        pool = real_pool(visited, endings, original_cost, original, top_k)
+        pools.append((pool, {fp: cost for fp, (cost, _) in visited.items()}, original_cost))
+        return pool
+
+    monkeypatch.setattr(agent_module, "_play", spy_play)
+    monkeypatch.setattr(agent_module, "_pool", spy_pool)
+    result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=3, length=8, top_k=2, rounds=3,
+                                                                time_limit=60), cost_model=cost_model, policy=policy)
+    assert len(played) == 3
+    start = graph.fingerprint()
+    for fingerprints in played:  # each episode's graphs are all different, and none is the start again
+        rewritten = fingerprints[:-1]  # the last step may be terminate, which keeps the graph
+        assert start not in rewritten and len(set(rewritten)) == len(rewritten)
+    pool, costs, original_cost = pools[0]
+    assert len(pool) <= 2 and all(costs[c.fingerprint] < original_cost for c in pool)
+    assert result.candidates_measured <= len(pool)
+    if result.applied:
+        assert result.graph.fingerprint() in {c.fingerprint for c in pool}
+    else:
+        assert result.graph is graph
+
+
+def test_time_limit_is_honoured(zoo_paths, cost_model, policy):
+    graph = rlflow.load(zoo_paths["resnet-18-tiny"])
+    start = time.monotonic()
+    agent_search(graph, SessionSettings(), AgentConfig(rollouts=50, time_limit=4, rounds=3), cost_model=cost_model,
+                 policy=policy)
+    assert time.monotonic() - start < 4 + 3  # the last measurement batch may finish after the deadline
+
+
+def test_load_agent_refuses_missing_and_foreign_checkpoints(tmp_path, policy, monkeypatch):
+    with pytest.raises(RlflowError, match="no such checkpoint"):
+        load_agent(tmp_path / "absent.pt")
+    path = save_checkpoint(tmp_path / "agent.pt", policy)
+    assert isinstance(load_agent(path), CandidatePolicy)
+    payload = torch.load(path, weights_only=False)
+    payload["registry_version"] = "0" * 12
+    torch.save(payload, tmp_path / "foreign.pt")
+    with pytest.raises(RlflowError, match="registry"):
+        load_agent(tmp_path / "foreign.pt")
+    monkeypatch.setattr(agent_module, "DEFAULT_AGENT", tmp_path / "shipped.pt")
+    with pytest.raises(RlflowError, match="shipped agent"):
+        load_agent()
+
+
+def test_peek_does_not_move_the_environment(zoo_paths, cost_model):
+    from rlflow.env import RewriteEnv
+
+    env = RewriteEnv(zoo_paths["resnet-18-tiny"], cost_model=cost_model, max_episode_steps=5)
+    _, info = env.reset(seed=0)
+    before = env.fingerprint
+    child = env.peek(0)
+    assert env.fingerprint == before and child is not None and child != before
+    env.step(0)
+    assert env.fingerprint == child
+    assert env.peek(env.terminate_action) is None and env.peek(-1) is None
