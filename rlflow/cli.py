@@ -29,8 +29,11 @@ def cli() -> None:
               help="Execution provider to optimise for.")
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
               help="onnxruntime intra-op threads for every measurement.")
-@click.option("--method", type=click.Choice(["greedy", "taso", "random"]), default="greedy", show_default=True,
-              help="Search method: measured greedy, TASO-style cost-model backtracking, or random walks.")
+@click.option("--method", type=click.Choice(["agent", "greedy", "taso", "random"]), default="greedy",
+              show_default=True, help="Search method: the trained agent's rollouts, measured greedy, TASO-style "
+              "cost-model backtracking, or random walks.")
+@click.option("--agent", "agent", type=click.Path(path_type=Path), default=None,
+              help="Policy checkpoint for --method agent [default: the shipped agent].")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=60.0, show_default=True,
               help="Seconds for the search (verification and the final measurement come on top).")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",
@@ -38,7 +41,8 @@ def cli() -> None:
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
-def optimize(model, output, provider, threads, method, time_limit, input_shapes, json_path, seed, quiet) -> None:
+def optimize(model, output, provider, threads, method, agent, time_limit, input_shapes, json_path, seed,
+             quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
     from rlflow.graph import parse_input_shapes
@@ -49,7 +53,7 @@ def optimize(model, output, provider, threads, method, time_limit, input_shapes,
     if output.resolve() == model.resolve():
         raise RlflowError("the output path is the input path; rlflow never overwrites its input")
     result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
-                 input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet)
+                 input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet, agent=agent)
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}

@@ -28,7 +28,7 @@ from rlflow.search.taso import TasoConfig, taso
 
 log = logging.getLogger("rlflow")
 
-METHODS = ("greedy", "taso", "random")
+METHODS = ("agent", "greedy", "taso", "random")
 """greedy: best measured single rewrite, repeated; taso: cost-model backtracking search (TASO); random: random walks."""
 
 
@@ -89,7 +89,8 @@ class Result:
 
 def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "greedy",
              time_limit: float = 60.0, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
-             rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False) -> Result:
+             rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
+             agent: str | os.PathLike | None = None) -> Result:
     """Optimises a model for the target execution provider.
 
     Args:
@@ -102,6 +103,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         seed: random inputs and measurement order.
         rounds: interleaved rounds of the final input-vs-output measurement.
         rules: the rules the search may use.
+        agent: the policy checkpoint of method `agent` (default: the shipped one).
 
     Raises:
         InputError: the model cannot be loaded.
@@ -117,10 +119,14 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     given = _given_model(graph)
     check_runs(given, settings, seed)  # the provider must run the input as the user has it: ProviderError otherwise
 
-    search = _search(graph, settings, method, time_limit, seed, rules, progress)
+    search = _search(graph, settings, method, time_limit, seed, rules, progress, agent)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "rules": len(rules), "registry_version": REGISTRY_VERSION}
+    if method == "agent":
+        from rlflow.search.agent import DEFAULT_AGENT
+
+        recorded["agent"] = str(agent or DEFAULT_AGENT)
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
                   settings=recorded, source=graph.source)
@@ -154,7 +160,12 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
 
 
 def _search(graph: Graph, settings: SessionSettings, method: str, time_limit: float, seed: int,
-            rules: Sequence[Rule], progress: bool) -> SearchResult:
+            rules: Sequence[Rule], progress: bool, agent: str | os.PathLike | None = None) -> SearchResult:
+    if method == "agent":
+        from rlflow.search.agent import AgentConfig, agent_search
+
+        return agent_search(graph, settings, AgentConfig(agent=agent, time_limit=time_limit, seed=seed), rules,
+                            progress=progress)
     if method == "taso":
         return taso(graph, settings, TasoConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
     if method == "random":

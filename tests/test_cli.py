@@ -66,6 +66,19 @@ def test_never_overwrites_input(tmp_path, matmul_model, capsys):
     assert "never overwrites" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("checkpoint", ["missing", "not-a-checkpoint"])
+def test_bad_agent_checkpoint_exit_2_one_line(checkpoint, tmp_path, matmul_model, capsys):
+    path = save(matmul_model, tmp_path / "m.onnx")
+    agent = tmp_path / "agent.pt"
+    if checkpoint == "not-a-checkpoint":
+        agent.write_bytes(b"not torch")
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", path, "-o", str(out), "--method", "agent", "--agent", str(agent)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "agent.pt" in lines[0]
+    assert not out.exists()
+
+
 def test_default_output_name(tmp_path, matmul_model, capsys):
     path = save(matmul_model, tmp_path / "m.onnx")
     assert main(["optimize", path, "--time-limit", "1", "--quiet"]) == 0
