@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test fuzz bench clean
+.PHONY: install demo test fuzz bench agent clean
 
 install: $(STAMP)
 
@@ -36,6 +36,18 @@ bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
 	$(BIN)/rlflow bench models --methods greedy,taso,random --peers --threads 1 \
 		--time-limit $(BENCH_TIME_LIMIT) --rounds $(BENCH_ROUNDS) --out docs/results
+
+# The shipped agent (rlflow/agents/default.pt): masked PPO on seven -tiny zoo models, four architectures of other
+# families held out, then the evaluation against random walk into docs/results/ppo.json (about 5 + 15 minutes).
+AGENT_MODELS := squeezenet-1.1-tiny,resnet-18-tiny,resnet-50-tiny,resnext-50-32x4d-tiny,mobilenet-v2-tiny,bert-base-tiny,gpt2-small-tiny
+AGENT_HOLDOUT := inception-v3-tiny,densenet-121-tiny,vit-b-16-tiny,nasrnn-tiny,demo-block
+AGENT_STEPS ?= 16000
+agent: $(STAMP)
+	$(BIN)/rlflow train --algo ppo --models $(AGENT_MODELS) --holdout $(AGENT_HOLDOUT) \
+		--total-steps $(AGENT_STEPS) --no-evaluate --out build/agent --run-dir build/agent/run
+	$(BIN)/python -m rlflow.controller.ship --checkpoint build/agent/run/ppo.pt --results build/agent/ppo.json
+	$(BIN)/python -m rlflow.controller.evaluate --checkpoint rlflow/agents/default.pt \
+		--results build/agent/ppo.json --out docs/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info

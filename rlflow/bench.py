@@ -31,6 +31,7 @@ from rlflow.measure.flops import count_flops, count_params
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.timing import compare, time_model
 from rlflow.measure.verify import verify
+from rlflow.controller.ship import held_out_models
 from rlflow.optimize import METHODS, optimize, verification_shapes
 
 log = logging.getLogger("rlflow")
@@ -47,16 +48,16 @@ class BenchConfig:
         peers: also run the peer tools (onnxsim, onnxoptimizer, onnxslim, onnxscript optimizer) when installed.
         provider: execution provider (`auto`, `cpu`, `cuda`).
         threads: onnxruntime intra-op threads.
-        time_limit: seconds of search per model and method.
+        time_limit: seconds of search per model and method (None: each method's default, `DEFAULT_TIME_LIMITS`).
         rounds: interleaved rounds of every input-vs-output measurement.
         seed: random inputs and measurement order.
     """
 
-    methods: tuple[str, ...] = ("greedy", "taso", "random")
+    methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
     peers: bool = False
     provider: str = "auto"
     threads: int = 1
-    time_limit: float = 120.0
+    time_limit: float | None = None
     rounds: int = 30
     seed: int = 0
 
@@ -82,6 +83,8 @@ class Row:
     verified: bool = False
     max_rel_error: float = float("nan")
     seconds: float = float("nan")
+    search_seconds: float = float("nan")
+    heldout: bool = False
     candidates_measured: int = 0
     rewrites: list[str] = field(default_factory=list)
     baseline_peak_fraction: float = float("nan")
@@ -171,6 +174,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     peak = measure_peak(settings)
     peers = _peer_tools() if config.peers else {}
+    heldout = held_out_models()
     rows: list[Row] = []
     jobs = [(m, method) for m in models for method in (*config.methods, *peers)]
     started = time.monotonic()
@@ -195,7 +199,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
                     log.debug("%s / %s failed", model.stem, method, exc_info=True)
                     row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                row.params, row.flops = params, flops
+                row.params, row.flops, row.heldout = params, flops, model.stem in heldout
                 if row.status == "ok":
                     row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
                     row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
@@ -210,8 +214,37 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
 
 def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started: float, rows: list[Row],
              complete: bool) -> dict:
+    records = [asdict(r) for r in rows]
     return {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
-            "peak": peak, "seconds": time.monotonic() - started, "complete": complete, "rows": [asdict(r) for r in rows]}
+            "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
+            "summary": summarize(records), "rows": records}
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _limit(seconds: float | None) -> str:
+    return "each method's default (agent 10 s, searches 60 s)" if seconds is None else f"{seconds:.0f} s"
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+    """Per method: geometric-mean speedup and mean times, over all models and over the agent's held-out ones."""
+    out = {}
+    for method in dict.fromkeys(r["method"] for r in rows):
+        for part, chosen in (("all", [r for r in rows if r["method"] == method and r["status"] == "ok"]),
+                             ("heldout", [r for r in rows if r["method"] == method and r["status"] == "ok"
+                                          and r.get("heldout")])):
+            if chosen:
+                out.setdefault(method, {})[part] = {
+                    "models": len(chosen),
+                    "geomean_speedup": float(np.exp(np.mean(np.log([r["speedup"] for r in chosen])))),
+                    "slower": sum(r["speedup_high"] < 1.0 for r in chosen),
+                    "below_0.99": sum(r["speedup_low"] < 0.99 for r in chosen),
+                    "mean_seconds": float(np.mean([r["seconds"] for r in chosen])),
+                    "mean_search_seconds": _mean([r["search_seconds"] for r in chosen if r["kind"] == "rlflow"]),
+                }
+    return out
 
 
 def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:
@@ -227,8 +260,8 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                faster=ratio.faster, rewritten=result.rewritten,
                verified=verification.ok if verification else True,
                max_rel_error=verification.max_rel_norm if verification else 0.0,
-               seconds=time.monotonic() - start, candidates_measured=result.candidates_measured,
-               rewrites=result.applied)
+               seconds=time.monotonic() - start, search_seconds=result.search_seconds,
+               candidates_measured=result.candidates_measured, rewrites=result.applied)
 
 
 def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings, config: BenchConfig) -> Row:
@@ -278,7 +311,7 @@ def markdown_table(results: dict) -> str:
         f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), {env['provider']}, "
         f"{results['settings']['threads']} thread(s), graph optimisation '{results['settings']['opt_level']}', "
         f"onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, rlflow {env['rlflow']}. "
-        f"Search time limit {cfg['time_limit']:.0f} s per model and method; {cfg['rounds']} interleaved rounds per "
+        f"Search time limit {_limit(cfg['time_limit'])} per model and method; {cfg['rounds']} interleaved rounds per "
         f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s.",
         "",
         "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "
@@ -296,11 +329,33 @@ def markdown_table(results: dict) -> str:
         speed = f"{r['speedup']:.3f} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]"
         if r["faster"]:
             speed = f"**{speed}**"
-        lines.append(f"| {r['model']} | {r['method']} | {r['status']} | {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
+        lines.append(f"| {r['model']}{' †' if r.get('heldout') else ''} | {r['method']} | {r['status']} "
+                     f"| {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
                      f"| {speed} | {r['peak_fraction']:.1%} | {r['max_rel_error']:.1e} "
                      f"| {len(r['rewrites']) if r['kind'] == 'rlflow' else 'peer'} "
                      f"| {r['seconds']:.1f} |")
+    if any(r.get("heldout") for r in results["rows"]):
+        lines += ["", "† held out: the shipped agent never trained on this architecture (rlflow/agents/default.json)."]
+    lines += ["", "## Per method", "",
+              "Geometric-mean speedup; `slower` counts intervals entirely below 1, `< 0.99` intervals reaching below "
+              "0.99; time is the whole optimisation (search, verification, final measurement), search time the "
+              "search alone.", "",
+              "| method | models | geomean speedup | slower | < 0.99 | mean time s | mean search s "
+              "| held out: models | geomean | mean search s |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for method, parts in results.get("summary", {}).items():
+        a, h = parts.get("all"), parts.get("heldout")
+        if a is None:
+            continue
+        held = (f"{h['models']} | {h['geomean_speedup']:.3f} | {_fmt(h['mean_search_seconds'])}" if h
+                else "0 | | ")
+        lines.append(f"| {method} | {a['models']} | {a['geomean_speedup']:.3f} | {a['slower']} | {a['below_0.99']} "
+                     f"| {a['mean_seconds']:.1f} | {_fmt(a['mean_search_seconds'])} | {held} |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds:.1f}"
 
 
 def plot_results(results: dict, out_dir: Path) -> None:

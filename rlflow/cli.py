@@ -34,8 +34,9 @@ def cli() -> None:
               "cost-model backtracking, or random walks.")
 @click.option("--agent", "agent", type=click.Path(path_type=Path), default=None,
               help="Policy checkpoint for --method agent [default: the shipped agent].")
-@click.option("--time-limit", type=click.FloatRange(min=0), default=60.0, show_default=True,
-              help="Seconds for the search (verification and the final measurement come on top).")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=None,
+              help="Seconds for the search (verification and the final measurement come on top) "
+                   "[default: 10 for agent, 60 for the searches].")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",
               help="Fix a dynamic input's dimensions for measurement (repeatable); the output keeps them dynamic.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
@@ -81,12 +82,14 @@ def rules(model, input_shapes) -> None:
 
 @cli.command()
 @click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
-@click.option("--methods", default="greedy,taso,random", show_default=True, help="Comma-separated search methods.")
+@click.option("--methods", default="agent,greedy,taso,random", show_default=True,
+              help="Comma-separated search methods.")
 @click.option("--peers", is_flag=True, help="Also run onnxsim, onnxoptimizer, onnxslim and the onnxscript optimizer.")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--time-limit", type=click.FloatRange(min=0), default=120.0, show_default=True,
-              help="Seconds of search per model and method.")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=None,
+              help="Seconds of search per model and method [default: each method's own, 10 for agent, 60 for "
+                   "the searches].")
 @click.option("--rounds", type=click.IntRange(min=3), default=30, show_default=True,
               help="Interleaved rounds per input-vs-output measurement.")
 @click.option("--seed", type=int, default=0, show_default=True)

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError
-from rlflow.graph import Graph, load, max_ir_version, save_model
+from rlflow.graph import Graph, load, max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, check_runs, resolve_provider
 from rlflow.measure.timing import Comparison, Ratio, compare
@@ -29,6 +29,9 @@ from rlflow.search.taso import TasoConfig, taso
 log = logging.getLogger("rlflow")
 
 METHODS = ("agent", "greedy", "taso", "random")
+
+DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
+"""Seconds of search when none is given: the agent's point is to be quick, the searches' to be thorough."""
 """greedy: best measured single rewrite, repeated; taso: cost-model backtracking search (TASO); random: random walks."""
 
 
@@ -88,7 +91,7 @@ class Result:
 
 
 def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "greedy",
-             time_limit: float = 60.0, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
+             time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
              agent: str | os.PathLike | None = None) -> Result:
     """Optimises a model for the target execution provider.
@@ -98,7 +101,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         provider: `auto` (CUDA when usable, else CPU), `cpu` or `cuda`.
         threads: onnxruntime intra-op threads used for every measurement.
         method: search method (see METHODS).
-        time_limit: seconds for the search; the final verification and measurement come on top.
+        time_limit: seconds for the search (None: `DEFAULT_TIME_LIMITS`); the final verification and measurement
+            come on top.
         input_shapes: fixes dynamic input dimensions for measurement (the written model keeps them dynamic).
         seed: random inputs and measurement order.
         rounds: interleaved rounds of the final input-vs-output measurement.
@@ -112,6 +116,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     if method not in METHODS:
         raise InputError(f"unknown method '{method}': choose from {', '.join(METHODS)}")
     start = time.monotonic()
+    time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     graph = model if isinstance(model, Graph) else load(model, input_shapes)
     check_fits(graph)
     settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
@@ -191,10 +196,10 @@ def _given_model(graph: Graph) -> onnx.ModelProto:
     """The model as the user has it: their file (at an IR version onnxruntime accepts), else the graph's export.
 
     It is the reference every output is verified against, so verification also covers rlflow's own loading, and it is
-    what is written, unchanged, when no rewrite is kept.
+    what is written, unchanged, when no rewrite is kept.  Its external data stays on disk (see `read_model`).
     """
     if graph.source:
-        model = onnx.load(graph.source)
+        model = read_model(graph.source)
         model.ir_version = min(model.ir_version, max_ir_version())
         return model
     return graph.to_model(static=False)

@@ -15,11 +15,11 @@ from tests.conftest import save
 def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, capsys):
     models = tmp_path / "models"
     models.mkdir()
-    save(matmul_model, models / "mlp.onnx")
+    save(matmul_model, models / "nasrnn.onnx")  # named after an architecture the shipped agent never trained on
     (models / "cnn.onnx").write_bytes(open(cnn_opset9_ir3_path, "rb").read())
     (models / "broken.onnx").write_bytes(b"not a model")
     out = tmp_path / "results"
-    code = main(["bench", str(models), "--methods", "greedy", "--peers", "--time-limit", "2", "--rounds", "5",
+    code = main(["bench", str(models), "--methods", "greedy,agent", "--peers", "--time-limit", "2", "--rounds", "5",
                  "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json", "results.md", "speedup.png",
@@ -28,19 +28,24 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     assert results["settings"]["threads"] == 1 and results["config"]["time_limit"] == 2
     assert results["peak"]["gflops"] > 0 and results["environment"]["onnxruntime"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
-    assert len(rows) == 3 * 5  # 3 models x (greedy + 4 peers)
+    assert len(rows) == 3 * 6  # 3 models x (greedy + agent + 4 peers)
     assert all(r["status"] == "failed" and "load" in r["error"] for (m, _), r in rows.items() if m == "broken")
-    for model in ("mlp", "cnn"):
-        greedy = rows[(model, "greedy")]
-        assert greedy["status"] == "ok" and greedy["verified"]
-        assert greedy["speedup_low"] <= greedy["speedup"] <= greedy["speedup_high"]
-        assert greedy["flops"] > 0 and 0 < greedy["peak_fraction"]
+    for model in ("nasrnn", "cnn"):
+        for method in ("greedy", "agent"):
+            row = rows[(model, method)]
+            assert row["status"] == "ok" and row["verified"], row
+            assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
+            assert row["flops"] > 0 and 0 < row["peak_fraction"] and row["search_seconds"] <= row["seconds"]
+            assert row["heldout"] == (model == "nasrnn")
         for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
     with open(out / "results.csv") as handle:
-        assert len(list(csv.DictReader(handle))) == 15
+        assert len(list(csv.DictReader(handle))) == 18
     table = (out / "results.md").read_text()
-    assert "| mlp | greedy | ok |" in table and "1 thread(s)" in table
+    assert "| nasrnn † | greedy | ok |" in table and "| cnn | agent | ok |" in table and "1 thread(s)" in table
+    summary = results["summary"]
+    assert summary["agent"]["all"]["models"] == 2 and summary["agent"]["heldout"]["models"] == 1
+    assert summary["greedy"]["all"]["geomean_speedup"] > 0 and "## Per method" in table
 
 
 def test_find_models(tmp_path, matmul_model):

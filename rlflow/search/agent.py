@@ -1,8 +1,10 @@
 """The learned agent as a search method: a trained policy proposes rewrite sequences, measurement picks the winner.
 
 The policy (`rlflow.controller.policy.CandidatePolicy`, shipped as `rlflow/agents/default.pt`) plays a few episodes
-of `rlflow/Rewrite-v0` on the model: the first greedily, the rest sampled.  An episode never returns to a graph it
-has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
+of `rlflow/Rewrite-v0` on the model: the first greedily, stopping where the policy stops; the rest sampled from the
+policy's choice among rewrites, never stopping early (trained on the cost model, the policy stops as soon as it is
+unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
+it has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
 best, are measured end to end against the input; the fastest that is measurably faster wins, else the input is kept.
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
@@ -32,7 +34,7 @@ class AgentConfig:
 
     Attributes:
         agent: checkpoint path (None: the shipped agent).
-        rollouts: episodes played (the first greedy, the others sampled).
+        rollouts: episodes played (the first greedy, the others sampled without the terminate action).
         length: rewrites per episode at most.
         temperature: softness of the sampled episodes (1: the policy's own distribution).
         time_limit: seconds for the whole search, final measurements included.
@@ -42,7 +44,7 @@ class AgentConfig:
     """
 
     agent: str | None = None
-    rollouts: int = 6
+    rollouts: int = 12
     length: int = 25
     temperature: float = 1.0
     time_limit: float = 30.0
@@ -132,9 +134,14 @@ def _play(env, policy, *, greedy: bool, temperature: float, generator, deadline:
 
 
 def _choose(env, logits, seen: set[str], greedy: bool, temperature: float, generator) -> int:
-    """The policy's action, skipping rewrites that return to a graph of this episode (terminate when none is left)."""
+    """The policy's action, skipping rewrites that return to a graph of this episode (terminate when none is left).
+
+    Sampled episodes choose among rewrites only; the greedy one may terminate.
+    """
     import torch
 
+    if not greedy:
+        logits[env.terminate_action] = -1e8
     while True:
         valid = logits > -1e7
         if not bool(valid.any()):

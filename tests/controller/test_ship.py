@@ -1,0 +1,50 @@
+"""Shipping an agent: an inference-only checkpoint under the size budget, with provenance the bench can read."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlflow.controller import ship
+from rlflow.controller.policy import CandidatePolicy, load_checkpoint, save_checkpoint
+from rlflow.errors import RlflowError
+from rlflow.rewrites import RULES
+from rlflow.search.agent import DEFAULT_AGENT, load_agent
+
+
+def _run(tmp_path):
+    policy = CandidatePolicy(len(RULES), hidden=16, rounds=2)
+    optimizer = torch.optim.Adam(policy.parameters())
+    config = {"models": ["resnet-18-tiny"], "holdout": ["vit-b-16-tiny", "demo-block"]}
+    checkpoint = save_checkpoint(tmp_path / "ppo.pt", policy, optimizer, config, real_steps=64)
+    results = tmp_path / "ppo.json"
+    results.write_text(json.dumps({"algo": "ppo", "train": {"real_steps": 64, "seconds": 1.0,
+                                                            "final_mean_return": 0.5}}))
+    return policy, checkpoint, results
+
+
+def test_ship_writes_weights_without_optimizer_and_provenance(tmp_path):
+    policy, checkpoint, results = _run(tmp_path)
+    meta = ship.ship(checkpoint, results, tmp_path / "agents")
+    shipped, payload = load_checkpoint(tmp_path / "agents" / "default.pt")
+    assert payload["optimizer"] is None and meta["bytes"] == (tmp_path / "agents" / "default.pt").stat().st_size
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in shipped.state_dict().items())
+    assert meta["held_out"] == ["vit-b-16-tiny", "demo-block"] and meta["trained_on"] == ["resnet-18-tiny"]
+    assert ship.held_out_models(tmp_path / "agents") == {"vit-b-16-tiny", "vit-b-16", "demo-block"}
+    assert ship.held_out_models(tmp_path / "nowhere") == set()
+
+
+def test_ship_refuses_an_agent_over_budget(tmp_path, monkeypatch):
+    _, checkpoint, results = _run(tmp_path)
+    monkeypatch.setattr(ship, "MAX_BYTES", 1000)
+    with pytest.raises(RlflowError, match="package-data budget"):
+        ship.ship(checkpoint, results, tmp_path / "agents")
+    assert not (tmp_path / "agents" / "default.pt").exists()
+
+
+def test_the_shipped_agent_loads_under_this_registry():
+    meta = json.loads(DEFAULT_AGENT.with_suffix(".json").read_text())
+    assert meta["bytes"] == DEFAULT_AGENT.stat().st_size <= ship.MAX_BYTES
+    assert len(meta["held_out"]) >= 4 and not set(meta["held_out"]) & set(meta["trained_on"])
+    assert isinstance(load_agent(), CandidatePolicy)
