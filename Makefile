@@ -20,7 +20,7 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	$(BIN)/rlflow zoo build demo-block --out $(DEMO_DIR)
 	$(BIN)/rlflow optimize $(DEMO_DIR)/demo-block.onnx -o $(DEMO_DIR)/demo-block.rlflow.onnx \
-		--json $(DEMO_DIR)/report.json --time-limit 60
+		--json $(DEMO_DIR)/report.json
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests

@@ -29,7 +29,7 @@ def cli() -> None:
               help="Execution provider to optimise for.")
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,
               help="onnxruntime intra-op threads for every measurement.")
-@click.option("--method", type=click.Choice(["agent", "greedy", "taso", "random"]), default="greedy",
+@click.option("--method", type=click.Choice(["agent", "greedy", "taso", "random"]), default="agent",
               show_default=True, help="Search method: the trained agent's rollouts, measured greedy, TASO-style "
               "cost-model backtracking, or random walks.")
 @click.option("--agent", "agent", type=click.Path(path_type=Path), default=None,

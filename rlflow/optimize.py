@@ -90,7 +90,7 @@ class Result:
         }
 
 
-def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "greedy",
+def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "agent",
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
              agent: str | os.PathLike | None = None) -> Result:
