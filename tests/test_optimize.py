@@ -86,7 +86,7 @@ def test_rewrites_are_kept_only_when_verified(cnn_opset9_ir3_path, monkeypatch):
     monkeypatch.setattr(fold.ConvBatchNorm, "rewrite", broken)
     # Accept any candidate so the gate, not the measurement, must stop it.
     monkeypatch.setattr(pipeline, "greedy", _accept_first_candidate)
-    result = rlflow.optimize(cnn_opset9_ir3_path, time_limit=5, rounds=5)
+    result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5, rounds=5)
     assert not result.rewritten and "does not verify" in result.reason
     assert result.verification is not None and not result.verification.ok
 

@@ -266,7 +266,8 @@ def test_ctrl_c_leaves_no_partial_output(transformer_path, tmp_path):
     out = tmp_path / "out.onnx"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "rlflow.cli", "optimize", transformer_path, "-o", str(out),
-                                "--time-limit", "120"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                                "--method", "greedy", "--time-limit", "120"],
+                               stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     seen = b""
     while b"greedy" not in seen:  # the search has started: interrupt it there
         chunk = process.stderr.read1(256)
