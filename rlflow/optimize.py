@@ -29,10 +29,15 @@ from rlflow.search.taso import TasoConfig, taso
 log = logging.getLogger("rlflow")
 
 METHODS = ("agent", "greedy", "taso", "random")
+"""agent: the shipped policy's rollouts, best few measured; greedy: best measured single rewrite, repeated; taso:
+cost-model backtracking search (TASO); random: random walks."""
+
+KEPT_ROUNDS = 6
+"""Rounds (in two session blocks) of the latency report when the input is kept: nothing is decided by it, and on a
+large model 30 rounds would take most of a minute."""
 
 DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
 """Seconds of search when none is given: the agent's point is to be quick, the searches' to be thorough."""
-"""greedy: best measured single rewrite, repeated; taso: cost-model backtracking search (TASO); random: random walks."""
 
 
 @dataclass
@@ -155,9 +160,9 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
             reason = "rewritten: measurably faster"
         else:
             reason = "rewritten: verified and not slower (the interval includes 1, so no speedup is claimed)"
-    if not keep:  # the written model is the input: report its latency against itself, honestly ~1x
-        comparison = compare([input_model, input_model], settings, rounds=rounds, seed=seed,
-                             labels=["input", "output"])
+    if not keep:  # the written model is the input: report its latency against itself, honestly ~1x, in short
+        comparison = compare([input_model, input_model], settings, rounds=min(rounds, KEPT_ROUNDS), blocks=2,
+                             seed=seed, labels=["input", "output"])
     output = search.graph if keep else graph
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
