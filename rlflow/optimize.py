@@ -33,7 +33,7 @@ METHODS = ("agent", "greedy", "taso", "random")
 cost-model backtracking search (TASO); random: random walks."""
 
 KEPT_ROUNDS = 6
-"""Rounds (in two session blocks) of the latency report when the input is kept: nothing is decided by it, and on a
+"""Rounds (in two session blocks when even) of the latency report when the input is kept: nothing is decided by it, and on a
 large model 30 rounds would take most of a minute."""
 
 DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
@@ -161,7 +161,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         else:
             reason = "rewritten: verified and not slower (the interval includes 1, so no speedup is claimed)"
     if not keep:  # the written model is the input: report its latency against itself, honestly ~1x, in short
-        comparison = compare([input_model, input_model], settings, rounds=min(rounds, KEPT_ROUNDS), blocks=2,
+        kept_rounds = min(rounds, KEPT_ROUNDS)
+        comparison = compare([input_model, input_model], settings, rounds=kept_rounds, blocks=2 - kept_rounds % 2,
                              seed=seed, labels=["input", "output"])
     output = search.graph if keep else graph
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
