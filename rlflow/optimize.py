@@ -33,8 +33,8 @@ METHODS = ("agent", "greedy", "taso", "random")
 cost-model backtracking search (TASO); random: random walks."""
 
 KEPT_ROUNDS = 6
-"""Rounds (in two session blocks when even) of the latency report when the input is kept: nothing is decided by it, and on a
-large model 30 rounds would take most of a minute."""
+"""Rounds (in two session blocks when even) of the latency report when the input is kept: nothing is decided by
+it, and on a large model 30 rounds would take most of a minute."""
 
 DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
 """Seconds of search when none is given: the agent's point is to be quick, the searches' to be thorough."""
