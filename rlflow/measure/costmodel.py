@@ -45,9 +45,9 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from rlflow.graph import Graph, max_ir_version
+from rlflow.graph import Graph, external_reference, max_ir_version
 from rlflow.measure.inputs import random_inputs
-from rlflow.measure.session import SessionSettings, session_options
+from rlflow.measure.session import SessionSettings, inference_session, session_options
 
 log = logging.getLogger("rlflow")
 
@@ -381,8 +381,6 @@ class CostModel:
 
     def _optimized(self, model: onnx.ModelProto) -> onnx.ModelProto | None:
         """The graph onnxruntime optimises the isolated group into (weights left on disk), or None."""
-        import onnxruntime as ort
-
         options = session_options(self.settings)
         with tempfile.TemporaryDirectory(prefix="rlflow-cost-") as tmp:
             path = os.path.join(tmp, "optimized.onnx")
@@ -392,7 +390,7 @@ class CostModel:
             providers = [self.settings.provider] + (["CPUExecutionProvider"]
                                                     if self.settings.provider != "CPUExecutionProvider" else [])
             try:
-                ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+                inference_session(model, options, providers)
                 return onnx.load(path, load_external_data=False)
             except Exception as exc:  # noqa: BLE001 - some providers cannot save optimised models
                 log.debug("cost model: no optimised graph (%s)", exc)
@@ -529,6 +527,10 @@ def _isolated_model(graph: Graph, group: _Group) -> onnx.ModelProto:
                 continue
             seen.add(tensor.name)
             if isinstance(tensor, gs.Constant):
+                reference = external_reference(tensor.name, tensor.values)
+                if reference is not None:  # weights left in their file: the real ones, never a copy of gigabytes
+                    initializers.append(reference)
+                    continue
                 values = np.asarray(tensor.values)
                 if values.dtype.kind == "f" and values.size > 1:
                     values = rng.uniform(0.5, 1.5, size=values.shape).astype(values.dtype)

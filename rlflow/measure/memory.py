@@ -6,9 +6,14 @@ import os
 import onnx_graphsurgeon as gs
 
 from rlflow.errors import InputError
+from rlflow.graph import is_mapped
 
 SESSION_COPIES = 3
 """Copies of the weights one measured model costs: the proto, onnxruntime's session and its prepacked weights."""
+
+MAPPED_SESSION_COPIES = 1
+"""The same for weights mapped from their file (external data): onnxruntime maps the file too, so the pages are shared
+by the graph and every session and counted once; a session adds at most its prepacked copy."""
 
 HEADROOM = 512 * 2**20
 
@@ -16,6 +21,18 @@ HEADROOM = 512 * 2**20
 def weight_bytes(graph) -> int:
     """Bytes of the graph's constant tensors."""
     return sum(t.values.nbytes for t in graph.gs.tensors().values() if isinstance(t, gs.Constant))
+
+
+def mapped_bytes(graph) -> int:
+    """Bytes of the constants mapped from a file rather than held in memory."""
+    return sum(t.values.nbytes for t in graph.gs.tensors().values()
+               if isinstance(t, gs.Constant) and is_mapped(t.values))
+
+
+def _per_model(graph) -> tuple[int, int]:
+    """(bytes one measured model needs, bytes shared by all of them: the mapped weights' pages)."""
+    mapped = mapped_bytes(graph)
+    return SESSION_COPIES * (weight_bytes(graph) - mapped) + MAPPED_SESSION_COPIES * mapped, mapped
 
 
 def available_bytes() -> int:
@@ -39,7 +56,8 @@ def check_fits(graph) -> int:
     Two models side by side (the input and one candidate) is the least any optimisation needs.
     """
     weights = weight_bytes(graph)
-    need = 2 * SESSION_COPIES * weights + HEADROOM
+    per_model, shared = _per_model(graph)
+    need = 2 * per_model + shared + HEADROOM
     available = available_bytes()
     if need > available:
         raise InputError(f"not enough memory: the model's weights take {weights / 2**30:.1f} GiB, measuring it against "
@@ -49,5 +67,5 @@ def check_fits(graph) -> int:
 
 def candidates_that_fit(graph, most: int) -> int:
     """How many candidates can be measured beside the model at once without running out of memory (at least 1)."""
-    per_model = SESSION_COPIES * max(weight_bytes(graph), 1)
-    return max(1, min(most, int((available_bytes() - HEADROOM) // per_model) - 1))
+    per_model, shared = _per_model(graph)
+    return max(1, min(most, int((available_bytes() - HEADROOM - shared) // max(per_model, 1)) - 1))

@@ -4,15 +4,16 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 from rlflow.errors import ProviderError
+from rlflow.graph import external_array, external_info, external_tensors, set_external_data
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -97,7 +98,8 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
                    *, provider: str | None = None, profile_prefix: str | None = None):
     """An InferenceSession for a model proto, serialized bytes or a path.
 
-    Models over protobuf's 2 GB limit are written to a temporary folder with external data first.
+    A proto whose weights are external data (as rlflow loads them), or that is over protobuf's 2 GB limit, gets its
+    weights beside the proto: see `_session_with_weights_aside`.
 
     Raises:
         ProviderError: onnxruntime cannot build a session (an operator the provider cannot run, a bad model...).
@@ -108,9 +110,7 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     providers = [settings.provider] + (["CPUExecutionProvider"] if settings.provider != "CPUExecutionProvider" else [])
     try:
         if isinstance(model, onnx.ModelProto):
-            if model.ByteSize() > 2**31 - 1 - 1024:
-                return _session_from_large_model(model, options, providers)
-            model = model.SerializeToString()
+            return inference_session(model, options, providers)
         if isinstance(model, (str, os.PathLike)):
             model = str(model)
         return ort.InferenceSession(model, sess_options=options, providers=providers)
@@ -120,14 +120,64 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
         raise ProviderError(f"onnxruntime ({settings.provider}) cannot run the model: {_first_line(exc)}") from None
 
 
-def _session_from_large_model(model: onnx.ModelProto, options, providers):
-    ort = _ort()
-    with tempfile.TemporaryDirectory(prefix="rlflow-") as tmp:
-        path = Path(tmp) / "model.onnx"
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        onnx.save_model(copy, str(path), save_as_external_data=True, location="model.onnx.data")
-        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+def inference_session(model: onnx.ModelProto, options, providers: Sequence[str]):
+    """onnxruntime's InferenceSession for a proto, whatever the size of its weights or where they are stored.
+
+    Weights kept as external data (as rlflow loads them), or a proto over protobuf's 2 GB limit, are handled by
+    `_session_with_weights_aside`; onnxruntime's own errors pass through.
+    """
+    if external_tensors(model) or model.ByteSize() > PROTO_LIMIT:
+        return _session_with_weights_aside(model, options, providers)
+    return _ort().InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+
+
+PROTO_LIMIT = 2**31 - 1 - 2**20
+"""Serialized protos above this (protobuf's 2 GB limit, less a margin) never reach onnxruntime whole."""
+
+_HANDED_MIN_BYTES = 2**20
+"""In-proto weights from this size on are handed to onnxruntime separately when the proto is over PROTO_LIMIT."""
+
+
+def _session_with_weights_aside(model: onnx.ModelProto, options, providers):
+    """A session for a proto whose weights are not all inside it, built without writing anything to disk.
+
+    onnxruntime maps the external-data files of one folder itself (the session option
+    `session.model_external_initializers_file_folder_path`: no copy, no start-up cost; the folder holding most of the
+    weights is chosen).  Weights in other folders, and in-proto weights of a proto over 2 GB, are handed over as
+    OrtValues (`add_external_initializers`; onnxruntime copies those).
+    """
+    work = onnx.ModelProto()
+    work.CopyFrom(model)
+    external = [t for t in external_tensors(work) if os.path.isabs(external_info(t)[0])]
+    per_folder: Counter = Counter()
+    for tensor in external:
+        per_folder[os.path.dirname(external_info(tensor)[0])] += external_info(tensor)[2] or 0
+    folder = max(per_folder, key=per_folder.get) if per_folder else None
+    oversized = work.ByteSize() > PROTO_LIMIT
+    handed: dict[str, np.ndarray] = {}
+    for tensor in work.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = external_info(tensor)[0]
+            if not os.path.isabs(location) or os.path.dirname(location) == folder:
+                continue
+            handed[tensor.name] = external_array(tensor)
+        elif oversized and len(tensor.raw_data) >= _HANDED_MIN_BYTES:
+            handed[tensor.name] = numpy_helper.to_array(tensor)
+        else:
+            continue
+        set_external_data(tensor, "handed-over-in-memory")  # onnxruntime only checks that it replaces external data
+    for tensor in external:  # relative to the folder onnxruntime is told about
+        entry = next(e for e in tensor.external_data if e.key == "location")
+        if os.path.dirname(entry.value) == folder:
+            entry.value = os.path.basename(entry.value)
+    if folder is not None:
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+    values = ort_feeds(handed)
+    if values:
+        options.add_external_initializers(list(values), list(values.values()))
+    session = _ort().InferenceSession(work.SerializeToString(), sess_options=options, providers=providers)
+    session.rlflow_handed_weights = (handed, values)  # onnxruntime may read them while the session lives
+    return session
 
 
 def check_runs(model: onnx.ModelProto, settings: SessionSettings, seed: int = 0) -> None:
