@@ -96,7 +96,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                                  generator=generator, deadline=search_deadline, visited=visited))
             bar.update(1)
     cost_model.save()
-    original_cost = env.cost_model.graph_cost(graph)
+    original_cost = cost_model.graph_cost(graph)
     pool = _pool(visited, endings, original_cost, graph.fingerprint(), config.top_k)
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
@@ -117,7 +117,7 @@ def _play(env, policy, *, greedy: bool, temperature: float, generator, deadline:
 
     from rlflow.controller.policy import obs_to_torch
 
-    obs, info = env.reset(options={"model": 0})
+    obs, _ = env.reset(options={"model": 0})
     seen = {env.fingerprint}
     done = False
     while not done and time.monotonic() < deadline:
@@ -125,7 +125,7 @@ def _play(env, policy, *, greedy: bool, temperature: float, generator, deadline:
             logits = policy(obs_to_torch(obs))[0][0].clone()
         action = _choose(env, logits, seen, greedy, temperature, generator)
         obs, _, terminated, truncated, info = env.step(action)
-        done = terminated or truncated or action == env.terminate_action
+        done = terminated or truncated
         if env.fingerprint not in seen:
             seen.add(env.fingerprint)
             visited.setdefault(env.fingerprint, (info["cost"], Candidate(env.graph, tuple(env.applied),
