@@ -5,7 +5,9 @@ of `rlflow/Rewrite-v0` on the model: the first greedily, stopping where the poli
 policy's choice among rewrites, never stopping early (trained on the cost model, the policy stops as soon as it is
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
 it has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
-best, are measured end to end against the input; the fastest that is measurably faster wins, else the input is kept.
+best, are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
+faster wins, else the input is kept.  When not even one fits (a large model), the best-estimated graph is returned
+unscreened and the final measurement of `rlflow.optimize` alone decides whether it is kept.
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
 from __future__ import annotations
@@ -102,9 +104,25 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster",
                             candidates_estimated=len(visited))
-    return select_measured(graph, pool, settings, rounds=config.rounds, seed=config.seed,
+    affordable = _affordable(start + config.time_limit - time.monotonic(), original_cost, config.rounds, len(pool))
+    if not affordable:  # a large model: screening would overrun the limit, so the final measurement decides
+        best = min(pool, key=lambda candidate: visited[candidate.fingerprint][0])
+        return SearchResult(best.graph, list(best.applied), 0, time.monotonic() - start,
+                            f"{stop}; no time left to screen candidates: the best-estimated graph goes to the final "
+                            "measurement", candidates_estimated=len(visited))
+    return select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
                            deadline=start + config.time_limit, start=start, stop_reason=stop,
                            estimated=len(visited))
+
+
+SCREEN_OVERHEAD_RUNS = 10
+"""Runs per model a screening comparison costs beyond its rounds: warm-up and session building (measured on GPT-2)."""
+
+
+def _affordable(seconds_left: float, estimated_ms: float, rounds: int, wanted: int) -> int:
+    """How many candidates can be screened against the input in `seconds_left`, from the cost model's latency."""
+    per_model = max(estimated_ms, 1e-3) / 1000.0 * (rounds + SCREEN_OVERHEAD_RUNS)
+    return max(0, min(wanted, int(seconds_left / per_model) - 1))
 
 
 def _play(env, policy, *, greedy: bool, temperature: float, generator, deadline: float,

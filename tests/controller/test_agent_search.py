@@ -101,3 +101,27 @@ def test_peek_does_not_move_the_environment(zoo_paths, cost_model):
     env.step(0)
     assert env.fingerprint == child
     assert env.peek(env.terminate_action) is None and env.peek(-1) is None
+
+
+def test_screening_fits_the_time_left():
+    assert agent_module._affordable(10.0, 1.0, 15, 4) == 4  # a 1 ms model: every candidate fits
+    assert agent_module._affordable(10.0, 300.0, 15, 4) == 0  # a 300 ms model: 7.5 s per model, not even one pair
+    assert agent_module._affordable(20.0, 300.0, 15, 4) == 1
+    assert agent_module._affordable(-1.0, 1.0, 15, 4) == 0
+
+
+def test_without_time_to_screen_the_best_estimated_graph_goes_to_the_final_gate(zoo_paths, cost_model, policy,
+                                                                                 monkeypatch):
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    offered = []
+
+    def every_visited(visited, endings, original_cost, original, top_k):
+        offered.extend(sorted(visited.values(), key=lambda pair: pair[0])[:2])
+        return [candidate for _, candidate in offered]
+
+    monkeypatch.setattr(agent_module, "_pool", every_visited)
+    monkeypatch.setattr(agent_module, "_affordable", lambda *args: 0)
+    result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, length=4, time_limit=60),
+                          cost_model=cost_model, policy=policy)
+    assert result.candidates_measured == 0 and "no time left to screen" in result.stop_reason
+    assert result.graph.fingerprint() == offered[0][1].fingerprint and result.applied == list(offered[0][1].applied)
