@@ -1,12 +1,20 @@
 """The dream: an environment that steps entirely inside the world model (M), never touching a real graph.
 
 The state is (z, h): a latent graph state and the MDN-RNN's hidden state.  An episode starts from the latent of one
-of the real starting graphs (their VAE posteriors, encoded once beforehand and sampled at each reset).  Actions are
+of the given real states (their VAE posteriors, encoded once beforehand and sampled at each reset): the starting
+graphs, and optionally states met later in real episodes together with the MDN-RNN's hidden state there and the
+steps already taken (`real_starts`), so that dreams stay short and close to real data (MBPO's branched rollouts).  Actions are
 rule ids plus terminate (see `rlflow.worldmodel.mdrnn`); the action mask is the world model's own prediction of which
 rules have a match, `sigmoid(mask_logits(z, h)) > 0.5`, with terminate always valid, so nothing here needs the real
 environment.  A step through rule r samples z' from the mixture at the chosen `temperature`, pays the predicted
 reward and ends the episode when termination is predicted (p > 0.5) or no rule is predicted available; like the real
 environment, `max_episode_steps` truncates and a masked action costs `invalid_penalty` and changes nothing.
+
+The reward paid is pessimistic (MOPO): the reward ensemble's mean minus `reward_penalty` times its spread, clipped to
+`reward_range` (per rule: the range of the real rewards that rule earned in M's training data), and cut so that an
+episode's return never exceeds its start's cap (the best return real episodes reached from there), so that a
+controller gains nothing by steering into states where the world model is unsure, extrapolates beyond what was ever
+observed, or repeats a rewrite that really pays only once.
 
 `DreamBatch` steps many dreams at once (the trainer's vectorised environment); `DreamEnv` is the Gymnasium view of
 one of them.
@@ -34,14 +42,44 @@ class DreamBatch:
         max_episode_steps: truncation.
         reward_scale: rewards are predicted divided by this (as trained).
         invalid_penalty: reward of a masked action.
+        reward_penalty: the reward paid is the ensemble mean minus this times the ensemble spread.
+        reward_range: (low, high) clip of the reward paid (real units), each a float or an (R,) tensor per rule;
+            None: no clip.
+        start_state: (h, c), each (S, H): the MDN-RNN state at each start (zeros when None).
+        start_steps: (S,) steps already taken at each start (count towards `max_episode_steps`; zeros when None).
+        start_weights: (S,) relative probability of each start (uniform when None).
+        start_caps: (S,) the most a dream episode from each start may earn in total (None: no cap); rewards are
+            cut so that the running return never exceeds it.
+        horizon: at most this many dream steps per episode (None: only `max_episode_steps`).
         seed: seeds the batch's torch generator.
     """
 
     def __init__(self, mdrnn: MDRNN, start_mu: torch.Tensor, start_logvar: torch.Tensor, n_envs: int = 1, *,
                  temperature: float = 1.0, max_episode_steps: int = 25, reward_scale: float = 1.0,
-                 invalid_penalty: float = -1.0, seed: int | None = None):
+                 invalid_penalty: float = -1.0, reward_penalty: float = 0.0,
+                 reward_range: tuple[float | torch.Tensor, float | torch.Tensor] | None = None,
+                 start_state: tuple[torch.Tensor, torch.Tensor] | None = None, start_steps: torch.Tensor | None = None,
+                 start_weights: torch.Tensor | None = None, start_caps: torch.Tensor | None = None,
+                 horizon: int | None = None, seed: int | None = None):
         if start_mu.dim() != 2 or start_mu.shape != start_logvar.shape or start_mu.shape[0] == 0:
             raise ValueError("start_mu and start_logvar must be (S, Z) with S >= 1")
+        starts = start_mu.shape[0]
+        self.start_h, self.start_c = ((torch.zeros(starts, mdrnn.hidden), torch.zeros(starts, mdrnn.hidden))
+                                      if start_state is None else (start_state[0].detach().float(),
+                                                                   start_state[1].detach().float()))
+        self.start_steps = torch.zeros(starts, dtype=torch.long) if start_steps is None else start_steps.long()
+        self.start_weights = torch.ones(starts) if start_weights is None else start_weights.float()
+        if self.start_h.shape != (starts, mdrnn.hidden) or self.start_steps.shape != (starts,) \
+                or self.start_weights.shape != (starts,):
+            raise ValueError("start_state, start_steps and start_weights must have one row per start")
+        self.start_caps = None if start_caps is None else start_caps.float()
+        if self.start_caps is not None and self.start_caps.shape != (starts,):
+            raise ValueError("start_caps must have one row per start")
+        self.reward_penalty = float(reward_penalty)
+        self.reward_low, self.reward_high = ((None, None) if reward_range is None else
+                                             (torch.as_tensor(reward_range[0], dtype=torch.float32).expand(mdrnn.n_rules),
+                                              torch.as_tensor(reward_range[1], dtype=torch.float32).expand(mdrnn.n_rules)))
+        self.horizon = horizon
         self.cell = MDRNNCell(mdrnn).eval()
         self.n_envs, self.temperature = n_envs, float(temperature)
         self.max_episode_steps, self.reward_scale = max_episode_steps, float(reward_scale)
@@ -56,6 +94,8 @@ class DreamBatch:
         self.h, self.c = mdrnn.initial_state(n_envs)
         self.rule_mask = torch.zeros(n_envs, self.n_rules, dtype=torch.bool)
         self.steps = torch.zeros(n_envs, dtype=torch.long)
+        self.dream_steps = torch.zeros(n_envs, dtype=torch.long)
+        self.budget = torch.full((n_envs,), float("inf"))
         self.start_index = torch.zeros(n_envs, dtype=torch.long)
 
     def seed(self, seed: int | None) -> None:
@@ -68,12 +108,14 @@ class DreamBatch:
         n = int(which.sum())
         if n == 0:
             return
-        index = torch.randint(0, self.start_mu.shape[0], (n,), generator=self.generator)
+        index = torch.multinomial(self.start_weights, n, replacement=True, generator=self.generator)
         eps = torch.randn(n, self.latent_size, generator=self.generator)
         self.z[which] = self.start_mu[index] + (0.5 * self.start_logvar[index]).exp() * eps * (self.temperature > 0)
-        self.h[which] = 0.0
-        self.c[which] = 0.0
-        self.steps[which] = 0
+        self.h[which] = self.start_h[index]
+        self.c[which] = self.start_c[index]
+        self.steps[which] = self.start_steps[index]
+        self.dream_steps[which] = 0
+        self.budget[which] = float("inf") if self.start_caps is None else self.start_caps[index]
         self.start_index[which] = index
         self.rule_mask[which] = self.cell.mdrnn.mask_logits(self.z[which], self.h[which]) > 0
 
@@ -109,13 +151,22 @@ class DreamBatch:
         if go.any():
             out, (h, c) = self.cell(actions[go], self.z[go], (self.h[go], self.c[go]))
             z_next = sample_gmm(out.mus, out.sigmas, out.logpi, self.temperature, self.generator)
-            rewards[go] = out.reward * self.reward_scale
+            paid = (out.reward - self.reward_penalty * out.reward_std) * self.reward_scale
+            if self.reward_low is not None:
+                paid = torch.minimum(torch.maximum(paid, self.reward_low[actions[go]]), self.reward_high[actions[go]])
+            paid = torch.minimum(paid, self.budget[go])
+            self.budget[go] -= paid
+            rewards[go] = paid
             mask_next = self.cell.mdrnn.mask_logits(z_next, h) > 0
             self.z[go], self.h[go], self.c[go], self.rule_mask[go] = z_next, h, c, mask_next
             ended = (torch.sigmoid(out.done_logit) > 0.5) | ~mask_next.any(-1)
             terminated[go] = ended
         self.steps += 1
-        truncated = ~terminated & (self.steps >= self.max_episode_steps)
+        self.dream_steps += 1
+        limit = self.steps >= self.max_episode_steps
+        if self.horizon is not None:
+            limit |= self.dream_steps >= self.horizon
+        truncated = ~terminated & limit
         final = self.observation().clone()
         self.reset(terminated | truncated)
         return rewards, terminated, truncated, {"invalid": invalid, "final_observation": final}
@@ -189,4 +240,43 @@ class DreamEnv(gym.Env):
             invalid_action=bool(info["invalid"][0]))
 
 
-__all__ = ["DreamBatch", "DreamEnv"]
+@torch.no_grad()
+def real_starts(mdrnn: MDRNN, episodes: list, mu: torch.Tensor, logvar: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Dream starts at every state of real `episodes` where an action was chosen: the state's posterior, the
+    MDN-RNN's state there (M run over the episode with the posterior means, as in a real rollout) and the step.
+
+    Args:
+        mdrnn: the trained world model.
+        episodes: `rlflow.worldmodel.replay.Episode`s.
+        mu, logvar: (S, Z) posteriors of every replay state.
+
+    Returns:
+        `mu`, `logvar` (N, Z), `h`, `c` (N, H), `steps` (N,) long, `first` (N,) bool (a starting graph),
+        `episode` (N,) long (index into `episodes`).
+    """
+    cell = MDRNNCell(mdrnn).eval()
+    rows: dict[str, list] = {"state": [], "h": [], "c": [], "steps": [], "episode": []}
+    index = [i for i, e in enumerate(episodes) if e.actions]
+    episodes = [episodes[i] for i in index]
+    if not episodes:
+        raise ValueError("no episode with an action")
+    t_max = max(len(e.actions) for e in episodes)
+    h, c = mdrnn.initial_state(len(episodes))
+    for t in range(t_max):
+        live = [i for i, e in enumerate(episodes) if t < len(e.actions)]
+        states = torch.as_tensor([episodes[i].states[t] for i in live])
+        rows["state"].append(states)
+        rows["h"].append(h[live].clone())
+        rows["c"].append(c[live].clone())
+        rows["steps"].append(torch.full((len(live),), t, dtype=torch.long))
+        rows["episode"].append(torch.as_tensor([index[i] for i in live], dtype=torch.long))
+        actions = torch.as_tensor([min(episodes[i].actions[t], mdrnn.n_actions - 1) for i in live])
+        _, (h_new, c_new) = cell(actions, mu[states], (h[live], c[live]))
+        h[live], c[live] = h_new, c_new
+    states = torch.cat(rows["state"])
+    steps = torch.cat(rows["steps"])
+    return {"mu": mu[states], "logvar": logvar[states], "h": torch.cat(rows["h"]), "c": torch.cat(rows["c"]),
+            "steps": steps, "first": steps == 0, "episode": torch.cat(rows["episode"])}
+
+
+__all__ = ["DreamBatch", "DreamEnv", "real_starts"]

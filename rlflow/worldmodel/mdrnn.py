@@ -11,6 +11,10 @@ predicted too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the
 the state (z_t, h_t), which is the action mask the dream hands to the controller.  The heads read the LSTM output
 together with z_t and the action (a skip connection: reward is mostly a function of the graph and the rule, which
 the LSTM need not relay).
+
+The reward is predicted by an ensemble of `reward_ensemble` regression heads (different initialisations, each trained
+on every transition): their mean is the prediction and their spread (`reward_std`) says where the model does not
+know, which the dream turns into a penalty (MOPO) so that the controller cannot exploit the model's errors.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ class MDRNNOutput(NamedTuple):
     reward: torch.Tensor  # (*L,) predicted reward of the step (in reward units / reward_scale)
     done_logit: torch.Tensor  # (*L,) termination after the step (no rewrite left)
     mask_logits: torch.Tensor  # (*L, R) per-rule availability of the state *before* the step (z_t, h_t)
+    reward_std: torch.Tensor  # (*L,) spread of the reward ensemble (same units as reward)
+    reward_members: torch.Tensor  # (*L, E) each ensemble member's reward
 
 
 def gmm_loss(batch: torch.Tensor, mus: torch.Tensor, sigmas: torch.Tensor, logpi: torch.Tensor,
@@ -63,23 +69,28 @@ class MDRNN(nn.Module):
         n_rules: rules of the availability head (R).
         hidden: LSTM size (H).
         gaussians: mixture components (K).
+        reward_ensemble: reward heads (E).
     """
 
-    def __init__(self, latent_size: int, n_actions: int, n_rules: int, hidden: int = 128, gaussians: int = 5):
+    def __init__(self, latent_size: int, n_actions: int, n_rules: int, hidden: int = 128, gaussians: int = 5,
+                 reward_ensemble: int = 5):
         super().__init__()
+        if reward_ensemble < 1:
+            raise ValueError("reward_ensemble must be >= 1")
         self.latent_size, self.n_actions, self.n_rules = latent_size, n_actions, n_rules
-        self.hidden, self.gaussians = hidden, gaussians
+        self.hidden, self.gaussians, self.reward_ensemble = hidden, gaussians, reward_ensemble
         self.rnn = nn.LSTM(latent_size + n_actions, hidden)
         head_in = hidden + latent_size + n_actions
         self.gmm_linear = nn.Linear(head_in, (2 * latent_size + 1) * gaussians)
-        self.reward_head = nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.reward_heads = nn.ModuleList(nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+                                          for _ in range(reward_ensemble))
         self.done_head = nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.mask_head = nn.Sequential(nn.Linear(latent_size + hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_rules))
 
     def spec(self) -> dict:
         """Constructor arguments (stored in checkpoints)."""
         return {"latent_size": self.latent_size, "n_actions": self.n_actions, "n_rules": self.n_rules,
-                "hidden": self.hidden, "gaussians": self.gaussians}
+                "hidden": self.hidden, "gaussians": self.gaussians, "reward_ensemble": self.reward_ensemble}
 
     def initial_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero (h, c), each (B, H)."""
@@ -91,7 +102,7 @@ class MDRNN(nn.Module):
         return self.mask_head(torch.cat([latents, h], -1))
 
     def _heads(self, outs: torch.Tensor, latents: torch.Tensor, onehot: torch.Tensor):
-        """outs (*L, H), latents (*L, Z), onehot (*L, A) -> mus, sigmas, logpi, reward, done_logit."""
+        """outs (*L, H), latents (*L, Z), onehot (*L, A) -> mus, sigmas, logpi, done_logit, reward members (*L, E)."""
         x = torch.cat([outs, latents, onehot], -1)
         gmm = self.gmm_linear(x)
         k, z = self.gaussians, self.latent_size
@@ -99,7 +110,13 @@ class MDRNN(nn.Module):
         mus = gmm[..., : k * z].reshape(*lead, k, z)
         sigmas = gmm[..., k * z: 2 * k * z].reshape(*lead, k, z).clamp(-7.0, 5.0).exp()
         logpi = F.log_softmax(gmm[..., 2 * k * z:], dim=-1)
-        return mus, sigmas, logpi, self.reward_head(x).squeeze(-1), self.done_head(x).squeeze(-1)
+        members = torch.cat([head(x) for head in self.reward_heads], -1)
+        return mus, sigmas, logpi, self.done_head(x).squeeze(-1), members
+
+    def _output(self, heads, mask_logits: torch.Tensor) -> MDRNNOutput:
+        mus, sigmas, logpi, done, members = heads
+        return MDRNNOutput(mus, sigmas, logpi, members.mean(-1), done, mask_logits, members.std(-1, unbiased=False),
+                           members)
 
     def forward(self, actions: torch.Tensor, latents: torch.Tensor,
                 state: tuple[torch.Tensor, torch.Tensor] | None = None) -> MDRNNOutput:
@@ -120,8 +137,7 @@ class MDRNN(nn.Module):
         onehot = F.one_hot(actions.long(), self.n_actions).float()
         outs, _ = self.rnn(torch.cat([latents, onehot], -1), (state[0].unsqueeze(0), state[1].unsqueeze(0)))
         before = torch.cat([state[0].unsqueeze(0), outs[:-1]], 0)  # h_t for each t
-        mus, sigmas, logpi, reward, done = self._heads(outs, latents, onehot)
-        return MDRNNOutput(mus, sigmas, logpi, reward, done, self.mask_logits(latents, before))
+        return self._output(self._heads(outs, latents, onehot), self.mask_logits(latents, before))
 
 
 class MDRNNCell(nn.Module):
@@ -143,9 +159,7 @@ class MDRNNCell(nn.Module):
         out, (h, c) = m.rnn(torch.cat([latent, onehot], -1).unsqueeze(0), (state[0].unsqueeze(0),
                                                                             state[1].unsqueeze(0)))
         out = out.squeeze(0)
-        mus, sigmas, logpi, reward, done = m._heads(out, latent, onehot)
-        return (MDRNNOutput(mus, sigmas, logpi, reward, done, m.mask_logits(latent, state[0])),
-                (h.squeeze(0), c.squeeze(0)))
+        return m._output(m._heads(out, latent, onehot), m.mask_logits(latent, state[0])), (h.squeeze(0), c.squeeze(0))
 
 
 def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor,
@@ -165,19 +179,21 @@ def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tens
 
     Returns:
         Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) /
-        (Z + 2) as in ctallec plus mask_weight * mask BCE (per rule); and `gmm`, `reward_mse`, `done_bce`, `mask_bce`.
+        (Z + 2) as in ctallec plus mask_weight * mask BCE (per rule), where mse is the mean of the reward ensemble
+        members' squared errors; and `gmm`, `reward_mse` (of the ensemble mean), `done_bce`, `mask_bce`.
     """
     valid = valid.float()
     count = valid.sum().clamp_min(1.0)
     gmm = (gmm_loss(next_latents, out.mus, out.sigmas, out.logpi, reduce=False) * valid).sum() / count
-    mse = ((out.reward - rewards).pow(2) * valid).sum() / count
+    mse = ((out.reward_members - rewards.unsqueeze(-1)).pow(2).mean(-1) * valid).sum() / count
+    mean_mse = ((out.reward.detach() - rewards).pow(2) * valid).sum() / count
     bce = (F.binary_cross_entropy_with_logits(out.done_logit, dones.float(), reduction="none") * valid).sum() / count
     state_valid = valid if state_valid is None else state_valid.float()
     mask = (F.binary_cross_entropy_with_logits(out.mask_logits, masks.float(), reduction="none").mean(-1)
             * state_valid).sum() / state_valid.sum().clamp_min(1.0)
     z = next_latents.shape[-1]
     loss = (gmm + bce + mse) / (z + 2) + mask_weight * mask
-    return {"loss": loss, "gmm": gmm, "reward_mse": mse, "done_bce": bce, "mask_bce": mask}
+    return {"loss": loss, "gmm": gmm, "reward_mse": mean_mse, "done_bce": bce, "mask_bce": mask}
 
 
 def sample_gmm(mus: torch.Tensor, sigmas: torch.Tensor, logpi: torch.Tensor, temperature: float,

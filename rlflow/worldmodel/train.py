@@ -6,7 +6,10 @@ Each iteration:
 2. train V (`GraphVAE`: graph encoder + VAE + grounding heads) on the training states, encode every state;
 3. train M (`MDRNN`) on the training episodes' latent sequences (z sampled from V's posteriors);
 4. train the controller (`LatentPolicy` over (z, h)) with masked PPO in the dream (`DreamBatch`), which never
-   touches a real graph: the action mask is M's predicted rule availability;
+   touches a real graph: the action mask is M's predicted rule availability; dreams start from the real starting
+   graphs and from states of the training episodes (with M's hidden state there), last at most `dream_horizon`
+   steps, and pay a pessimistic reward (ensemble mean minus `reward_penalty` times the ensemble spread, clipped to
+   the range of the real rewards) so that the controller cannot profit from the world model's errors;
 5. evaluate: one greedy episode per model in the real environment (these steps count as real steps too), and the
    world model's quality on the held-out episodes.
 
@@ -38,7 +41,7 @@ from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic, see
 
 log = logging.getLogger("rlflow")
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
 
 DEFAULT_MODELS = ("squeezenet-1.1-tiny", "resnet-18-tiny", "resnet-50-tiny", "resnext-50-32x4d-tiny",
                   "inception-v3-tiny", "mobilenet-v2-tiny", "densenet-121-tiny", "nasrnn-tiny", "bert-base-tiny",
@@ -56,7 +59,8 @@ class Config:
         random_steps: real steps of uniformly random rule-level actions in the first iteration.
         random_terminate: probability that a random action is terminate (lower explores deeper graphs).
         collect_steps: real steps with the current controller in each later iteration.
-        explore_epsilon: probability of a uniformly random available rule during controller collection.
+        explore_epsilon: probability of an exploratory action during controller collection.
+        explore_untried: exploratory actions prefer the rules least tried from the state (else uniform).
         heldout_fraction: share of collected episodes held out of V and M training (for the quality figures).
         latent_size: size of z.
         hidden: graph-encoder width (embedding size).
@@ -67,17 +71,29 @@ class Config:
         beta: weight of V's KL term (small: z must keep what decides the reward).
         rnn_hidden: LSTM size of M.
         gaussians: mixture components of M.
+        reward_ensemble: reward heads of M (their spread is the dream's uncertainty).
         mdrnn_epochs: epochs of M per iteration.
         mdrnn_lr: M's Adam learning rate.
         mdrnn_batch: M's batch size (episodes).
+        sample_latents: M learns from, and the dream starts at, latents sampled from V's posteriors; False: their
+            means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
+            than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
+            controller exploits.
         mask_weight: weight of M's availability loss.
         reward_scale: rewards are predicted divided by this.
         temperature: sampling temperature of the dream.
+        reward_penalty: the dream pays the ensemble mean reward minus this times the ensemble spread.
+        dream_horizon: at most this many steps per dream episode (0: only max_episode_steps).
+        cap_returns: a dream episode earns at most the best return real episodes of its model reached.
+        first_start_share: share of dreams that start from a starting graph (the others start from later states of
+            the training episodes).
         dream_steps: dream steps of controller training per iteration.
         dream_envs: dreams stepped together.
         dream_rollout: steps per dream per PPO rollout.
         controller_hidden: width of the controller.
         controller_lr: controller's Adam learning rate.
+        controller_gamma: the controller's discount in the dream (low: a rewrite's reward is immediate, and a long
+            horizon mostly compounds the world model's errors).
         ent_coef: controller's entropy bonus.
         max_episode_steps: episode step limit (real and dream).
         max_nodes: observation node cap.
@@ -100,6 +116,7 @@ class Config:
     random_terminate: float = 0.1
     collect_steps: int = 250
     explore_epsilon: float = 0.2
+    explore_untried: bool = True
     heldout_fraction: float = 0.2
     latent_size: int = 32
     hidden: int = 64
@@ -110,17 +127,24 @@ class Config:
     beta: float = 0.01
     rnn_hidden: int = 128
     gaussians: int = 5
+    reward_ensemble: int = 5
     mdrnn_epochs: int = 150
     mdrnn_lr: float = 1e-3
     mdrnn_batch: int = 32
+    sample_latents: bool = False
     mask_weight: float = 10.0
     reward_scale: float = 10.0
     temperature: float = 1.0
+    reward_penalty: float = 1.0
+    dream_horizon: int = 10
+    cap_returns: bool = True
+    first_start_share: float = 0.5
     dream_steps: int = 50_000
     dream_envs: int = 64
     dream_rollout: int = 32
     controller_hidden: int = 128
     controller_lr: float = 1e-3
+    controller_gamma: float = 0.99
     ent_coef: float = 0.01
     max_episode_steps: int = 25
     max_nodes: int = 512
@@ -149,7 +173,8 @@ class Agent:
 
         self.n_rules = n_rules
         self.vision = GraphVAE(n_rules, config.hidden, config.rounds, config.latent_size)
-        self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians)
+        self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians,
+                           config.reward_ensemble)
         self.policy = LatentPolicy(config.latent_size + config.rnn_hidden, n_rules + 1, config.controller_hidden)
         self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=config.vae_lr)
         self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=config.mdrnn_lr)
@@ -198,10 +223,34 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
 
 
 # -------------------------------------------------------------------------------------------------- real rollouts
+def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.random.Generator,
+                   random_terminate: float, terminate: int) -> int:
+    """An exploratory action: terminate with probability `random_terminate` (or when no rule is available), else a
+    random rule among the available `rules` least tried from `state` so far (`tried`: (state, rule) -> count; all
+    equally when None): count-based exploration, so that the deterministic environment's recurring graphs have
+    every rewrite tried before any is tried twice."""
+    if len(rules) == 0 or rng.random() < random_terminate:
+        return terminate
+    if tried is not None:
+        counts = np.array([tried.get((state, int(r)), 0) for r in rules])
+        rules = rules[counts == counts.min()]
+    return int(rng.choice(rules))
+
+
+def tried_pairs(episodes: list) -> dict:
+    """(state, rule) -> how often `episodes` applied that rule to that state."""
+    tried: dict = {}
+    for e in episodes:
+        for s, a in zip(e.states, e.actions):
+            tried[(s, a)] = tried.get((s, a), 0) + 1
+    return tried
+
+
 def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.random.Generator, *, greedy: bool,
                  epsilon: float = 0.0, random_terminate: float = 0.1, heldout: bool = False, source: str = "random",
-                 iteration: int = 0, max_steps: int | None = None):
-    """One real episode with rule-level actions (uniformly random when `agent` is None), recorded in `replay`.
+                 iteration: int = 0, max_steps: int | None = None, tried: dict | None = None):
+    """One real episode with rule-level actions (random when `agent` is None, see `explore_action`), recorded in
+    `replay`; `tried` counts the (state, rule) pairs applied and is updated.
 
     Returns:
         The `Episode` (also appended to `replay.episodes`).
@@ -228,7 +277,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
             with torch.no_grad():
                 z, _ = agent.vision.encode(obs_to_torch(obs))
         if agent is None or (epsilon > 0 and rng.random() < epsilon):
-            action = n_rules if len(rules) == 0 or rng.random() < random_terminate else int(rng.choice(rules))
+            action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules)
         else:
             with torch.no_grad():
                 chosen, *_ = agent.policy.get_action_and_value(torch.cat([z, state[0]], -1),
@@ -238,6 +287,8 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         obs, reward, terminated, truncated, info = env.step(env_action)
         episode.actions.append(int(action))
         episode.rewards.append(float(reward))
+        if tried is not None:
+            tried[(episode.states[-1], int(action))] = tried.get((episode.states[-1], int(action)), 0) + 1
         if agent is not None and action != n_rules:
             with torch.no_grad():
                 _, state = cell(torch.tensor([action]), z, state)
@@ -255,12 +306,13 @@ def collect(env, agent: Agent | None, replay, steps: int, config: Config, rng: n
     """Real episodes, models in turn, until `steps` real steps: random (agent None) or the controller with
     epsilon exploration (sampled actions)."""
     episodes, taken = [], 0
+    tried = tried_pairs(replay.episodes) if config.explore_untried else None
     while taken < steps:
         index = len(replay.episodes) % len(env.models)
         heldout = bool(rng.random() < config.heldout_fraction)
         ep = real_episode(env, index, agent, replay, rng, greedy=False, epsilon=config.explore_epsilon,
                           random_terminate=config.random_terminate, heldout=heldout,
-                          source="random" if agent is None else "controller", iteration=iteration)
+                          source="random" if agent is None else "controller", iteration=iteration, tried=tried)
         episodes.append(ep)
         taken += len(ep.actions)
         if progress is not None:
@@ -313,7 +365,7 @@ def train_vision(agent: Agent, replay, ids: list[int], episodes: list, config: C
 
 def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config, rng: np.random.Generator,
                 progress=None) -> dict:
-    """Epochs of M over the training episodes (z sampled from V's posteriors each epoch)."""
+    """Epochs of M over the training episodes (z sampled from V's posteriors each epoch, or their means)."""
     import torch
 
     from rlflow.worldmodel.mdrnn import mdrnn_loss
@@ -328,7 +380,8 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
         totals, batches = {}, 0
         for begin in range(0, len(order), config.mdrnn_batch):
             chunk = [episodes[i] for i in order[begin: begin + config.mdrnn_batch]]
-            seq = sequences(chunk, mu, logvar, masks, terminate, sample=True, reward_scale=config.reward_scale)
+            seq = sequences(chunk, mu, logvar, masks, terminate, sample=config.sample_latents,
+                            reward_scale=config.reward_scale)
             out = agent.mdrnn(seq["actions"], seq["latents"])
             losses = mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
                                 seq["state_valid"], config.mask_weight)
@@ -344,6 +397,40 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
             progress.update(1)
             progress.set_postfix(loss=f"{totals['loss']:.3f}", reward=f"{totals['reward_mse']:.3f}")
     return totals
+
+
+def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: int):
+    """The controller's `DreamBatch`: starts at the states of `episodes` (a `first_start_share` of the dreams at
+    starting graphs), pessimistic rewards clipped per rule to the range of the real rewards the rule earned in
+    `episodes` (a rule never seen earning more than nothing earns nothing in the dream either) and, with
+    `cap_returns`, dream returns capped at the best return real episodes of the same model reached (less what the
+    start's episode had already earned)."""
+    import torch
+
+    from rlflow.worldmodel.dream import DreamBatch, real_starts
+
+    starts = real_starts(agent.mdrnn, episodes, mu, logvar)
+    first = starts["first"]
+    share = config.first_start_share if bool((~first).any()) else 1.0
+    weights = torch.where(first, share / first.sum().clamp_min(1), (1 - share) / (~first).sum().clamp_min(1))
+    low, high = torch.zeros(agent.n_rules), torch.zeros(agent.n_rules)
+    for e in episodes:
+        for a, r in zip(e.actions, e.rewards):
+            if a < agent.n_rules:
+                low[a], high[a] = min(float(low[a]), r), max(float(high[a]), r)
+    reward_range = (torch.full((agent.n_rules,), float(low.min())), high)
+    best: dict[str, float] = {}  # per model, the best return a real (training) episode reached at any step
+    for e in episodes:
+        best[e.model] = max(best.get(e.model, 0.0), float(np.max(np.cumsum([0.0] + e.rewards))))
+    so_far = [float(sum(episodes[i].rewards[:t])) for i, t in zip(starts["episode"].tolist(), starts["steps"].tolist())]
+    caps = torch.tensor([max(0.0, best[episodes[i].model] - done) for i, done in zip(starts["episode"].tolist(), so_far)])
+    start_logvar = starts["logvar"] if config.sample_latents else torch.full_like(starts["logvar"], -float("inf"))
+    return DreamBatch(agent.mdrnn, starts["mu"], start_logvar, config.dream_envs, temperature=config.temperature,
+                      max_episode_steps=config.max_episode_steps, reward_scale=config.reward_scale,
+                      reward_penalty=config.reward_penalty, reward_range=reward_range,
+                      start_state=(starts["h"], starts["c"]), start_steps=starts["steps"], start_weights=weights,
+                      start_caps=caps if config.cap_returns else None,
+                      horizon=config.dream_horizon or None, seed=seed)
 
 
 def command_line(config: Config) -> str:
@@ -380,7 +467,6 @@ def main(config: Config) -> dict:
     from rlflow.controller.ppo import CsvWriter, make_env, resolve_models
     from rlflow.measure.costmodel import CostModel
     from rlflow.rewrites import REGISTRY_VERSION, RULES
-    from rlflow.worldmodel.dream import DreamBatch
     from rlflow.worldmodel.replay import Replay
     from rlflow.worldmodel.report import encode_all, quality
 
@@ -417,6 +503,7 @@ def main(config: Config) -> dict:
     env = make_env(paths, env_config, cost_model)
     dream_config = DreamPPOConfig(total_steps=config.dream_steps, num_envs=config.dream_envs,
                                   num_steps=config.dream_rollout, learning_rate=config.controller_lr,
+                                  gamma=config.controller_gamma,
                                   ent_coef=config.ent_coef)
     print(f"world-model agent on {len(paths)} models, {config.iterations} iterations, {n_rules} rules "
           f"(actions: rule types + terminate)", flush=True)
@@ -442,11 +529,8 @@ def main(config: Config) -> dict:
         quality_now = quality(agent.vision, agent.mdrnn, replay, held_eps, train_eps, mu, logvar, config.reward_scale)
         quality_now["iteration"] = iteration
         history.append(quality_now)
-        # 4. controller in the dream (start latents: the real starting graphs, encoded once)
-        starts = sorted({e.states[0] for e in replay.episodes})
-        dream = DreamBatch(agent.mdrnn, mu[starts], logvar[starts], config.dream_envs,
-                           temperature=config.temperature, max_episode_steps=config.max_episode_steps,
-                           reward_scale=config.reward_scale, seed=config.seed + iteration)
+        # 4. controller in the dream (starts: real states of the training episodes, encoded once)
+        dream = make_dream(agent, train_eps, mu, logvar, config, seed=config.seed + iteration)
         with tqdm(total=config.dream_steps, desc=f"[{iteration}] dream PPO", leave=False, file=sys.stderr) as bar:
             d_stats = train_in_dream(agent.policy, agent.policy_opt, dream, dream_config, bar)
         # 5. real evaluation

@@ -58,9 +58,11 @@ def test_mdrnn_sequence_and_cell_agree_with_shared_weights():
     state = model.initial_state(b)
     for step in range(t):
         out, state = cell(actions[step], latents[step], state)
-        for name in ("mus", "sigmas", "logpi", "reward", "done_logit", "mask_logits"):
+        for name in ("mus", "sigmas", "logpi", "reward", "done_logit", "mask_logits", "reward_std", "reward_members"):
             assert torch.allclose(getattr(out, name), getattr(seq, name)[step], atol=1e-5), name
     assert seq.mus.shape == (t, b, 3, 6) and seq.mask_logits.shape == (t, b, 4)
+    assert seq.reward_members.shape == (t, b, 5) and torch.allclose(seq.reward, seq.reward_members.mean(-1))
+    assert (seq.reward_std >= 0).all()
 
 
 def test_mdrnn_loss_is_finite_and_training_reduces_it():

@@ -70,16 +70,13 @@ def test_controller_learns_in_a_dream_with_a_known_best_rule():
     from rlflow.worldmodel.mdrnn import MDRNN
 
     torch.manual_seed(0)
-    model = MDRNN(latent_size=4, n_actions=4, n_rules=3, hidden=8, gaussians=1)
+    model = MDRNN(latent_size=4, n_actions=4, n_rules=3, hidden=8, gaussians=1, reward_ensemble=1)
     with torch.no_grad():
-        for p in model.reward_head.parameters():
+        head = model.reward_heads[0]
+        for p in head.parameters():
             p.zero_()
-        model.reward_head[0].weight.zero_()
-        last = model.reward_head[-1]
-        last.bias.fill_(0.0)
         # reward = sum of a one-hot feature routed through the hidden layer: +1 for action 1, -1 for actions 0, 2
-        first = model.reward_head[0]
-        first.bias.zero_()
+        first, last = head[0], head[-1]
         offset = model.hidden + model.latent_size
         first.weight[0, offset + 1] = 1.0
         first.weight[1, offset + 0] = 1.0
@@ -95,3 +92,21 @@ def test_controller_learns_in_a_dream_with_a_known_best_rule():
     with torch.no_grad():
         action, *_ = policy.get_action_and_value(dream.observation(), dream.action_mask(), greedy=True)
     assert (action == 1).float().mean() > 0.9 and stats["dream_return"] > 2.0
+
+
+def test_exploration_tries_every_rule_of_a_state_before_repeating_one():
+    import numpy as np
+
+    from rlflow.worldmodel.train import explore_action
+
+    rng = np.random.default_rng(0)
+    tried: dict = {}
+    rules = np.array([3, 5, 7])
+    picked = []
+    for _ in range(3):
+        a = explore_action(rules, 0, tried, rng, 0.0, 9)
+        tried[(0, a)] = tried.get((0, a), 0) + 1
+        picked.append(a)
+    assert sorted(picked) == [3, 5, 7]
+    assert explore_action(np.array([], int), 0, tried, rng, 0.0, 9) == 9
+    assert explore_action(rules, 0, tried, rng, 1.0, 9) == 9
