@@ -18,7 +18,7 @@ from rlflow.errors import InputError
 from rlflow.graph import Graph, load, max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, check_runs, resolve_provider
-from rlflow.measure.timing import Comparison, Ratio, compare
+from rlflow.measure.timing import Comparison, Ratio, compare, time_model
 from rlflow.measure.verify import Verification, verify
 from rlflow.rewrites import REGISTRY_VERSION, RULES, Rule
 from rlflow.search.candidates import SearchResult
@@ -32,9 +32,8 @@ METHODS = ("agent", "greedy", "taso", "random")
 """agent: the shipped policy's rollouts, best few measured; greedy: best measured single rewrite, repeated; taso:
 cost-model backtracking search (TASO); random: random walks."""
 
-KEPT_ROUNDS = 6
-"""Rounds (in two session blocks when even) of the latency report when the input is kept: nothing is decided by
-it, and on a large model 30 rounds would take most of a minute."""
+KEPT_REPEATS = 10
+"""Timed runs of the latency report when the input is kept."""
 
 DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
 """Seconds of search when none is given: the agent's point is to be quick, the searches' to be thorough."""
@@ -49,7 +48,7 @@ class Result:
         rewritten: whether the output differs from the input.
         reason: why the output is what it is.
         applied: the rewrites applied, in order (`rule@node`).
-        comparison: interleaved input-vs-output measurement (ratios[1] is the speedup; about 1 when unchanged).
+        comparison: interleaved input-vs-output measurement (ratios[1] is the speedup; exactly 1 when unchanged).
         verification: the rewritten model checked against the input (None when no rewrite was found).
     """
 
@@ -160,10 +159,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
             reason = "rewritten: measurably faster"
         else:
             reason = "rewritten: verified and not slower (the interval includes 1, so no speedup is claimed)"
-    if not keep:  # the written model is the input: report its latency against itself, honestly ~1x, in short
-        kept_rounds = min(rounds, KEPT_ROUNDS)
-        comparison = compare([input_model, input_model], settings, rounds=kept_rounds, blocks=2 - kept_rounds % 2,
-                             seed=seed, labels=["input", "output"])
+    if not keep:
+        comparison = _unchanged(input_model, settings, seed)
     output = search.graph if keep else graph
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
@@ -211,14 +208,29 @@ def _given_model(graph: Graph) -> onnx.ModelProto:
     return graph.to_model(static=False)
 
 
+def _unchanged(model: onnx.ModelProto, settings: SessionSettings, seed: int) -> Comparison:
+    """The report's comparison when the output is the input: speedup exactly 1, the latency timed once.
+
+    Comparing a model with itself would only show session noise, and with few rounds its interval can lie wholly on one
+    side of 1: a report must not call the very same file slower (or faster).
+    """
+    timing = time_model(model, settings, repeats=KEPT_REPEATS, seed=seed, label="input")
+    same = Ratio(1.0, 1.0, 1.0, 0.95)
+    return Comparison([timing, timing], [same, same], rounds=0, runs_per_round=1, warmup=timing.warmup,
+                      settings=settings.as_dict(), seed=seed, extra={"unchanged": True})
+
+
 def format_report(result: Result) -> str:
     """The terminal report: decision, latency, rewrites, op counts, verification and settings."""
     lines = [f"rlflow optimize: {result.source or 'in-memory graph'}", f"  result      {result.reason}"]
     before, after = result.comparison.timings
     lines.append(f"  latency     {before.median_ms:.3f} ms -> {after.median_ms:.3f} ms (medians, IQR "
                  f"{before.iqr_ms:.3f} / {after.iqr_ms:.3f} ms)")
-    lines.append(f"  speedup     {result.speedup} ({int(result.speedup.confidence * 100)}% bootstrap interval, "
-                 f"{result.comparison.rounds} interleaved rounds)")
+    if result.comparison.extra.get("unchanged"):
+        lines.append("  speedup     1x: the output is the input (its latency timed alone)")
+    else:
+        lines.append(f"  speedup     {result.speedup} ({int(result.speedup.confidence * 100)}% bootstrap interval, "
+                     f"{result.comparison.rounds} interleaved rounds)")
     if result.verification is None:
         lines.append("  verified    output is the input file unchanged")
     else:

@@ -53,13 +53,28 @@ def test_cnn_opset9_ir3(cnn_opset9_ir3_path, tmp_path):
 def test_library_call_and_report(tmp_path, matmul_model):
     path = save(matmul_model, tmp_path / "m.onnx")
     result = rlflow.optimize(path, time_limit=2, rounds=5)
-    assert result.comparison.rounds == 5
+    if result.rewritten:
+        assert result.comparison.rounds == 5
+    else:  # the output is the input: speedup exactly 1, never a noisy self-comparison
+        assert result.comparison.rounds == 0 and str(result.speedup) == "1.000x [1.000, 1.000]"
+        assert "the output is the input" in format_report(result)
     assert result.settings["provider"] == "CPUExecutionProvider"
     text = format_report(result)
     for heading in ("result", "latency", "speedup", "verified", "rewrites", "operators", "settings"):
         assert f"  {heading}" in text
     out = result.save(tmp_path / "o.onnx")
     assert verify(matmul_model, onnx.load(str(out)), shapes=[{"x": (4, 8)}]).ok
+
+
+def test_kept_input_reports_speedup_exactly_one(tmp_path, matmul_model):
+    """The output is the input: a self-comparison would only show session noise, so none is reported."""
+    path = save(matmul_model, tmp_path / "m.onnx")
+    result = rlflow.optimize(path, method="greedy", rules=(), time_limit=2, rounds=5)
+    assert not result.rewritten and result.comparison.rounds == 0 and result.comparison.extra["unchanged"]
+    assert str(result.speedup) == "1.000x [1.000, 1.000]" and not result.speedup.faster
+    before, after = result.comparison.timings
+    assert before.median_ms == after.median_ms > 0
+    assert "1x: the output is the input" in format_report(result)
 
 
 def test_verification_shapes_vary_dynamic_dimensions(tmp_path, matmul_model):
