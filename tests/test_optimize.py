@@ -106,6 +106,26 @@ def test_rewrites_are_kept_only_when_verified(cnn_opset9_ir3_path, monkeypatch):
     assert result.verification is not None and not result.verification.ok
 
 
+@pytest.mark.parametrize("interval, kept", [((0.97, 1.05), False), ((1.001, 1.04), True)])
+def test_rewrites_are_kept_only_when_measurably_faster(cnn_opset9_ir3_path, monkeypatch, interval, kept):
+    """A verified rewrite whose speedup interval reaches 1 or below is not handed back: it shows no gain."""
+    from rlflow.measure.timing import Ratio
+
+    pipeline = importlib.import_module("rlflow.optimize")
+    real_compare = pipeline.compare
+
+    def measured(models, settings, **kwargs):
+        comparison = real_compare(models, settings, **{**kwargs, "rounds": 2})
+        comparison.ratios[1] = Ratio(sum(interval) / 2, *interval, 0.95)
+        return comparison
+
+    monkeypatch.setattr(pipeline, "greedy", _accept_first_candidate)
+    monkeypatch.setattr(pipeline, "compare", measured)
+    result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5)
+    assert result.verification.ok and result.rewritten is kept
+    assert result.reason.startswith("rewritten: measurably faster" if kept else "input kept: the rewritten model is not")
+
+
 def _accept_first_candidate(graph, settings, config, rules, progress=False):
     from rlflow.search.candidates import SearchResult, expand
 
