@@ -34,6 +34,9 @@ def cli() -> None:
               "cost-model backtracking, or random walks.")
 @click.option("--agent", "agent", type=click.Path(path_type=Path), default=None,
               help="Policy checkpoint for --method agent [default: the shipped agent].")
+@click.option("--finetune", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
+              help="Adapt the agent to MODEL first with N PPO steps against the cost model (no measurements; with "
+                   "--time-limit they may use half of it).")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None,
               help="Seconds for the search (verification and the final measurement come on top) "
                    "[default: 10 for agent, 60 for the searches].")
@@ -42,7 +45,7 @@ def cli() -> None:
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
-def optimize(model, output, provider, threads, method, agent, time_limit, input_shapes, json_path, seed,
+def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, json_path, seed,
              quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
@@ -54,7 +57,8 @@ def optimize(model, output, provider, threads, method, agent, time_limit, input_
     if output.resolve() == model.resolve():
         raise RlflowError("the output path is the input path; rlflow never overwrites its input")
     result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
-                 input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet, agent=agent)
+                 input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet, agent=agent,
+                 finetune=finetune)
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}

@@ -103,7 +103,7 @@ class Result:
 def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "agent",
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
-             agent: str | os.PathLike | None = None) -> Result:
+             agent: str | os.PathLike | None = None, finetune: int = 0) -> Result:
     """Optimises a model for the target execution provider.
 
     Args:
@@ -118,6 +118,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         rounds: interleaved rounds of the final input-vs-output measurement (fewer when GATE_SECONDS pass first).
         rules: the rules the search may use.
         agent: the policy checkpoint of method `agent` (default: the shipped one).
+        finetune: method `agent` only: PPO steps that adapt the policy to this model against the cost model first
+            (`rlflow.controller.finetune`); with a `time_limit`, they may use half of it.
 
     Raises:
         InputError: the model cannot be loaded.
@@ -125,7 +127,10 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     """
     if method not in METHODS:
         raise InputError(f"unknown method '{method}': choose from {', '.join(METHODS)}")
+    if finetune < 0 or (finetune and method != "agent"):
+        raise InputError("--finetune takes a number of steps >= 0 and adapts method 'agent' only")
     start = time.monotonic()
+    limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     graph = model if isinstance(model, Graph) else load(model, input_shapes)
     check_fits(graph)
@@ -134,7 +139,13 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     given = _given_model(graph)
     check_runs(given, settings, seed)  # the provider must run the input as the user has it: ProviderError otherwise
 
-    search = _search(graph, settings, method, time_limit, seed, rules, progress, agent)
+    policy, adapted = None, None
+    if finetune:
+        policy, adapted = _finetuned(graph, settings, agent, finetune, seed, rules,
+                                     deadline=start + time_limit / 2 if limited else None)
+        if limited:
+            time_limit = max(0.0, time_limit - (time.monotonic() - start))
+    search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "rules": len(rules), "registry_version": REGISTRY_VERSION}
@@ -142,6 +153,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         from rlflow.search.agent import DEFAULT_AGENT
 
         recorded["agent"] = str(agent or DEFAULT_AGENT)
+        recorded["finetune"] = adapted.as_dict() if adapted else None
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
                   settings=recorded, source=graph.source)
@@ -169,13 +181,27 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
                   output_model=candidate if keep else given, **common)
 
 
+def _finetuned(graph: Graph, settings: SessionSettings, agent, steps: int, seed: int, rules: Sequence[Rule],
+               deadline: float | None):
+    """The agent adapted to this graph (`rlflow.controller.finetune`), and what adaptation did."""
+    from rlflow.controller.finetune import finetune
+    from rlflow.search.agent import load_agent
+
+    policy, report = finetune(load_agent(agent), graph, steps, settings=settings, rules=rules, seed=seed,
+                              deadline=deadline)
+    log.info("finetuned the agent: %d steps, %d updates in %.1f s (%s)", report.steps, report.updates, report.seconds,
+             report.stop_reason)
+    return policy, report
+
+
 def _search(graph: Graph, settings: SessionSettings, method: str, time_limit: float, seed: int,
-            rules: Sequence[Rule], progress: bool, agent: str | os.PathLike | None = None) -> SearchResult:
+            rules: Sequence[Rule], progress: bool, agent: str | os.PathLike | None = None,
+            policy=None) -> SearchResult:
     if method == "agent":
         from rlflow.search.agent import AgentConfig, agent_search
 
         return agent_search(graph, settings, AgentConfig(agent=agent, time_limit=time_limit, seed=seed), rules,
-                            progress=progress)
+                            policy=policy, progress=progress)
     if method == "taso":
         return taso(graph, settings, TasoConfig(time_limit=time_limit, seed=seed), rules, progress=progress)
     if method == "random":
@@ -254,6 +280,15 @@ def format_report(result: Result) -> str:
     lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
                  f"{result.candidates_measured} candidates measured end to end, "
                  f"{result.candidates_estimated} estimated")
+    tuned = s.get("finetune")
+    if tuned:
+        lines.append(f"  finetune    {tuned['steps']} cost-model steps, {tuned['updates']} PPO updates in "
+                     f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
+                     f"{_signed(tuned['mean_return_first'])} first quarter -> {_signed(tuned['mean_return_last'])} last")
     lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
                  f"method {s['method']}, seed {s['seed']}, input shapes {s['input_shapes']}")
     return "\n".join(lines)
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f}"

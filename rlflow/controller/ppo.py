@@ -210,12 +210,134 @@ def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: 
     plt.close(fig)
 
 
+class Learner:
+    """Masked PPO's rollout buffers, collection and update (CleanRL's loop body), for training and fine-tuning alike.
+
+    `collect()` plays `config.num_steps` real steps with the current policy (episodes continue across calls);
+    `update()` computes GAE advantages over them and runs the clipped-objective epochs.
+    """
+
+    def __init__(self, policy, env, config: Config, rng: np.random.Generator, writer: CsvWriter | None = None):
+        import torch
+        from torch import optim
+
+        self.policy, self.env, self.config, self.rng, self.writer = policy, env, config, rng, writer
+        self.optimizer = optim.Adam(policy.parameters(), lr=config.learning_rate, eps=1e-5)
+        n = config.num_steps
+        self.buffers = {key: np.zeros((n, *sub.shape), sub.dtype) for key, sub in env.observation_space.spaces.items()}
+        self.actions = torch.zeros(n, dtype=torch.long)
+        self.logprobs, self.rewards, self.dones, self.values = (torch.zeros(n) for _ in range(4))
+        self.episodes: list[dict] = []
+        self.next_obs, _ = env.reset(seed=config.seed)
+        self.next_done = 0.0
+        self.episode_return = 0.0
+
+    def collect(self) -> None:
+        """One rollout of `num_steps` real steps; finished episodes are appended to `episodes`."""
+        import torch
+
+        from rlflow.controller.policy import obs_to_torch
+
+        config, env, policy = self.config, self.env, self.policy
+        for t in range(config.num_steps):
+            for key in self.buffers:
+                self.buffers[key][t] = self.next_obs[key]
+            self.dones[t] = self.next_done
+            with torch.no_grad():
+                action, logprob, _, value = policy.get_action_and_value(obs_to_torch(self.next_obs))
+            self.actions[t], self.logprobs[t], self.values[t] = action, logprob, value
+            self.next_obs, reward, terminated, truncated, info = env.step(int(action.item()))
+            self.episode_return += reward
+            if truncated and not terminated:  # bootstrap through the time limit: the episode did not really end
+                with torch.no_grad():
+                    reward += config.gamma * float(policy.get_value(obs_to_torch(self.next_obs)).item())
+            self.rewards[t] = reward
+            self.next_done = float(terminated or truncated)
+            if self.next_done:
+                self.episodes.append({"real_steps": info["real_steps"], "model": info["model"],
+                                      "return": self.episode_return, "length": info["episode_steps"],
+                                      "speedup": info["speedup"]})
+                if self.writer is not None:
+                    self.writer.add_scalar("charts/episodic_return", self.episode_return, info["real_steps"])
+                    self.writer.add_scalar("charts/episodic_length", info["episode_steps"], info["real_steps"])
+                    self.writer.add_scalar(f"charts/speedup/{info['model']}", info["speedup"], info["real_steps"])
+                self.episode_return = 0.0
+                self.next_obs, info = env.reset()
+
+    def update(self) -> dict[str, float]:
+        """GAE over the last rollout, then the clipped-objective epochs; returns the losses of the last minibatch."""
+        import torch
+        from torch import nn
+
+        from rlflow.controller.policy import obs_to_torch
+
+        config, policy, values = self.config, self.policy, self.values
+        with torch.no_grad():
+            next_value = policy.get_value(obs_to_torch(self.next_obs)).item()
+            advantages = torch.zeros(config.num_steps)
+            last = 0.0
+            for t in reversed(range(config.num_steps)):
+                if t == config.num_steps - 1:
+                    nonterminal, following = 1.0 - self.next_done, next_value
+                else:
+                    nonterminal, following = 1.0 - float(self.dones[t + 1]), float(values[t + 1])
+                delta = self.rewards[t] + config.gamma * following * nonterminal - values[t]
+                last = delta + config.gamma * config.gae_lambda * nonterminal * last
+                advantages[t] = last
+            returns = advantages + values
+
+        batch = {key: torch.as_tensor(value) for key, value in self.buffers.items()}
+        indices = np.arange(config.num_steps)
+        minibatch = max(1, config.num_steps // config.num_minibatches)
+        clipfracs = []
+        for _ in range(config.update_epochs):
+            self.rng.shuffle(indices)
+            for begin in range(0, config.num_steps, minibatch):
+                mb = torch.as_tensor(indices[begin: begin + minibatch])
+                _, newlogprob, entropy, newvalue = policy.get_action_and_value(
+                    {key: value[mb] for key, value in batch.items()}, self.actions[mb])
+                logratio = newlogprob - self.logprobs[mb]
+                ratio = logratio.exp()
+                with torch.no_grad():
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs.append(((ratio - 1.0).abs() > config.clip_coef).float().mean().item())
+                mb_adv = advantages[mb]
+                if config.norm_adv and len(mb) > 1:
+                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                pg_loss = torch.max(-mb_adv * ratio,
+                                    -mb_adv * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
+                if config.clip_vloss:
+                    v_unclipped = (newvalue - returns[mb]) ** 2
+                    v_clipped = values[mb] + torch.clamp(newvalue - values[mb], -config.clip_coef, config.clip_coef)
+                    v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns[mb]) ** 2).mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - returns[mb]) ** 2).mean()
+                entropy_loss = entropy.mean()
+                loss = pg_loss - config.ent_coef * entropy_loss + config.vf_coef * v_loss
+                self.optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+                self.optimizer.step()
+            if config.target_kl is not None and approx_kl > config.target_kl:
+                break
+
+        y_pred, y_true = values.numpy(), returns.numpy()
+        var_y = np.var(y_true)
+        return {"value_loss": v_loss.item(), "policy_loss": pg_loss.item(), "entropy": entropy_loss.item(),
+                "old_approx_kl": old_approx_kl.item(), "approx_kl": approx_kl.item(),
+                "clipfrac": float(np.mean(clipfracs)),
+                "explained_variance": np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y}
+
+    def set_learning_rate(self, update: int, num_updates: int) -> None:
+        """CleanRL's linear annealing to 0 (when `anneal_lr`)."""
+        if self.config.anneal_lr:
+            self.optimizer.param_groups[0]["lr"] = (1.0 - (update - 1.0) / num_updates) * self.config.learning_rate
+
+
 def main(config: Config) -> dict:
     """Trains, evaluates and writes the results; returns what ppo.json holds."""
-    import torch
-    from torch import nn, optim
-
-    from rlflow.controller.policy import CandidatePolicy, obs_to_torch, save_checkpoint
+    from rlflow.controller.policy import CandidatePolicy, save_checkpoint
     from rlflow.measure.costmodel import CostModel
     from rlflow.rewrites import REGISTRY_VERSION, RULES
 
@@ -235,23 +357,9 @@ def main(config: Config) -> dict:
         print(f"uniformly random policy: mean return {baseline:.2f} over {len(baseline_returns)} episodes", flush=True)
 
     policy = CandidatePolicy(len(RULES), config.hidden, config.rounds)
-    optimizer = optim.Adam(policy.parameters(), lr=config.learning_rate, eps=1e-5)
     num_updates = max(1, config.total_steps // config.num_steps)
-    minibatch = max(1, config.num_steps // config.num_minibatches)
-
-    space = env.observation_space
-    buffers = {key: np.zeros((config.num_steps, *sub.shape), sub.dtype) for key, sub in space.spaces.items()}
-    actions = torch.zeros(config.num_steps, dtype=torch.long)
-    logprobs = torch.zeros(config.num_steps)
-    rewards = torch.zeros(config.num_steps)
-    dones = torch.zeros(config.num_steps)
-    values = torch.zeros(config.num_steps)
-
     # the random episodes above are real steps too, but not training: the counters restart here
-    next_obs, info = env.reset(seed=config.seed)
-    next_done = 0.0
-    episodes: list[dict] = []
-    episode_return, global_step = 0.0, 0
+    learner = Learner(policy, env, config, rng, writer)
     stop_reason = "total steps"
     print(f"training on {len(paths)} models, {num_updates} updates of {config.num_steps} steps, "
           f"{len(RULES)} rules", flush=True)
@@ -260,108 +368,30 @@ def main(config: Config) -> dict:
         if config.time_limit is not None and time.monotonic() - wall_start > config.time_limit:
             stop_reason = "time limit"
             break
-        if config.anneal_lr:
-            optimizer.param_groups[0]["lr"] = (1.0 - (update - 1.0) / num_updates) * config.learning_rate
-        for t in range(config.num_steps):
-            global_step += 1
-            for key in buffers:
-                buffers[key][t] = next_obs[key]
-            dones[t] = next_done
-            with torch.no_grad():
-                action, logprob, _, value = policy.get_action_and_value(obs_to_torch(next_obs))
-            actions[t], logprobs[t], values[t] = action, logprob, value
-            next_obs, reward, terminated, truncated, info = env.step(int(action.item()))
-            episode_return += reward
-            if truncated and not terminated:  # bootstrap through the time limit: the episode did not really end
-                with torch.no_grad():
-                    reward += config.gamma * float(policy.get_value(obs_to_torch(next_obs)).item())
-            rewards[t] = reward
-            next_done = float(terminated or truncated)
-            if next_done:
-                episodes.append({"real_steps": info["real_steps"], "model": info["model"], "return": episode_return,
-                                 "length": info["episode_steps"], "speedup": info["speedup"]})
-                writer.add_scalar("charts/episodic_return", episode_return, info["real_steps"])
-                writer.add_scalar("charts/episodic_length", info["episode_steps"], info["real_steps"])
-                writer.add_scalar(f"charts/speedup/{info['model']}", info["speedup"], info["real_steps"])
-                episode_return = 0.0
-                next_obs, info = env.reset()
-
-        with torch.no_grad():
-            next_value = policy.get_value(obs_to_torch(next_obs)).item()
-            advantages = torch.zeros(config.num_steps)
-            last = 0.0
-            for t in reversed(range(config.num_steps)):
-                if t == config.num_steps - 1:
-                    nonterminal, following = 1.0 - next_done, next_value
-                else:
-                    nonterminal, following = 1.0 - float(dones[t + 1]), float(values[t + 1])
-                delta = rewards[t] + config.gamma * following * nonterminal - values[t]
-                last = delta + config.gamma * config.gae_lambda * nonterminal * last
-                advantages[t] = last
-            returns = advantages + values
-
-        batch = {key: torch.as_tensor(value) for key, value in buffers.items()}
-        indices = np.arange(config.num_steps)
-        clipfracs = []
-        for _ in range(config.update_epochs):
-            rng.shuffle(indices)
-            for begin in range(0, config.num_steps, minibatch):
-                mb = torch.as_tensor(indices[begin: begin + minibatch])
-                _, newlogprob, entropy, newvalue = policy.get_action_and_value(
-                    {key: value[mb] for key, value in batch.items()}, actions[mb])
-                logratio = newlogprob - logprobs[mb]
-                ratio = logratio.exp()
-                with torch.no_grad():
-                    old_approx_kl = (-logratio).mean()
-                    approx_kl = ((ratio - 1) - logratio).mean()
-                    clipfracs.append(((ratio - 1.0).abs() > config.clip_coef).float().mean().item())
-                mb_adv = advantages[mb]
-                if config.norm_adv and len(mb) > 1:
-                    mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-                pg_loss = torch.max(-mb_adv * ratio,
-                                    -mb_adv * torch.clamp(ratio, 1 - config.clip_coef, 1 + config.clip_coef)).mean()
-                if config.clip_vloss:
-                    v_unclipped = (newvalue - returns[mb]) ** 2
-                    v_clipped = values[mb] + torch.clamp(newvalue - values[mb], -config.clip_coef, config.clip_coef)
-                    v_loss = 0.5 * torch.max(v_unclipped, (v_clipped - returns[mb]) ** 2).mean()
-                else:
-                    v_loss = 0.5 * ((newvalue - returns[mb]) ** 2).mean()
-                entropy_loss = entropy.mean()
-                loss = pg_loss - config.ent_coef * entropy_loss + config.vf_coef * v_loss
-                optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                optimizer.step()
-            if config.target_kl is not None and approx_kl > config.target_kl:
-                break
-
-        y_pred, y_true = values.numpy(), returns.numpy()
-        var_y = np.var(y_true)
-        explained = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+        learner.set_learning_rate(update, num_updates)
+        learner.collect()
+        losses = learner.update()
         real = env.real_steps
-        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], real)
+        writer.add_scalar("charts/learning_rate", learner.optimizer.param_groups[0]["lr"], real)
         writer.add_scalar("charts/real_steps", real, real)
         writer.add_scalar("charts/measurements", env.measurements, real)
-        writer.add_scalar("losses/value_loss", v_loss.item(), real)
-        writer.add_scalar("losses/policy_loss", pg_loss.item(), real)
-        writer.add_scalar("losses/entropy", entropy_loss.item(), real)
-        writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), real)
-        writer.add_scalar("losses/approx_kl", approx_kl.item(), real)
-        writer.add_scalar("losses/clipfrac", float(np.mean(clipfracs)), real)
-        writer.add_scalar("losses/explained_variance", explained, real)
-        recent = [e["return"] for e in episodes[-3 * len(paths):]]
+        for name, value in losses.items():
+            writer.add_scalar(f"losses/{name}", value, real)
+        recent = [e["return"] for e in learner.episodes[-3 * len(paths):]]
         elapsed = time.monotonic() - wall_start
-        print(f"update {update}/{num_updates}  real steps {real}  episodes {len(episodes)}  "
-              f"mean return {np.mean(recent) if recent else float('nan'):+.2f}  entropy {entropy_loss.item():.2f}  "
+        print(f"update {update}/{num_updates}  real steps {real}  episodes {len(learner.episodes)}  "
+              f"mean return {np.mean(recent) if recent else float('nan'):+.2f}  entropy {losses['entropy']:.2f}  "
               f"{elapsed:.0f}s", flush=True)
         if update % config.checkpoint_every == 0:
-            save_checkpoint(run_dir / "ppo.pt", policy, optimizer, asdict(config), real_steps=real, update=update)
+            save_checkpoint(run_dir / "ppo.pt", policy, learner.optimizer, asdict(config), real_steps=real,
+                            update=update)
         cost_model.save()
 
     train_seconds = time.monotonic() - wall_start
-    checkpoint = save_checkpoint(run_dir / "ppo.pt", policy, optimizer, asdict(config), real_steps=env.real_steps,
-                                 update=update)
+    checkpoint = save_checkpoint(run_dir / "ppo.pt", policy, learner.optimizer, asdict(config),
+                                 real_steps=env.real_steps, update=update)
     cost_model.save()
+    episodes = learner.episodes
     recent_episodes = episodes[-3 * len(paths):]
     result = {
         "algo": "ppo",
