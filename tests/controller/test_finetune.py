@@ -1,4 +1,4 @@
-"""`--finetune N`: the agent adapts to the user's model with PPO steps against the cost model, on a copy, within time."""
+"""`--finetune N`: the agent adapts to the user's model with PPO steps against the cost model, on a copy, in time."""
 from __future__ import annotations
 
 import json
