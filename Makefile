@@ -31,11 +31,13 @@ fuzz: $(STAMP)
 # The whole zoo on this machine's CPU, every method and peer, 1 thread; results under docs/results/.  Each method
 # searches for its own default time (DEFAULT_TIME_LIMITS: agent 10 s, searches 60 s) so that the agent's time is
 # compared with search's as users get them; 12 interleaved rounds per measurement (about an hour on 2 cores).
+# Then `rlflow optimize` with every default, a fresh process per model, wall clock (about 4 minutes).
 BENCH_ROUNDS ?= 12
 bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
 	$(BIN)/rlflow bench models --methods agent,greedy,taso,random --peers --threads 1 \
 		--rounds $(BENCH_ROUNDS) --out docs/results
+	$(BIN)/python -m rlflow.bench_wallclock models --out docs/results
 
 # The shipped agent (rlflow/agents/default.pt): masked PPO on seven -tiny zoo models, four architectures of other
 # families held out, then the evaluation against random walk into docs/results/ppo.json (about 5 + 15 minutes).
