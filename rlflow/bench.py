@@ -86,6 +86,7 @@ class Row:
     search_seconds: float = float("nan")
     heldout: bool = False
     gate_speedup: float = float("nan")
+    reason: str = ""
     candidates_measured: int = 0
     rewrites: list[str] = field(default_factory=list)
     baseline_peak_fraction: float = float("nan")
@@ -253,7 +254,8 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
 
     optimize() hands back a rewrite only when its own measurement puts the whole interval above 1, so that measurement
     is chosen for being favourable (winner's curse); the row reports an independent one, with other inputs and session
-    order, and keeps the gate's median as `gate_speedup`.  A kept input is the input: speedup exactly 1.
+    order, and keeps the gate's median as `gate_speedup` (also when the gate rejected the rewrite; NaN when no
+    verified rewrite reached it) with optimize()'s `reason`.  A kept input is the input: speedup exactly 1.
     """
     start = time.monotonic()
     result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
@@ -272,7 +274,8 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                faster=ratio.faster, rewritten=result.rewritten,
                verified=verification.ok if verification else True,
                max_rel_error=verification.max_rel_norm if verification else 0.0,
-               seconds=seconds, search_seconds=result.search_seconds, gate_speedup=result.speedup.median,
+               seconds=seconds, search_seconds=result.search_seconds,
+               gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
                candidates_measured=result.candidates_measured, rewrites=result.applied)
 
 
@@ -364,7 +367,39 @@ def markdown_table(results: dict) -> str:
                 else "0 | | ")
         lines.append(f"| {method} | {a['models']} | {a['geomean_speedup']:.3f} | {a['slower']} | {a['below_0.99']} "
                      f"| {a['mean_seconds']:.1f} | {_fmt(a['mean_search_seconds'])} | {held} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _outcome_lines(results["rows"])) + "\n"
+
+
+def outcome(row: dict) -> str:
+    """What optimize() did with an rlflow row: `rewritten`, `gate rejected` (a verified rewrite was not measurably
+    faster), `not verified`, or `nothing found` (the search returned the input); '' for peers and older results."""
+    reason = row.get("reason") or ""
+    if row["kind"] != "rlflow" or not reason:
+        return ""
+    if row["rewritten"]:
+        return "rewritten"
+    if "not measurably faster" in reason:
+        return "gate rejected"
+    return "not verified" if "does not verify" in reason else "nothing found"
+
+
+def _outcome_lines(rows: Sequence[dict]) -> list[str]:
+    """Per method: how many models ended each way, with the gate's median for each rejected rewrite."""
+    methods = list(dict.fromkeys(r["method"] for r in rows if outcome(r)))
+    if not methods:
+        return []
+    lines = ["", "## What each search's rewrite came to", "",
+             "`gate rejected`: the search's verified rewrite was not measurably faster in optimize()'s final "
+             "measurement (its median speedup there in brackets), so the input was kept.", "",
+             "| method | rewritten | gate rejected | not verified | nothing found |", "| --- | ---: | --- | ---: | ---: |"]
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method and outcome(r)]
+        count = {kind: sum(outcome(r) == kind for r in mine) for kind in ("rewritten", "not verified", "nothing found")}
+        rejected = [r for r in mine if outcome(r) == "gate rejected"]
+        detail = ", ".join(f"{r['model']} ({r['gate_speedup']:.3f})" for r in rejected)
+        lines.append(f"| {method} | {count['rewritten']} | {len(rejected)}{': ' + detail if detail else ''} "
+                     f"| {count['not verified']} | {count['nothing found']} |")
+    return lines
 
 
 def _fmt(seconds: float | None) -> str:
@@ -372,7 +407,8 @@ def _fmt(seconds: float | None) -> str:
 
 
 def plot_results(results: dict, out_dir: Path) -> None:
-    """speedup.png (per model and method, with intervals) and time.png (optimisation time, log scale)."""
+    """speedup.png (per model and method: median and interval, on an axis zoomed to the data, since the differences
+    are a few percent) and time.png (optimisation time, log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -385,26 +421,28 @@ def plot_results(results: dict, out_dir: Path) -> None:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     width = 0.8 / len(methods)
     x = np.arange(len(models))
-    for name, value, ylabel, log in (("speedup.png", "speedup", "speedup over ORT_ENABLE_ALL", False),
-                                     ("time.png", "seconds", "optimisation time (s)", True)):
+    for name in ("speedup.png", "time.png"):
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(models) + 2), 4))
         for k, method in enumerate(methods):
             by_model = {r["model"]: r for r in rows if r["method"] == method}
-            ys = [by_model[m][value] if m in by_model else np.nan for m in models]
-            kwargs = {}
-            if value == "speedup":
-                low = [by_model[m]["speedup"] - by_model[m]["speedup_low"] if m in by_model else 0 for m in models]
-                high = [by_model[m]["speedup_high"] - by_model[m]["speedup"] if m in by_model else 0 for m in models]
-                kwargs["yerr"] = [low, high]
-                kwargs["capsize"] = 2
-            ax.bar(x + (k - (len(methods) - 1) / 2) * width, ys, width, label=method, **kwargs)
-        if value == "speedup":
+            offset = x + (k - (len(methods) - 1) / 2) * width
+            if name == "time.png":
+                ax.bar(offset, [by_model[m]["seconds"] if m in by_model else np.nan for m in models], width,
+                       label=method)
+                continue
+            ys = np.array([by_model[m]["speedup"] if m in by_model else np.nan for m in models])
+            low = np.array([by_model[m]["speedup_low"] if m in by_model else np.nan for m in models])
+            high = np.array([by_model[m]["speedup_high"] if m in by_model else np.nan for m in models])
+            ax.errorbar(offset, ys, yerr=[ys - low, high - ys], fmt="o", markersize=4, capsize=2, label=method)
+        if name == "speedup.png":
             ax.axhline(1.0, color="black", linewidth=0.8)
-        if log:
+            ax.set_ylabel("speedup over ORT_ENABLE_ALL")
+            ax.set_title("median and 95% interval; an input kept as it is scores exactly 1", fontsize=9)
+        else:
             ax.set_yscale("log")
+            ax.set_ylabel("optimisation time (s)")
         ax.set_xticks(x, models, rotation=30, ha="right")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         tmp = out_dir / f".{name}.tmp.png"
         fig.savefig(tmp, dpi=120)

@@ -56,6 +56,8 @@ class Result:
         applied: the rewrites applied, in order (`rule@node`).
         comparison: interleaved input-vs-output measurement (ratios[1] is the speedup; exactly 1 when unchanged).
         verification: the rewritten model checked against the input (None when no rewrite was found).
+        gate: the final measurement's speedup of the rewritten model over the input, which decided whether it was
+            kept (None when no verified rewrite reached it); kept or not, it stays on record here.
     """
 
     graph: Graph
@@ -72,6 +74,7 @@ class Result:
     candidates_estimated: int
     settings: dict
     source: str | None = None
+    gate: Ratio | None = None
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -92,6 +95,7 @@ class Result:
             "latency_ms": {"before": self.comparison.timings[0].as_dict(), "after": self.comparison.timings[1].as_dict()},
             "measurement": {k: v for k, v in self.comparison.as_dict().items() if k not in ("timings", "ratios")},
             "verification": self.verification.as_dict() if self.verification else None,
+            "gate": self.gate.as_dict() if self.gate else None,
             "op_counts": {"before": self.op_counts_before, "after": self.op_counts_after},
             "seconds": {"total": self.seconds, "search": self.search_seconds},
             "candidates_measured": self.candidates_measured,
@@ -158,7 +162,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
                   settings=recorded, source=graph.source)
 
-    verification, keep, input_timing = None, False, None
+    verification, keep, input_timing, gate = None, False, None, None
     if not search.applied:
         reason = f"input kept: {search.stop_reason}"
     else:
@@ -169,17 +173,17 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     if verification is not None and verification.ok:
         comparison = compare([input_model, search.graph.to_model(static=True)], settings, rounds=rounds, seed=seed,
                              labels=["input", "output"], deadline=time.monotonic() + GATE_SECONDS)
-        ratio = comparison.ratios[1]
-        keep = ratio.faster
+        gate = comparison.ratios[1]
+        keep = gate.faster
         input_timing = comparison.timings[0]
         reason = ("rewritten: measurably faster" if keep else
-                  f"input kept: the rewritten model is not measurably faster ({ratio})")
+                  f"input kept: the rewritten model is not measurably faster ({gate})")
     if not keep:
         comparison = _unchanged(input_model, settings, seed, input_timing)
     output = search.graph if keep else graph
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
-                  output_model=candidate if keep else given, **common)
+                  output_model=candidate if keep else given, gate=gate, **common)
 
 
 def _finetuned(graph: Graph, settings: SessionSettings, agent, steps: int, seed: int, rules: Sequence[Rule],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlflow.bench import find_models
+from rlflow.bench import _outcome_lines, find_models, outcome
 from rlflow.cli import main
 from rlflow.errors import RlflowError
 from tests.conftest import save
@@ -37,6 +37,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
             assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
             assert row["flops"] > 0 and 0 < row["peak_fraction"] and row["search_seconds"] <= row["seconds"]
             assert row["heldout"] == (model == "nasrnn")
+            assert outcome(row) in ("rewritten", "gate rejected", "not verified", "nothing found"), row["reason"]
         for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
     with open(out / "results.csv") as handle:
@@ -46,6 +47,25 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     summary = results["summary"]
     assert summary["agent"]["all"]["models"] == 2 and summary["agent"]["heldout"]["models"] == 1
     assert summary["greedy"]["all"]["geomean_speedup"] > 0 and "## Per method" in table
+    assert "## What each search's rewrite came to" in table and "| greedy |" in table.split("came to")[1]
+
+
+def _row(method, reason, rewritten=False, gate=float("nan"), kind="rlflow"):
+    return {"model": "m", "method": method, "kind": kind, "reason": reason, "rewritten": rewritten,
+            "gate_speedup": gate}
+
+
+def test_outcomes_say_why_an_input_was_kept():
+    rows = [_row("taso", "rewritten: measurably faster", rewritten=True, gate=1.05),
+            _row("taso", "input kept: the rewritten model is not measurably faster (0.998x [0.95, 1.01])", gate=0.998),
+            _row("taso", "input kept: the rewritten model does not verify (max error 1.0)"),
+            _row("agent", "input kept: no rewrite left"),
+            _row("onnxsim", "", kind="peer")]
+    assert [outcome(r) for r in rows] == ["rewritten", "gate rejected", "not verified", "nothing found", ""]
+    lines = _outcome_lines(rows)
+    assert "| taso | 1 | 1: m (0.998) | 1 | 0 |" in lines and "| agent | 0 | 0 | 0 | 1 |" in lines
+    assert not any("onnxsim" in line for line in lines)
+    assert _outcome_lines([{**r, "reason": ""} for r in rows]) == []  # results from before reasons were recorded
 
 
 def test_find_models(tmp_path, matmul_model):

@@ -125,6 +125,7 @@ def test_rewrites_are_kept_only_when_measurably_faster(cnn_opset9_ir3_path, monk
     assert result.verification.ok and result.rewritten is kept
     expected = "rewritten: measurably faster" if kept else "input kept: the rewritten model is not measurably faster"
     assert result.reason.startswith(expected)
+    assert result.gate.low == interval[0] and result.as_dict()["gate"]["high"] == interval[1]  # on record either way
 
 
 def _accept_first_candidate(graph, settings, config, rules, progress=False):
