@@ -391,7 +391,8 @@ def _outcome_lines(rows: Sequence[dict]) -> list[str]:
     lines = ["", "## What each search's rewrite came to", "",
              "`gate rejected`: the search's verified rewrite was not measurably faster in optimize()'s final "
              "measurement (its median speedup there in brackets), so the input was kept.", "",
-             "| method | rewritten | gate rejected | not verified | nothing found |", "| --- | ---: | --- | ---: | ---: |"]
+             "| method | rewritten | gate rejected | not verified | nothing found |",
+             "| --- | ---: | --- | ---: | ---: |"]
     for method in methods:
         mine = [r for r in rows if r["method"] == method and outcome(r)]
         count = {kind: sum(outcome(r) == kind for r in mine) for kind in ("rewritten", "not verified", "nothing found")}
