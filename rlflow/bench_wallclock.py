@@ -24,7 +24,7 @@ from tqdm import tqdm
 from rlflow.bench import environment, find_models
 from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
-from rlflow.measure.session import SessionSettings
+from rlflow.measure.session import SessionSettings, resolve_provider
 
 LIMIT_SECONDS = 60.0
 """What issue #8 asks of `rlflow optimize` on any zoo model on 2 cores; the table marks times over it."""
@@ -40,10 +40,11 @@ def time_optimize(model: Path, workdir: Path, extra_args: list[str]) -> dict:
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     row = {"model": model.stem, "seconds": seconds, "exit": done.returncode, "rewritten": None, "speedup": None,
-           "reason": None}
+           "reason": None, "settings": None}
     if done.returncode == 0 and report_path.exists():
         report = json.loads(report_path.read_text())
-        row.update(rewritten=report["rewritten"], speedup=report["speedup"], reason=report.get("reason"))
+        row.update(rewritten=report["rewritten"], speedup=report["speedup"], reason=report.get("reason"),
+                   settings=report["settings"])
     else:
         lines = done.stderr.strip().splitlines()
         row["reason"] = lines[-1] if lines else f"exit {done.returncode} with no message"
@@ -57,7 +58,8 @@ def markdown(results: dict) -> str:
         "",
         "Produced by `python -m rlflow.bench_wallclock models --out docs/results` (the last step of `make bench`).",
         "",
-        f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), onnxruntime {env['onnxruntime']}, "
+        f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), {env['provider']}, "
+        f"onnxruntime {env['onnxruntime']}, "
         f"rlflow {env['rlflow']}: `{results['command']}` in a fresh process per model, one at a time, every "
         f"default ({' '.join(results['extra_args']) or 'no extra options'}). Wall time includes starting Python, "
         f"the imports, loading the agent, the search, verification, the final interleaved measurement and writing "
@@ -99,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rlflow-wallclock-") as workdir:
         for model in tqdm(models, desc="optimize", unit="model"):
             rows.append(time_optimize(model, Path(workdir), extra_args))
+    settings = SessionSettings(provider=resolve_provider("auto"))  # what `rlflow optimize` picks by default
     results = {"command": "rlflow optimize MODEL -o OUT --json REPORT --quiet", "extra_args": extra_args,
-               "environment": environment(SessionSettings()), "limit_seconds": LIMIT_SECONDS, "rows": rows}
+               "environment": environment(settings), "limit_seconds": LIMIT_SECONDS, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "optimize-wallclock.json", json.dumps(results, indent=2) + "\n")
     write_text_atomic(args.out / "optimize-wallclock.md", markdown(results))

@@ -18,6 +18,7 @@ def test_records_each_model_and_a_failure(tmp_path, matmul_model):
     assert code == 1  # one model failed, so the command says so
     rows = {row["model"]: row for row in json.loads((out / "optimize-wallclock.json").read_text())["rows"]}
     assert rows["good"]["exit"] == 0 and rows["good"]["rewritten"] is not None and rows["good"]["seconds"] > 0
+    assert rows["good"]["settings"]["method"] == "greedy"  # the options reached `rlflow optimize`
     assert rows["broken"]["exit"] == 2 and "broken.onnx" in rows["broken"]["reason"]
     table = (out / "optimize-wallclock.md").read_text()
     assert "| good | 0 |" in table and "failed:" in table
