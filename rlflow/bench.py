@@ -87,6 +87,7 @@ class Row:
     heldout: bool = False
     gate_speedup: float = float("nan")
     reason: str = ""
+    outcome: str = ""
     candidates_measured: int = 0
     rewrites: list[str] = field(default_factory=list)
     baseline_peak_fraction: float = float("nan")
@@ -255,7 +256,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
     optimize() hands back a rewrite only when its own measurement puts the whole interval above 1, so that measurement
     is chosen for being favourable (winner's curse); the row reports an independent one, with other inputs and session
     order, and keeps the gate's median as `gate_speedup` (also when the gate rejected the rewrite; NaN when no
-    verified rewrite reached it) with optimize()'s `reason`.  A kept input is the input: speedup exactly 1.
+    verified rewrite reached it) with optimize()'s `reason` and `outcome`.  A kept input is the input: speedup exactly 1.
     """
     start = time.monotonic()
     result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
@@ -276,6 +277,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                max_rel_error=verification.max_rel_norm if verification else 0.0,
                seconds=seconds, search_seconds=result.search_seconds,
                gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
+               outcome=result.outcome,
                candidates_measured=result.candidates_measured, rewrites=result.applied)
 
 
@@ -371,10 +373,13 @@ def markdown_table(results: dict) -> str:
 
 
 def outcome(row: dict) -> str:
-    """What optimize() did with an rlflow row: `rewritten`, `gate rejected` (a verified rewrite was not measurably
-    faster), `not verified`, or `nothing found` (the search returned the input); '' for peers and older results."""
-    reason = row.get("reason") or ""
-    if row["kind"] != "rlflow" or not reason:
+    """optimize()'s `Result.outcome` for an rlflow row; '' for peers and for rows recorded before it was kept."""
+    if row["kind"] != "rlflow":
+        return ""
+    if row.get("outcome"):
+        return row["outcome"]
+    reason = row.get("reason") or ""  # rows of 2026-11-23 have optimize()'s reason but not yet its outcome
+    if not reason:
         return ""
     if row["rewritten"]:
         return "rewritten"

@@ -81,6 +81,16 @@ class Result:
     def speedup(self) -> Ratio:
         return self.comparison.ratios[1]
 
+    @property
+    def outcome(self) -> str:
+        """`rewritten`, `gate rejected` (a verified rewrite not measurably faster), `not verified`, or `nothing found`
+        (the search handed back the input): `reason` in one word, for tables."""
+        if self.rewritten:
+            return "rewritten"
+        if self.gate is not None:
+            return "gate rejected"
+        return "not verified" if self.verification is not None else "nothing found"
+
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the output model atomically."""
         return save_model(self.output_model, path)
@@ -90,6 +100,7 @@ class Result:
             "source": self.source,
             "rewritten": self.rewritten,
             "reason": self.reason,
+            "outcome": self.outcome,
             "applied": self.applied,
             "speedup": self.speedup.as_dict(),
             "latency_ms": {"before": self.comparison.timings[0].as_dict(), "after": self.comparison.timings[1].as_dict()},

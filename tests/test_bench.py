@@ -37,7 +37,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
             assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
             assert row["flops"] > 0 and 0 < row["peak_fraction"] and row["search_seconds"] <= row["seconds"]
             assert row["heldout"] == (model == "nasrnn")
-            assert outcome(row) in ("rewritten", "gate rejected", "not verified", "nothing found"), row["reason"]
+            assert row["outcome"] in ("rewritten", "gate rejected", "not verified", "nothing found"), row["reason"]
         for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
     with open(out / "results.csv") as handle:
@@ -50,9 +50,9 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     assert "## What each search's rewrite came to" in table and "| greedy |" in table.split("came to")[1]
 
 
-def _row(method, reason, rewritten=False, gate=float("nan"), kind="rlflow"):
-    return {"model": "m", "method": method, "kind": kind, "reason": reason, "rewritten": rewritten,
-            "gate_speedup": gate}
+def _row(method, reason, rewritten=False, gate=float("nan"), kind="rlflow", result_outcome=None):
+    row = {"model": "m", "method": method, "kind": kind, "reason": reason, "rewritten": rewritten, "gate_speedup": gate}
+    return {**row, "outcome": result_outcome} if result_outcome else row  # without: a row from before it was kept
 
 
 def test_outcomes_say_why_an_input_was_kept():
@@ -60,12 +60,15 @@ def test_outcomes_say_why_an_input_was_kept():
             _row("taso", "input kept: the rewritten model is not measurably faster (0.998x [0.95, 1.01])", gate=0.998),
             _row("taso", "input kept: the rewritten model does not verify (max error 1.0)"),
             _row("agent", "input kept: no rewrite left"),
+            _row("random", "input kept: whatever the words", result_outcome="not verified"),
             _row("onnxsim", "", kind="peer")]
-    assert [outcome(r) for r in rows] == ["rewritten", "gate rejected", "not verified", "nothing found", ""]
+    assert [outcome(r) for r in rows] == ["rewritten", "gate rejected", "not verified", "nothing found",
+                                          "not verified", ""]
     lines = _outcome_lines(rows)
     assert "| taso | 1 | 1: m (0.998) | 1 | 0 |" in lines and "| agent | 0 | 0 | 0 | 1 |" in lines
+    assert "| random | 0 | 0 | 1 | 0 |" in lines
     assert not any("onnxsim" in line for line in lines)
-    assert _outcome_lines([{**r, "reason": ""} for r in rows]) == []  # results from before reasons were recorded
+    assert _outcome_lines([{**r, "reason": "", "outcome": ""} for r in rows]) == []  # older results: no reasons
 
 
 def test_find_models(tmp_path, matmul_model):

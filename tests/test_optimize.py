@@ -126,6 +126,7 @@ def test_rewrites_are_kept_only_when_measurably_faster(cnn_opset9_ir3_path, monk
     expected = "rewritten: measurably faster" if kept else "input kept: the rewritten model is not measurably faster"
     assert result.reason.startswith(expected)
     assert result.gate.low == interval[0] and result.as_dict()["gate"]["high"] == interval[1]  # on record either way
+    assert result.outcome == ("rewritten" if kept else "gate rejected") == result.as_dict()["outcome"]
 
 
 def _accept_first_candidate(graph, settings, config, rules, progress=False):
