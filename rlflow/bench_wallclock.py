@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     except RlflowError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    extra_args = args.optimize_args.split()
+    extra_args = shlex.split(args.optimize_args)  # quoted values (paths with spaces) stay one argument
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlflow-wallclock-") as workdir:
         for model in tqdm(models, desc="optimize", unit="model"):
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                "environment": environment(settings), "limit_seconds": LIMIT_SECONDS, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "optimize-wallclock.json", json.dumps(results, indent=2) + "\n")
-    write_text_atomic(args.out / "optimize-wallclock.md", markdown(results))
-    print(markdown(results))
+    table = markdown(results)
+    write_text_atomic(args.out / "optimize-wallclock.md", table)
+    print(table)
     return 0 if all(row["exit"] == 0 for row in rows) else 1
 
 
