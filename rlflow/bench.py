@@ -31,7 +31,7 @@ from rlflow.measure.flops import count_flops, count_params
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.timing import compare, time_model
 from rlflow.measure.verify import verify
-from rlflow.controller.ship import held_out_models
+from rlflow.controller.ship import is_held_out
 from rlflow.optimize import METHODS, optimize, verification_shapes
 
 log = logging.getLogger("rlflow")
@@ -177,7 +177,6 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     peak = measure_peak(settings)
     peers = _peer_tools() if config.peers else {}
-    heldout = held_out_models()
     rows: list[Row] = []
     jobs = [(m, method) for m in models for method in (*config.methods, *peers)]
     started = time.monotonic()
@@ -202,7 +201,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
                     log.debug("%s / %s failed", model.stem, method, exc_info=True)
                     row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                row.params, row.flops, row.heldout = params, flops, model.stem in heldout
+                row.params, row.flops, row.heldout = params, flops, is_held_out(model.stem)
                 if row.status == "ok":
                     row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
                     row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)

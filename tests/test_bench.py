@@ -16,7 +16,8 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     models = tmp_path / "models"
     models.mkdir()
     save(matmul_model, models / "nasrnn.onnx")  # named after an architecture the shipped agent never trained on
-    (models / "cnn.onnx").write_bytes(open(cnn_opset9_ir3_path, "rb").read())
+    # named after an architecture it trained on (its -tiny version)
+    (models / "resnet-18.onnx").write_bytes(open(cnn_opset9_ir3_path, "rb").read())
     (models / "broken.onnx").write_bytes(b"not a model")
     out = tmp_path / "results"
     code = main(["bench", str(models), "--methods", "greedy,agent", "--peers", "--time-limit", "2", "--rounds", "5",
@@ -30,7 +31,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
     assert len(rows) == 3 * 6  # 3 models x (greedy + agent + 4 peers)
     assert all(r["status"] == "failed" and "load" in r["error"] for (m, _), r in rows.items() if m == "broken")
-    for model in ("nasrnn", "cnn"):
+    for model in ("nasrnn", "resnet-18"):
         for method in ("greedy", "agent"):
             row = rows[(model, method)]
             assert row["status"] == "ok" and row["verified"], row
@@ -43,7 +44,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     with open(out / "results.csv") as handle:
         assert len(list(csv.DictReader(handle))) == 18
     table = (out / "results.md").read_text()
-    assert "| nasrnn † | greedy | ok |" in table and "| cnn | agent | ok |" in table and "1 thread(s)" in table
+    assert "| nasrnn † | greedy | ok |" in table and "| resnet-18 | agent | ok |" in table and "1 thread(s)" in table
     summary = results["summary"]
     assert summary["agent"]["all"]["models"] == 2 and summary["agent"]["heldout"]["models"] == 1
     assert summary["greedy"]["all"]["geomean_speedup"] > 0 and "## Per method" in table

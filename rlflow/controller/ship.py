@@ -51,13 +51,15 @@ def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, na
     return meta
 
 
-def held_out_models(out: Path = AGENTS_DIR, name: str = "default") -> set[str]:
-    """Zoo names the shipped agent never trained on (with and without the -tiny suffix), or none if unknown."""
+def is_held_out(model: str, out: Path = AGENTS_DIR, name: str = "default") -> bool:
+    """Whether the shipped agent never trained on `model`'s architecture (a zoo name, with or without the -tiny
+    suffix): any model outside its training list counts, not only the ones its run set aside (nasnet-a-mobile, for
+    one, was in neither).  False when no agent metadata is there to say."""
     path = out / f"{name}.json"
     if not path.is_file():
-        return set()
-    held = json.loads(path.read_text())["held_out"]
-    return {n for model in held for n in (model, model.removesuffix("-tiny"))}
+        return False
+    trained = {m.removesuffix("-tiny") for m in json.loads(path.read_text())["trained_on"]}
+    return model.removesuffix("-tiny") not in trained
 
 
 def main(argv: typing.Sequence[str] | None = None) -> dict:

@@ -31,8 +31,11 @@ def test_ship_writes_weights_without_optimizer_and_provenance(tmp_path):
     assert payload["optimizer"] is None and meta["bytes"] == (tmp_path / "agents" / "default.pt").stat().st_size
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in shipped.state_dict().items())
     assert meta["held_out"] == ["vit-b-16-tiny", "demo-block"] and meta["trained_on"] == ["resnet-18-tiny"]
-    assert ship.held_out_models(tmp_path / "agents") == {"vit-b-16-tiny", "vit-b-16", "demo-block"}
-    assert ship.held_out_models(tmp_path / "nowhere") == set()
+    agents = tmp_path / "agents"
+    assert not ship.is_held_out("resnet-18", agents) and not ship.is_held_out("resnet-18-tiny", agents)
+    assert ship.is_held_out("vit-b-16", agents) and ship.is_held_out("demo-block", agents)
+    assert ship.is_held_out("nasnet-a-mobile", agents)  # in neither list: never trained on, so held out
+    assert not ship.is_held_out("vit-b-16", tmp_path / "nowhere")
 
 
 def test_ship_refuses_an_agent_over_budget(tmp_path, monkeypatch):
