@@ -1,7 +1,9 @@
 """World-model quality on held-out real transitions, and the plots of docs/results/.
 
 `quality` measures V and M on episodes that never trained them: V's reconstruction error and KL, M's mixture
-negative log-likelihood of the next latent, reward error and Pearson correlation between predicted and real reward,
+negative log-likelihood of the next latent, reward error and Pearson correlation between predicted and real reward
+(with Spearman's rank correlation beside it: rewards are heavy-tailed, so Pearson mostly says whether the few large
+ones are predicted, Spearman whether the many small ones are ordered right),
 termination accuracy, and the accuracy of the predicted per-rule availability (the dream's action mask).  Mask
 accuracy is given three ways, since most of the registry's rules never match a -tiny model and a predictor that says
 "unavailable" everywhere already scores high per entry: per entry, per entry over the rules seen available at least
@@ -26,6 +28,23 @@ def pearson(x, y) -> float:
     if len(x) < 2 or x.std() == 0 or y.std() == 0:
         return float("nan")
     return float(np.corrcoef(x, y)[0, 1])
+
+
+def ranks(x) -> np.ndarray:
+    """Ranks 0..n-1 of a 1-D sequence, tied values sharing their mean rank."""
+    x = np.asarray(x, float)
+    order = np.argsort(x, kind="stable")
+    ranked = np.empty(len(x))
+    ranked[order] = np.arange(len(x), dtype=float)
+    values, inverse = np.unique(x, return_inverse=True)
+    sums = np.bincount(inverse, weights=ranked, minlength=len(values))
+    return (sums / np.bincount(inverse, minlength=len(values)))[inverse]
+
+
+def spearman(x, y) -> float:
+    """Spearman rank correlation (Pearson of the tie-averaged ranks): how well the order is predicted, which a few
+    large rewards cannot dominate as they do Pearson's."""
+    return pearson(ranks(x), ranks(y))
 
 
 @torch.no_grad()
@@ -95,6 +114,7 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
         "reward_mae": float(np.mean(np.abs(predicted - real))) if len(real) else float("nan"),
         "reward_pearson": pearson(predicted, real),
         "reward_pearson_unseen": pearson(predicted[unseen], real[unseen]),
+        "reward_spearman": spearman(predicted, real),
         "unseen_transitions": int(unseen.sum()),
         "done_accuracy": float(np.mean(done_pred == done_real)) if len(real) else float("nan"),
         "mask_accuracy": float(np.mean(mask_pred == mask_real)),
@@ -173,7 +193,8 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
     ax.set_xlabel("real reward")
     ax.set_ylabel("predicted reward")
     ax.set_title(f"held-out transitions: Pearson {final.get('reward_pearson', math.nan):.3f} "
-                 f"(unseen {final.get('reward_pearson_unseen', math.nan):.3f})", fontsize=9)
+                 f"(unseen {final.get('reward_pearson_unseen', math.nan):.3f}), "
+                 f"Spearman {final.get('reward_spearman', math.nan):.3f}", fontsize=9)
     its = [h.get("iteration", math.nan) for h in history]
     ax = axes[0, 1]
     ax.plot(its, [h.get("vae_reconstruction", math.nan) for h in history], "o-",
@@ -186,6 +207,7 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
     ax = axes[1, 0]
     ax.plot(its, [h.get("reward_pearson", math.nan) for h in history], "o-", label="reward Pearson")
     ax.plot(its, [h.get("reward_pearson_unseen", math.nan) for h in history], "o-", label="reward Pearson (unseen)")
+    ax.plot(its, [h.get("reward_spearman", math.nan) for h in history], "o-", label="reward Spearman (ranks)")
     ax.plot(its, [h.get("done_accuracy", math.nan) for h in history], "o-", label="termination accuracy")
     ax.axhline(0.8, color="grey", ls="--", lw=0.5)
     ax.set_ylim(-0.1, 1.05)
@@ -210,4 +232,4 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["pearson", "encode_all", "quality", "ppo_curve", "plot_sample_efficiency", "plot_quality"]
+__all__ = ["pearson", "ranks", "spearman", "encode_all", "quality", "ppo_curve", "plot_sample_efficiency", "plot_quality"]

@@ -555,7 +555,8 @@ def main(config: Config) -> dict:
         writer.add_scalar("charts/collect_mean_return", point["collect_mean_return"], real_steps)
         writer.add_scalar("charts/real_steps", real_steps, real_steps)
         writer.add_scalar("eval/mean_return", point["eval_mean_return"], real_steps)
-        for key in ("reward_pearson", "mask_accuracy", "mask_exact", "mdn_nll", "vae_kl", "vae_reconstruction"):
+        for key in ("reward_pearson", "reward_spearman", "mask_accuracy", "mask_exact", "mdn_nll", "vae_kl",
+                    "vae_reconstruction"):
             writer.add_scalar(f"eval/{key}", quality_now.get(key, float("nan")), real_steps)
         print(f"iteration {iteration}: real steps {real_steps}  collect {point['collect_mean_return']:+.2f}  "
               f"dream {d_stats['dream_return']:+.2f}  real greedy {point['eval_mean_return']:+.2f}  "
@@ -591,6 +592,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
         "algo": "worldmodel",
         "command": command_line(config),
         "reward_pearson": final_q.get("reward_pearson"),
+        "reward_spearman": final_q.get("reward_spearman"),
         "mask_accuracy": final_q.get("mask_accuracy"),
         "real_steps_worldmodel": real_steps,
         "real_steps_ppo": steps_ppo,
@@ -613,6 +615,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
                                      "the greedy evaluations",
             "real_steps_ppo": "ppo.json train.real_steps (training steps; its random-baseline episodes excluded)",
             "reward_pearson": "predicted vs real reward on the transitions of held-out real episodes",
+            "reward_spearman": "rank correlation of the same pairs (ties share their mean rank)",
             "mask_accuracy": "per-rule availability predicted by M from (z, h) vs the real candidate list, per "
                              "entry over all rules, on held-out states (see mask_accuracy_seen_rules, mask_exact)",
             "location": "actions are rule types; a rule runs at its first listed candidate in the real environment",

@@ -63,6 +63,18 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     assert resumed["real_steps_worldmodel"] == result["real_steps_worldmodel"]
 
 
+def test_quality_report_has_a_rank_correlation_that_ties_share():
+    import numpy as np
+
+    from rlflow.worldmodel.report import pearson, ranks, spearman
+
+    assert ranks([3.0, 1.0, 1.0, 2.0]).tolist() == [3.0, 0.5, 0.5, 2.0]
+    real = np.array([-600.0, -1.0, 0.0, 0.5, 1.0])
+    predicted = np.array([-5.0, -0.5, 0.1, 0.2, 0.9])  # the order right, the outlier's size far off
+    assert spearman(predicted, real) == pytest.approx(1.0) and pearson(predicted, real) < 0.99
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+
+
 def test_controller_learns_in_a_dream_with_a_known_best_rule():
     """In a dream whose reward model pays +1 for rule 1 and -1 otherwise, PPO learns to prefer rule 1."""
     from rlflow.controller.dream_ppo import DreamPPOConfig, LatentPolicy, train_in_dream
