@@ -133,8 +133,9 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         rounds: interleaved rounds of the final input-vs-output measurement (fewer when GATE_SECONDS pass first).
         rules: the rules the search may use.
         agent: the policy checkpoint of method `agent` (default: the shipped one).
-        finetune: method `agent` only: PPO steps that adapt the policy to this model against the cost model first
-            (`rlflow.controller.finetune`); with a `time_limit`, they may use half of it.
+        finetune: method `agent` only: PPO steps that adapt the agent to this model first: a PPO policy against the
+            cost model (`rlflow.controller.finetune`), a world-model agent in its dream
+            (`rlflow.controller.wm_actor.finetune_in_dream`); with a `time_limit`, they may use half of it.
 
     Raises:
         InputError: the model cannot be loaded.
@@ -201,10 +202,12 @@ def _finetuned(graph: Graph, settings: SessionSettings, agent, steps: int, seed:
                deadline: float | None):
     """The agent adapted to this graph (`rlflow.controller.finetune`), and what adaptation did."""
     from rlflow.controller.finetune import finetune
+    from rlflow.controller.wm_actor import WorldModelActor, finetune_in_dream
     from rlflow.search.agent import load_agent
 
-    policy, report = finetune(load_agent(agent), graph, steps, settings=settings, rules=rules, seed=seed,
-                              deadline=deadline)
+    loaded = load_agent(agent)
+    adapt = finetune_in_dream if isinstance(loaded, WorldModelActor) else finetune
+    policy, report = adapt(loaded, graph, steps, settings=settings, rules=rules, seed=seed, deadline=deadline)
     log.info("finetuned the agent: %d steps, %d updates in %.1f s (%s)", report.steps, report.updates, report.seconds,
              report.stop_reason)
     return policy, report
@@ -300,10 +303,11 @@ def format_report(result: Result) -> str:
                  f"{result.candidates_estimated} estimated")
     tuned = s.get("finetune")
     if tuned:
-        lines.append(f"  finetune    {tuned['steps']} cost-model steps, {tuned['updates']} PPO updates in "
+        where = tuned.get("environment", "cost model")
+        span = "at the first update, {} at the last" if where == "dream" else "in the first quarter, {} in the last"
+        lines.append(f"  finetune    {tuned['steps']} {where} steps, {tuned['updates']} PPO updates in "
                      f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
-                     f"{_signed(tuned['mean_return_first'])} in the first quarter, "
-                     f"{_signed(tuned['mean_return_last'])} in the last")
+                     f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
     lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
                  f"method {s['method']}, seed {s['seed']}, input shapes {s['input_shapes']}")
     return "\n".join(lines)

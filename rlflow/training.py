@@ -30,6 +30,18 @@ def save_checkpoint_atomic(payload: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def checkpoint_algo(path: str | os.PathLike) -> str | None:
+    """The `algo` a checkpoint file says it holds (`ppo`, `worldmodel`), or None when it says none or is no
+    checkpoint at all (the loaders then refuse it with their clear message)."""
+    import torch
+
+    try:
+        payload = torch.load(Path(path), map_location="cpu", weights_only=False)
+    except Exception:  # noqa: BLE001 - unreadable: not ours to judge here
+        return None
+    return payload.get("algo") if isinstance(payload, dict) else None
+
+
 def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_version: str | None = None,
                             algo: str | None = None, retrain: str = "retrain") -> dict:
     """A checkpoint's dictionary, refused with one clear line unless it fits this rlflow.

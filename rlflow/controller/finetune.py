@@ -32,6 +32,7 @@ class FinetuneReport:
     mean_return_first: float | None
     mean_return_last: float | None
     stop_reason: str
+    environment: str = "cost model"  # where the steps were taken: "cost model" (PPO policy) or "dream" (world model)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

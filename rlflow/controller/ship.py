@@ -1,10 +1,14 @@
-"""Turns a training run's checkpoint into the shipped agent: `rlflow/agents/default.pt` and `default.json`.
+"""Turns a training run's checkpoint into a shipped agent: `rlflow/agents/<name>.pt` and `<name>.json`.
 
-The shipped file keeps only what inference needs (weights, architecture, rule-registry and observation versions, the
-training config), not the optimiser state; `default.json` says what it was trained on and which models were held
-out, so reports can mark them.  `make agent` trains and ships in one go:
+A PPO run ships as `default` (the agent `rlflow optimize` uses unless given `--agent`): weights, architecture,
+rule-registry and observation versions and the training config, not the optimiser state.  A world-model run ships as
+`worldmodel`: V, M and the controller (in the training checkpoint format, optimiser states included: a few MB), the
+dream's reward clip taken from the run's training episodes, but not the replay.  `<name>.json` says what the agent
+was trained on and which models it never saw, so reports can mark them.  `make agent` trains and ships the PPO
+agent in one go:
 
     python -m rlflow.controller.ship --checkpoint build/agent/run/ppo.pt --results build/agent/ppo.json
+    python -m rlflow.controller.ship --checkpoint build/wm-agent/run/worldmodel.pt --results build/wm-agent/out/worldmodel.json
 """
 from __future__ import annotations
 
@@ -51,6 +55,45 @@ def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, na
     return meta
 
 
+def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR,
+                    name: str = "worldmodel") -> dict:
+    """Writes `<out>/<name>.pt` (V, M and the controller, with the dream's reward clip from the run's training
+    episodes, without the replay) and `<out>/<name>.json` from a world-model run (`rlflow train --algo
+    worldmodel`)."""
+    from rlflow.errors import RlflowError
+    from rlflow.worldmodel.replay import Replay
+    from rlflow.worldmodel.train import dream_reward_range, load_checkpoint, save_checkpoint
+    from rlflow.zoo import names
+
+    agent, payload = load_checkpoint(checkpoint)
+    run = json.loads(Path(results).read_text())
+    replay = Replay.from_state_dict(payload["replay"])
+    low, high = dream_reward_range(replay.split(False), agent.n_rules)
+    config = payload["config"]
+    path = save_checkpoint(out / f"{name}.pt", agent, config, reward_range=(low.tolist(), high.tolist()),
+                           real_steps=payload["real_steps"])
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        path.unlink()
+        raise RlflowError(f"the agent is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB package-data budget")
+    trained = [m.removesuffix("-tiny") for m in config["models"]]
+    meta = {
+        "checkpoint": path.name,
+        "bytes": size,
+        "algo": "worldmodel",
+        "registry_version": payload["registry_version"],
+        "rules": len(payload["rules"]),
+        "trained_on": list(config["models"]),
+        "held_out": [m for m in names(include_tiny=False) if m not in trained],
+        "real_steps": payload["real_steps"],
+        "train_seconds": run.get("wall_seconds"),
+        "final_mean_return": run.get("final_reward_worldmodel"),
+        "reproduce": run.get("command"),
+    }
+    write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
 def is_held_out(model: str, out: Path = AGENTS_DIR, name: str = "default") -> bool:
     """Whether the shipped agent never trained on `model`'s architecture (a zoo name, with or without the -tiny
     suffix): any model outside its training list counts, not only the ones its run set aside (nasnet-a-mobile, for
@@ -64,11 +107,18 @@ def is_held_out(model: str, out: Path = AGENTS_DIR, name: str = "default") -> bo
 
 def main(argv: typing.Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m rlflow.controller.ship", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="the training run's ppo.pt")
-    parser.add_argument("--results", required=True, help="the training run's ppo.json")
+    parser.add_argument("--checkpoint", required=True, help="the training run's ppo.pt or worldmodel.pt")
+    parser.add_argument("--results", required=True, help="the training run's ppo.json or worldmodel.json")
     parser.add_argument("--out", type=Path, default=AGENTS_DIR, help="folder of the shipped agent")
+    parser.add_argument("--name", default=None, help="file stem (default: 'default' for a PPO policy, 'worldmodel' "
+                                                     "for a world-model agent)")
     args = parser.parse_args(argv)
-    meta = ship(args.checkpoint, args.results, args.out)
+    from rlflow.training import checkpoint_algo
+
+    if checkpoint_algo(args.checkpoint) == "worldmodel":
+        meta = ship_worldmodel(args.checkpoint, args.results, args.out, args.name or "worldmodel")
+    else:
+        meta = ship(args.checkpoint, args.results, args.out, args.name or "default")
     print(f"shipped {args.out / meta['checkpoint']} ({meta['bytes'] / 1e6:.2f} MB, registry "
           f"{meta['registry_version']}, held out: {', '.join(meta['held_out'])})")
     return meta

@@ -56,19 +56,54 @@ class AgentConfig:
 
 
 def load_agent(path: str | os.PathLike | None = None):
-    """The policy at `path` (default: the shipped agent), in evaluation mode.
+    """The agent at `path` (default: the shipped agent), in evaluation mode: a masked-PPO candidate policy
+    (`rlflow train --algo ppo`) or a world-model agent (`rlflow train --algo worldmodel`, as a
+    `rlflow.controller.wm_actor.WorldModelActor`).
 
     Raises:
-        RlflowError: the file is missing, is not an rlflow policy, or was trained on another rule registry.
+        RlflowError: the file is missing, is not an rlflow agent, or was trained on another rule registry.
     """
     from rlflow.controller.policy import load_checkpoint
+    from rlflow.training import checkpoint_algo
 
     path = Path(path) if path is not None else DEFAULT_AGENT
     if path == DEFAULT_AGENT and not path.is_file():
         raise InputError(f"the shipped agent {path} is missing from this installation; reinstall rlflow, pass "
                          "--agent PATH, or use --method greedy")
+    if checkpoint_algo(path) == "worldmodel":
+        from rlflow.controller.wm_actor import load_actor
+
+        return load_actor(path)[0]
     policy, _ = load_checkpoint(path)
     return policy.eval()
+
+
+class CandidateActor:
+    """A masked-PPO candidate policy behind the actor interface of `WorldModelActor` (it keeps no memory)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def reset(self) -> None:
+        pass
+
+    def logits(self, obs) -> "torch.Tensor":
+        import torch
+
+        from rlflow.controller.policy import obs_to_torch
+
+        with torch.no_grad():
+            return self.policy(obs_to_torch(obs))[0][0].clone()
+
+    def observe(self, action: int, obs) -> None:
+        pass
+
+
+def as_actor(policy):
+    """`policy` with reset / logits / observe: a WorldModelActor as it is, a candidate policy wrapped."""
+    from rlflow.controller.wm_actor import WorldModelActor
+
+    return policy if isinstance(policy, WorldModelActor) else CandidateActor(policy)
 
 
 def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | None = None,
@@ -82,7 +117,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     config = config or AgentConfig()
     start = time.monotonic()
     search_deadline = start + 0.5 * config.time_limit
-    policy = policy if policy is not None else load_agent(config.agent)
+    actor = as_actor(policy if policy is not None else load_agent(config.agent))
     cost_model = cost_model or CostModel(settings)
     env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings, max_episode_steps=config.length)
     generator = torch.Generator().manual_seed(config.seed)
@@ -94,7 +129,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
             if time.monotonic() > search_deadline:
                 stop = "time limit"
                 break
-            endings.append(_play(env, policy, greedy=rollout == 0, temperature=config.temperature,
+            endings.append(_play(env, actor, greedy=rollout == 0, temperature=config.temperature,
                                  generator=generator, deadline=search_deadline, visited=visited))
             bar.update(1)
     cost_model.save()
@@ -125,23 +160,19 @@ def _affordable(seconds_left: float, estimated_ms: float, rounds: int, wanted: i
     return max(0, min(wanted, int(seconds_left / per_model) - 1))
 
 
-def _play(env, policy, *, greedy: bool, temperature: float, generator, deadline: float,
+def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: float,
           visited: dict[str, tuple[float, Candidate]]) -> str:
     """One episode; every graph reached goes into `visited` (fingerprint -> (estimated cost, candidate)).
 
     Returns the fingerprint of the graph the episode ended on.
     """
-    import torch
-
-    from rlflow.controller.policy import obs_to_torch
-
     obs, _ = env.reset(options={"model": 0})
+    actor.reset()
     seen = {env.fingerprint}
     done = False
     while not done and time.monotonic() < deadline:
-        with torch.no_grad():
-            logits = policy(obs_to_torch(obs))[0][0].clone()
-        action = _choose(env, logits, seen, greedy, temperature, generator)
+        action = _choose(env, actor.logits(obs), seen, greedy, temperature, generator)
+        actor.observe(action, obs)
         obs, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
         if env.fingerprint not in seen:
@@ -187,4 +218,4 @@ def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], origi
     return [faster[fp][1] for fp in chosen[:top_k]]
 
 
-__all__ = ["AgentConfig", "DEFAULT_AGENT", "agent_search", "load_agent"]
+__all__ = ["AgentConfig", "CandidateActor", "DEFAULT_AGENT", "agent_search", "as_actor", "load_agent"]

@@ -399,6 +399,19 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
     return totals
 
 
+def dream_reward_range(episodes: list, n_rules: int):
+    """The dream's reward clip from real episodes: (low, high), each (R,): low the lowest reward any rule earned,
+    high per rule the highest it earned (0 for a rule never seen earning more than nothing)."""
+    import torch
+
+    low, high = torch.zeros(n_rules), torch.zeros(n_rules)
+    for e in episodes:
+        for a, r in zip(e.actions, e.rewards):
+            if a < n_rules:
+                low[a], high[a] = min(float(low[a]), r), max(float(high[a]), r)
+    return torch.full((n_rules,), float(low.min())), high
+
+
 def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: int):
     """The controller's `DreamBatch`: starts at the states of `episodes` (a `first_start_share` of the dreams at
     starting graphs), pessimistic rewards clipped per rule to the range of the real rewards the rule earned in
@@ -413,12 +426,7 @@ def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: i
     first = starts["first"]
     share = config.first_start_share if bool((~first).any()) else 1.0
     weights = torch.where(first, share / first.sum().clamp_min(1), (1 - share) / (~first).sum().clamp_min(1))
-    low, high = torch.zeros(agent.n_rules), torch.zeros(agent.n_rules)
-    for e in episodes:
-        for a, r in zip(e.actions, e.rewards):
-            if a < agent.n_rules:
-                low[a], high[a] = min(float(low[a]), r), max(float(high[a]), r)
-    reward_range = (torch.full((agent.n_rules,), float(low.min())), high)
+    reward_range = dream_reward_range(episodes, agent.n_rules)
     best: dict[str, float] = {}  # per model, the best return a real (training) episode reached at any step
     for e in episodes:
         best[e.model] = max(best.get(e.model, 0.0), float(np.max(np.cumsum([0.0] + e.rewards))))

@@ -122,3 +122,50 @@ def test_exploration_tries_every_rule_of_a_state_before_repeating_one():
     assert sorted(picked) == [3, 5, 7]
     assert explore_action(np.array([], int), 0, tried, rng, 0.0, 9) == 9
     assert explore_action(rules, 0, tried, rng, 1.0, 9) == 9
+
+
+def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_dream(run, tmp_path):
+    """The trained world model as `rlflow optimize`'s agent: shipped without its replay, loaded by `--agent`, its
+    rule choice mapped onto the real candidates, h advanced by M, and `--finetune` spent in the dream."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from rlflow.controller.ship import ship_worldmodel
+    from rlflow.controller.wm_actor import NEG, WorldModelActor
+    from rlflow.env import RewriteEnv
+    from rlflow.measure.costmodel import CostModel
+    from rlflow.optimize import format_report, optimize
+    from rlflow.search.agent import load_agent
+
+    config, _ = run
+    meta = ship_worldmodel(Path(config.run_dir) / "worldmodel.pt", Path(config.out) / "worldmodel.json",
+                           tmp_path, "wm")
+    shipped = tmp_path / "wm.pt"
+    assert meta["algo"] == "worldmodel" and meta["bytes"] == shipped.stat().st_size
+    assert "replay" not in torch.load(shipped, weights_only=False) and "resnet-18" in meta["held_out"]
+    actor = load_agent(shipped)
+    assert isinstance(actor, WorldModelActor) and actor.reward_range is not None
+
+    env = RewriteEnv(config.models[0], cost_model=CostModel(cache_dir=config.cost_cache))
+    obs, _ = env.reset()
+    logits = actor.logits(obs)
+    rules, listed = np.asarray(obs["cand_rule"]), np.asarray(obs["cand_mask"]).astype(bool)
+    per_rule = actor.rule_logits(obs)
+    assert logits.shape == (len(rules) + 1,) and float(logits[-1]) == float(per_rule[-1])
+    assert all(float(logits[i]) == float(per_rule[rules[i]]) for i in np.flatnonzero(listed))
+    assert (logits[:-1][torch.as_tensor(~listed)] == NEG).all()
+    before = actor.state[0].clone()
+    actor.observe(int(np.flatnonzero(listed)[0]), obs)
+    assert not torch.equal(before, actor.state[0])
+    actor.reset()
+    assert torch.equal(actor.state[0], torch.zeros_like(before))
+
+    weights = {k: v.clone() for k, v in actor.agent.policy.state_dict().items()}
+    result = optimize(config.models[0], method="agent", agent=shipped, time_limit=20, finetune=2048, rounds=5)
+    tuned = result.settings["finetune"]
+    assert tuned["environment"] == "dream" and tuned["steps"] == 2048
+    assert tuned["updates"] == 2048 // (config.dream_envs * config.dream_rollout)  # the run's dream settings
+    assert "2048 dream steps" in format_report(result) and result.outcome in (
+        "rewritten", "gate rejected", "not verified", "nothing found")
+    assert all(torch.equal(v, load_agent(shipped).agent.policy.state_dict()[k]) for k, v in weights.items())
