@@ -51,6 +51,7 @@ class BenchConfig:
         time_limit: seconds of search per model and method (None: each method's default, `DEFAULT_TIME_LIMITS`).
         rounds: interleaved rounds of every input-vs-output measurement.
         seed: random inputs and measurement order.
+        agent: method agent's checkpoint (None: the shipped agent).
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -60,6 +61,7 @@ class BenchConfig:
     time_limit: float | None = None
     rounds: int = 30
     seed: int = 0
+    agent: str | None = None
 
 
 @dataclass
@@ -177,6 +179,8 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     peak = measure_peak(settings)
     peers = _peer_tools() if config.peers else {}
+    # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
+    agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
     rows: list[Row] = []
     jobs = [(m, method) for m in models for method in (*config.methods, *peers)]
     started = time.monotonic()
@@ -201,7 +205,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
                     log.debug("%s / %s failed", model.stem, method, exc_info=True)
                     row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                row.params, row.flops, row.heldout = params, flops, is_held_out(model.stem)
+                row.params, row.flops, row.heldout = params, flops, is_held_out(model.stem, *agent_meta)
                 if row.status == "ok":
                     row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
                     row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
@@ -260,7 +264,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
     start = time.monotonic()
     result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
                       threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
-                      rounds=config.rounds)
+                      rounds=config.rounds, agent=config.agent if method == "agent" else None)
     seconds = time.monotonic() - start
     comparison = result.comparison
     if result.rewritten:
@@ -328,7 +332,8 @@ def markdown_table(results: dict) -> str:
         f"{results['settings']['threads']} thread(s), graph optimisation '{results['settings']['opt_level']}', "
         f"onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, rlflow {env['rlflow']}. "
         f"Search time limit {_limit(cfg['time_limit'])} per model and method; {cfg['rounds']} interleaved rounds per "
-        f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s.",
+        f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s."
+        + (f" Method agent: `{cfg['agent']}`." if cfg.get("agent") else ""),
         "",
         "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "
         "bootstrap interval; **bold** where the interval lies above 1. A rewritten output is measured afresh, apart from "

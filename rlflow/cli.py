@@ -97,13 +97,16 @@ def rules(model, input_shapes) -> None:
 @click.option("--rounds", type=click.IntRange(min=3), default=30, show_default=True,
               help="Interleaved rounds per input-vs-output measurement.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--agent", type=click.Path(path_type=Path), default=None,
+              help="Method agent's checkpoint (a PPO policy or a world-model agent) [default: the shipped one].")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
-def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, out) -> None:
+def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench import BenchConfig, find_models, run_bench
 
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
-                         provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed)
+                         provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
+                         agent=str(agent) if agent else None)
     results = run_bench(find_models(models), config, out)
     failed = sum(r["status"] != "ok" for r in results["rows"])
     click.echo(f"{len(results['rows'])} runs ({failed} not ok) in {results['seconds']:.0f} s; results in {out}/: "

@@ -20,13 +20,16 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     (models / "resnet-18.onnx").write_bytes(open(cnn_opset9_ir3_path, "rb").read())
     (models / "broken.onnx").write_bytes(b"not a model")
     out = tmp_path / "results"
+    from rlflow.search.agent import DEFAULT_AGENT
+
     code = main(["bench", str(models), "--methods", "greedy,agent", "--peers", "--time-limit", "2", "--rounds", "5",
-                 "--out", str(out)])
+                 "--agent", str(DEFAULT_AGENT), "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json", "results.md", "speedup.png",
                                                      "time.png"]
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["threads"] == 1 and results["config"]["time_limit"] == 2
+    assert results["config"]["agent"] == str(DEFAULT_AGENT)  # held out below: from the agent's own default.json
     assert results["peak"]["gflops"] > 0 and results["environment"]["onnxruntime"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
     assert len(rows) == 3 * 6  # 3 models x (greedy + agent + 4 peers)
