@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
@@ -19,6 +20,20 @@ from rlflow.measure.session import SessionSettings, create_session, ort_feeds
 
 MIN_ROUND_SECONDS = 0.01
 """Each model runs enough times per round to take at least this long, so clock resolution never matters."""
+
+WARMUP_RUNS = 5
+"""Untimed runs of each fresh session before its rounds (`compare`'s default)."""
+
+MIN_ROUNDS = 3
+"""Rounds a block of `compare` runs before its deadline may stop it, so that every block says something."""
+
+PACE_STEPS = ("export", "session", "run")
+"""What a `Pace` times: `Graph.to_model`, building a `Runner`, one warm run."""
+
+PROBE_MARGIN = 1.5
+"""Factor on the session build a `probe` times: a lone session builds faster than the same one beside a batch's others
+(BERT-base, 2 vCPU: 2.6-3.3 s probed, 3.3-4.4 s in batches of 2 to 7), and a session is the longest step that
+nothing can interrupt."""
 
 
 @dataclass
@@ -80,6 +95,76 @@ class Comparison:
         return asdict(self)
 
 
+@dataclass
+class Pace:
+    """The slowest export, session build and run seen so far by one search, to predict what still fits in its time.
+
+    A comparison stops only between its steps, and on a large model one step takes seconds (a BERT-base session
+    3-5 s), so a deadline holds only if no step starts that cannot finish before it.  The slowest observation is used,
+    so that predictions err towards stopping early.
+
+    Attributes:
+        seconds: step -> slowest seconds seen; steps are "export" (`Graph.to_model`), "session" (a `Runner` built) and
+            "run" (one inference, warm).
+    """
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, step: str, seconds: float) -> None:
+        self.seconds[step] = max(seconds, self.seconds.get(step, 0.0))
+
+    @contextmanager
+    def timed(self, step: str):
+        """Observes how long the body of the `with` takes."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe(step, time.perf_counter() - start)
+
+    @property
+    def known(self) -> bool:
+        """Whether every step has been seen (until then, predictions count the unseen steps as free)."""
+        return all(step in self.seconds for step in PACE_STEPS)
+
+    def round_seconds(self, models: int) -> float:
+        """One round of `compare` over `models` models (each runs for at least MIN_ROUND_SECONDS)."""
+        run = self.seconds.get("run", 0.0)
+        return models * math.ceil(MIN_ROUND_SECONDS / run) * run if run > 0 else 0.0
+
+    def block_seconds(self, models: int, *, exports: int = 0, warmup: int = WARMUP_RUNS,
+                      rounds: int = MIN_ROUNDS) -> float:
+        """The least one block of `compare` over `models` models takes, after `exports` of them are exported first."""
+        s = self.seconds
+        per_model = s.get("session", 0.0) + (warmup + 1) * s.get("run", 0.0)  # + 1: calibrating the runs per round
+        return exports * s.get("export", 0.0) + models * per_model + rounds * self.round_seconds(models)
+
+
+def probe(model: onnx.ModelProto, settings: SessionSettings, pace: Pace, *, seed: int = 0,
+          shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+    """Builds one session of `model` and runs it, recording in `pace` how long that took.
+
+    A measurement bound by a deadline needs these figures before it starts.  The session's time is recorded with
+    PROBE_MARGIN; the first run is not counted: it allocates what later runs reuse.
+
+    Raises:
+        ProviderError: onnxruntime cannot build or run the model.
+    """
+    start = time.perf_counter()
+    runner = Runner(model, settings, random_inputs(model, seed, shapes))
+    pace.observe("session", PROBE_MARGIN * (time.perf_counter() - start))
+    try:
+        runner.run()
+        pace.observe("run", runner.time(1))
+    except Exception as exc:  # noqa: BLE001 - as in `compare`: builds but cannot run
+        raise _cannot_run(settings, exc) from None
+
+
+def _cannot_run(settings: SessionSettings, exc: Exception) -> ProviderError:
+    return ProviderError(f"onnxruntime ({settings.provider}) cannot run a model: "
+                         f"{str(exc).strip().splitlines()[0][:300]}")
+
+
 class Runner:
     """One model ready to run repeatedly: a session and its inputs, bound to the device on CUDA.
 
@@ -138,9 +223,9 @@ def time_model(model: onnx.ModelProto, settings: SessionSettings | None = None, 
 
 
 def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None = None, *, rounds: int = 30,
-            warmup: int = 5, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
+            warmup: int = WARMUP_RUNS, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
             labels: Sequence[str] | None = None, confidence: float = 0.95, deadline: float | None = None,
-            blocks: int | None = None) -> Comparison:
+            blocks: int | None = None, pace: Pace | None = None) -> Comparison:
     """Interleaved comparison of models on the same inputs.
 
     Every round runs each model (in a freshly shuffled order) enough times to take MIN_ROUND_SECONDS; the speedup of
@@ -153,9 +238,12 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
 
     Args:
         models: model 0 is the baseline.
-        rounds: timed rounds in all (fewer are run if `deadline` passes first, at least one block's worth).
+        rounds: timed rounds in all (fewer are run if `deadline` passes first, at least MIN_ROUNDS).
         deadline: a time.monotonic() value after which no new round starts.
         blocks: session rebuilds (default: one per 6 rounds, at most 5).
+        pace: records how long sessions and runs take; with a deadline, a later block or a round past MIN_ROUNDS
+            starts only if the pace predicts it ends before the deadline (the first block always runs: plan it with
+            `Pace.block_seconds`).
     """
     if len(models) < 2:
         raise ValueError("compare needs at least two models")
@@ -169,26 +257,32 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     block_of_round: list[int] = []
     runs = None
     for block in range(blocks):
-        if deadline is not None and block > 0 and time.monotonic() > deadline:
+        ahead = pace.block_seconds(len(models), warmup=warmup) if pace is not None else 0.0
+        if deadline is not None and block > 0 and _ends_after(deadline, ahead):
             break
         runners: list[Runner | None] = [None] * len(models)
         for i in rng.permutation(len(models)):
+            start = time.perf_counter()
             runners[i] = Runner(models[i], settings, feeds)
+            if pace is not None:
+                pace.observe("session", time.perf_counter() - start)
         try:
             for runner in runners:
                 for _ in range(warmup):
                     runner.run()
         except Exception as exc:  # noqa: BLE001 - a model that builds but cannot run (bad Reshape...) is not measurable
-            raise ProviderError(f"onnxruntime ({settings.provider}) cannot run a model: "
-                                f"{str(exc).strip().splitlines()[0][:300]}") from None
+            raise _cannot_run(settings, exc) from None
         if runs is None:
             slowest = max(r.time(1) for r in runners)
             runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(slowest, 1e-9)))
         for done in range(per_block):
-            if deadline is not None and done >= 3 and time.monotonic() > deadline:
+            ahead = pace.round_seconds(len(models)) if pace is not None else 0.0
+            if deadline is not None and done >= MIN_ROUNDS and _ends_after(deadline, ahead):
                 break
             for i in rng.permutation(len(runners)):
                 times[i].append(runners[i].time(runs))
+                if pace is not None:
+                    pace.observe("run", times[i][-1])
             block_of_round.append(block)
         del runners
     base = np.asarray(times[0])
@@ -197,6 +291,11 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     timings = [_stats(label, t, warmup, settings) for label, t in zip(labels, times)]
     return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed,
                       extra={"blocks": int(groups.max()) + 1 if len(groups) else 0})
+
+
+def _ends_after(deadline: float, seconds: float) -> bool:
+    """Whether work predicted to take `seconds`, started now, would end after `deadline` (0: whether it has passed)."""
+    return time.monotonic() + seconds > deadline
 
 
 def bootstrap_ratio(baseline: np.ndarray, candidate: np.ndarray, confidence: float = 0.95,

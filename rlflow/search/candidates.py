@@ -1,10 +1,17 @@
-"""Pieces every search shares: one-rewrite expansion (deduplicated) and end-to-end selection among candidates."""
+"""Pieces every search shares: one-rewrite expansion (deduplicated) and end-to-end selection among candidates.
+
+Time limits hold to within one step that cannot be interrupted: a rewrite or cost estimate, or a measurement that runs
+longer than its `Pace` predicted (a session build varies by a second or two on the largest zoo models).  So no
+measurement is started that is predicted to end after the deadline; the candidates it would have covered are reported
+as not measured.  Measured with 60 s limits on 2 shared vCPUs: TASO-style 48-60.6 s on the 12 zoo models, greedy and
+random walks 59.8-61.7 s on bert-base.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import onnx
 
@@ -12,7 +19,7 @@ from rlflow.errors import ProviderError
 from rlflow.graph import Graph
 from rlflow.measure.memory import candidates_that_fit
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.timing import Ratio, compare
+from rlflow.measure.timing import Pace, Ratio, compare, probe
 from rlflow.rewrites import RULES, Match, Rule, apply, find_matches
 
 log = logging.getLogger("rlflow")
@@ -59,16 +66,20 @@ def try_apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph | None
         return None
 
 
-def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
-           deadline: float | None = None) -> list[Candidate]:
-    """Every graph one rewrite away from `parent`; fingerprints already in `seen` are skipped, new ones added."""
+def children(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
+             deadline: float | None = None) -> Iterator[Candidate]:
+    """Every graph one rewrite away from `parent`, one at a time; fingerprints already in `seen` are skipped, new ones
+    added.  No rewrite starts after `deadline`.
+
+    One at a time, so that a search can estimate each child as it comes: on a large graph one expansion can take the
+    whole time limit (nasnet-a-mobile: about 45 s), and children made but not yet estimated at the deadline are lost.
+    """
     if isinstance(parent, Graph):
         parent = Candidate(parent, (), parent.fingerprint())
     seen = seen if seen is not None else {parent.fingerprint}
-    out = []
     for match in find_matches(parent.graph, rules):
         if deadline is not None and time.monotonic() > deadline:
-            break
+            return
         child = try_apply(parent.graph, match, rules)
         if child is None:
             continue
@@ -76,36 +87,107 @@ def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[s
         if fingerprint in seen:
             continue
         seen.add(fingerprint)
-        out.append(Candidate(child, parent.applied + (match,), fingerprint))
-    return out
+        yield Candidate(child, parent.applied + (match,), fingerprint)
+
+
+def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
+           deadline: float | None = None) -> list[Candidate]:
+    """`children` as a list."""
+    return list(children(parent, rules, seen, deadline))
+
+
+@dataclass
+class Screening:
+    """What `measure_against` found: (candidate, speedup) pairs, and how many candidates time left unmeasured."""
+
+    pairs: list[tuple[Candidate, Ratio]]
+    unmeasured: int = 0
 
 
 def measure_against(base: Graph, candidates: Sequence[Candidate], settings: SessionSettings, *, rounds: int,
-                    seed: int, deadline: float | None = None, batch: int = 6) -> list[tuple[Candidate, Ratio]]:
+                    seed: int, deadline: float | None = None, batch: int = 6, pace: Pace | None = None) -> Screening:
     """Speedup of each candidate over `base`, measured interleaved in batches (smaller where memory is short).
 
-    A candidate that onnxruntime cannot run is dropped (logged), not fatal.  Stops starting batches after `deadline`.
+    A candidate that onnxruntime cannot run is dropped (logged), not fatal.  With a `deadline`, a batch shrinks to
+    what `pace` predicts ends before it, and none starts when not even one candidate would; the pace learns from every
+    batch, and from a probe of `base` when it has seen nothing yet.
     """
-    batch = candidates_that_fit(base, batch)
-    base_model = base.to_model(static=True)
-    out = []
-    for i in range(0, len(candidates), batch):
-        if deadline is not None and time.monotonic() > deadline:
+    pending = list(candidates)
+    if not pending or (deadline is not None and time.monotonic() > deadline):
+        return Screening([], len(pending))
+    pace = pace if pace is not None else Pace()
+    most = candidates_that_fit(base, batch)
+    with pace.timed("export"):
+        base_model = base.to_model(static=True)
+    if deadline is not None and not pace.known:
+        _probe(base_model, settings, pace, seed)
+    out: list[tuple[Candidate, Ratio]] = []
+    alone = 0  # candidates to measure one at a time: the members of a batch onnxruntime refused
+    while pending:
+        size = affordable(pace, 1 if alone else min(most, len(pending)), deadline)
+        if not size:
             break
-        out += _measure_batch(base_model, list(candidates[i: i + batch]), settings, rounds, seed, deadline)
-    return out
+        chunk, pending, alone = pending[:size], pending[size:], max(0, alone - size)
+        try:
+            out += _measure_batch(base_model, chunk, settings, rounds, seed, deadline, pace)
+        except ProviderError as exc:
+            if len(chunk) == 1:
+                log.debug("candidate %s does not run: %s", chunk[0].applied, exc)
+            else:
+                pending, alone = chunk + pending, len(chunk)
+    return Screening(out, len(pending))
+
+
+def affordable(pace: Pace, wanted: int, deadline: float | None) -> int:
+    """How many candidates, at most `wanted`, one batch can measure against the base before `deadline`."""
+    if deadline is None:
+        return wanted
+    left = deadline - time.monotonic()
+    return next((n for n in range(wanted, 0, -1) if pace.block_seconds(n + 1, exports=n) <= left), 0)
+
+
+RESERVE_SHARE = 0.25
+"""Share of its time limit a cost-model search keeps for its final measurement at least."""
+
+RESERVE_SLACK = 1.2
+"""Factor on the predicted measurement of one candidate when that sets the reserve: the expansion ends up to one
+rewrite and one estimate after its deadline and exports vary, and the reserve must not miss its candidate by that."""
+
+
+def measurement_reserve(graph: Graph, settings: SessionSettings, time_limit: float, pace: Pace,
+                        seed: int = 0) -> float:
+    """Seconds a cost-model search keeps for its final measurement: RESERVE_SHARE of its limit, or what measuring one
+    candidate against `graph` takes (with RESERVE_SLACK) if that is more, as a probe of `graph` into `pace` shows.
+
+    A fixed share is too little on a large model (BERT-base: about 19 s for one candidate, 65 s for six), which would
+    leave the search nothing it can measure in time.
+    """
+    with pace.timed("export"):
+        model = graph.to_model(static=True)
+    _probe(model, settings, pace, seed)
+    return max(RESERVE_SHARE * time_limit, RESERVE_SLACK * pace.block_seconds(2, exports=2))
+
+
+def _probe(model: onnx.ModelProto, settings: SessionSettings, pace: Pace, seed: int) -> None:
+    """`probe`, but a model onnxruntime cannot run leaves the pace as it was: measuring it will fail on its own."""
+    try:
+        probe(model, settings, pace, seed=seed)
+    except ProviderError as exc:
+        log.debug("cannot probe the base model: %s", exc)
 
 
 def _measure_batch(base_model: onnx.ModelProto, batch: list[Candidate], settings: SessionSettings, rounds: int,
-                   seed: int, deadline: float | None) -> list[tuple[Candidate, Ratio]]:
-    models = [c.graph.to_model(static=True) for c in batch]
-    try:
-        comparison = compare([base_model, *models], settings, rounds=rounds, seed=seed, deadline=deadline)
-    except ProviderError as exc:
-        if len(batch) == 1:
-            log.debug("candidate %s does not run: %s", batch[0].applied, exc)
-            return []
-        return [pair for c in batch for pair in _measure_batch(base_model, [c], settings, rounds, seed, deadline)]
+                   seed: int, deadline: float | None, pace: Pace) -> list[tuple[Candidate, Ratio]]:
+    """One interleaved comparison of the batch with the base.
+
+    Raises:
+        ProviderError: onnxruntime cannot build or run one of the models.
+    """
+    models = []
+    for candidate in batch:
+        with pace.timed("export"):
+            models.append(candidate.graph.to_model(static=True))
+    comparison = compare([base_model, *models], settings, rounds=rounds, seed=seed, deadline=deadline, pace=pace)
     return list(zip(batch, comparison.ratios[1:]))
 
 
@@ -116,14 +198,25 @@ def fastest(measured: Sequence[tuple[Candidate, Ratio]]) -> tuple[Candidate, Rat
 
 
 def select_measured(original: Graph, pool: Sequence[Candidate], settings: SessionSettings, *, rounds: int, seed: int,
-                    deadline: float | None, start: float, stop_reason: str, estimated: int) -> SearchResult:
-    """The end of a cost-model search: measure the pool against the original and keep the fastest, if any is faster."""
-    measured = measure_against(original, pool, settings, rounds=rounds, seed=seed, deadline=deadline)
+                    deadline: float | None, start: float, stop_reason: str, estimated: int,
+                    pace: Pace | None = None) -> SearchResult:
+    """The end of a cost-model search: measure the pool against the original and keep the fastest, if any is faster.
+
+    The stop reason says when time left candidates unmeasured; with none measured, the original is kept.
+    """
+    screening = measure_against(original, pool, settings, rounds=rounds, seed=seed, deadline=deadline, pace=pace)
+    measured = screening.pairs
     best = fastest(measured)
+    if screening.unmeasured and not measured:
+        outcome = f"no time left to measure any of {len(pool)} candidates"
+    else:
+        late = f" ({screening.unmeasured} of {len(pool)} not measured: no time left)" if screening.unmeasured else ""
+        outcome = (f"best of {len(measured)} measured{late}: {best[1]}" if best else
+                   f"no candidate measurably faster{late}")
     if best is None:
-        return SearchResult(original, [], len(measured), time.monotonic() - start,
-                            f"{stop_reason}; no candidate measurably faster", candidates_estimated=estimated)
-    candidate, ratio = best
+        return SearchResult(original, [], len(measured), time.monotonic() - start, f"{stop_reason}; {outcome}",
+                            candidates_estimated=estimated)
+    candidate = best[0]
     steps = [{"rule": m.rule, "location": m.root} for m in candidate.applied]
     return SearchResult(candidate.graph, list(candidate.applied), len(measured), time.monotonic() - start,
-                        f"{stop_reason}; best of {len(measured)} measured: {ratio}", steps, estimated)
+                        f"{stop_reason}; {outcome}", steps, estimated)

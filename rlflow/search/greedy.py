@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
+from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import Candidate, SearchResult, expand, fastest, measure_against
 
@@ -41,6 +42,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     current = Candidate(graph, (), graph.fingerprint())
     seen = {current.fingerprint}
     steps, measured, stop = [], 0, "step limit"
+    pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
     with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar:
         for _ in range(config.max_steps):
             if time.monotonic() > deadline:
@@ -52,11 +54,12 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 stop = "no rewrite applies"
                 break
             results = measure_against(current.graph, candidates[: config.max_candidates], settings,
-                                      rounds=config.rounds, seed=config.seed, deadline=deadline)
-            measured += len(results)
-            best = fastest(results)
+                                      rounds=config.rounds, seed=config.seed, deadline=deadline, pace=pace)
+            measured += len(results.pairs)
+            best = fastest(results.pairs)
             if best is None:
-                stop = "no rewrite is measurably faster" if time.monotonic() <= deadline else "time limit"
+                out_of_time = results.unmeasured or time.monotonic() > deadline
+                stop = "time limit" if out_of_time else "no rewrite is measurably faster"
                 break
             current, ratio = best
             steps.append({"rule": current.match.rule, "location": current.match.root, "step_speedup": ratio.as_dict(),

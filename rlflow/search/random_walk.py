@@ -1,7 +1,8 @@
 """Random walks with restarts: the baseline any learned policy must beat.
 
 Each walk starts from the input and applies uniformly random rewrites; every graph visited is scored with the cost
-model, and the best few are measured end to end against the input at the end.
+model, and the best few are measured end to end against the input at the end, within the time limit as in
+`rlflow.search.taso`.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from tqdm import tqdm
 
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
+from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import Candidate, SearchResult, select_measured, try_apply
+from rlflow.search.candidates import Candidate, SearchResult, measurement_reserve, select_measured, try_apply
 
 
 @dataclass
@@ -50,7 +52,9 @@ def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | 
     cost_model = cost_model or CostModel(settings)
     rng = np.random.default_rng(config.seed)
     start = time.monotonic()
-    search_deadline = start + 0.75 * config.time_limit
+    pace = Pace()
+    search_deadline = start + config.time_limit - measurement_reserve(graph, settings, config.time_limit, pace,
+                                                                      config.seed)
     order = itertools.count()
     root_fingerprint = graph.fingerprint()
     pool: list[tuple[float, int, Candidate]] = []
@@ -81,4 +85,5 @@ def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | 
                 break
     cost_model.save()
     return select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
-                           deadline=start + config.time_limit, start=start, stop_reason=stop, estimated=estimated)
+                           deadline=start + config.time_limit, start=start, stop_reason=stop, estimated=estimated,
+                           pace=pace)

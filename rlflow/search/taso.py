@@ -4,6 +4,10 @@ As in TASO (Jia et al., SOSP'19): pop the cheapest graph, apply every rewrite, k
 below alpha x the best so far (alpha > 1 lets the search pass through slightly worse graphs), deduplicate by
 fingerprint, and stop at a budget.  Estimates come from the cost model; the few best graphs are then measured end to
 end against the input and the fastest one that is measurably faster wins.
+
+The time limit covers both phases: expansion stops early enough to leave the final measurement what a probe of the
+input predicts one candidate needs (a quarter of the limit at least), and the measurement then starts only the
+batches that fit (see `rlflow.search.candidates`).
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from tqdm import tqdm
 
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
+from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import Candidate, SearchResult, expand, select_measured
+from rlflow.search.candidates import Candidate, SearchResult, children, measurement_reserve, select_measured
 
 
 @dataclass
@@ -28,7 +33,8 @@ class TasoConfig:
     Attributes:
         alpha: children costing up to alpha x the best estimate stay in the queue (TASO uses 1.0-1.05).
         budget: graphs expanded at most.
-        time_limit: seconds for the whole search, final measurements included.
+        time_limit: seconds for the whole search, final measurements included; overrun by at most one step that
+            cannot be interrupted (see `rlflow.search.candidates`).
         max_growth: children with more than this factor x the input's node count are dropped (TASO: 2).
         top_k: best-estimated graphs measured end to end at the end.
         rounds: interleaved rounds of those final measurements.
@@ -52,28 +58,27 @@ def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = No
     config = config or TasoConfig()
     cost_model = cost_model or CostModel(settings)
     start = time.monotonic()
-    search_deadline = start + 0.75 * config.time_limit  # keep a quarter for the final end-to-end measurements
+    pace = Pace()
+    search_deadline = start + config.time_limit - measurement_reserve(graph, settings, config.time_limit, pace,
+                                                                      config.seed)
     root = Candidate(graph, (), graph.fingerprint())
     best_cost = cost_model.graph_cost(graph)
     order = itertools.count()
     queue = [(best_cost, next(order), root)]
     seen = {root.fingerprint}
     pool: list[tuple[float, int, Candidate]] = []  # the top_k cheapest rewritten graphs
-    expanded, estimated, stop = 0, 0, "queue exhausted"
+    expanded, estimated = 0, 0
     with tqdm(total=config.budget, desc="taso", unit="graph", disable=not progress, leave=False) as bar:
-        while queue:
-            if expanded >= config.budget:
-                stop = "budget"
-                break
-            if time.monotonic() > search_deadline:
-                stop = "time limit"
+        while True:
+            stop = _stop(expanded, config.budget, queue, search_deadline)
+            if stop:
                 break
             cost, _, parent = heapq.heappop(queue)
             if cost > config.alpha * best_cost:
                 continue
             expanded += 1
             bar.update(1)
-            for child in expand(parent, rules, seen, search_deadline):
+            for child in children(parent, rules, seen, search_deadline):  # estimated as they come: see `children`
                 if len(child.graph) > config.max_growth * len(graph):
                     continue
                 child_cost = cost_model.graph_cost(child.graph)
@@ -88,4 +93,13 @@ def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = No
     cost_model.save()
     return select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
                            deadline=start + config.time_limit, start=start,
-                           stop_reason=f"{stop} after {expanded} expanded", estimated=estimated)
+                           stop_reason=f"{stop} after {expanded} expanded", estimated=estimated, pace=pace)
+
+
+def _stop(expanded: int, budget: int, queue: list, deadline: float) -> str | None:
+    """Why the search stops now, or None."""
+    if expanded >= budget:
+        return "budget"
+    if time.monotonic() > deadline:
+        return "time limit"
+    return None if queue else "queue exhausted"
