@@ -1,14 +1,14 @@
 """Turns a training run's checkpoint into a shipped agent: `rlflow/agents/<name>.pt` and `<name>.json`.
 
-A PPO run ships as `default` (the agent `rlflow optimize` uses unless given `--agent`): weights, architecture,
-rule-registry and observation versions and the training config, not the optimiser state.  A world-model run ships as
-`worldmodel`: V, M and the controller (in the training checkpoint format, optimiser states included: a few MB), the
-dream's reward clip taken from the run's training episodes, but not the replay.  `<name>.json` says what the agent
-was trained on and which models it never saw, so reports can mark them.  `make agent` trains and ships the PPO
-agent in one go:
+A world-model run (`rlflow train --algo worldmodel`) ships as `default`, the agent `rlflow optimize` uses unless given
+`--agent`: V, M and the controller in the training checkpoint format (optimiser states included: a few MB) with the
+dream's reward clip taken from the run's training episodes, but not the replay.  A PPO run ships as `ppo`: weights,
+architecture, rule-registry and observation versions and the training config, not the optimiser state.
+`<name>.json` says what the agent was trained on and which zoo models it never saw, so reports can mark them.
+`make agent` and `make ppo-agent` train and ship each in one go:
 
-    python -m rlflow.controller.ship --checkpoint build/agent/run/ppo.pt --results build/agent/ppo.json
-    python -m rlflow.controller.ship --checkpoint build/wm-agent/run/worldmodel.pt --results build/wm-agent/out/worldmodel.json
+    python -m rlflow.controller.ship --checkpoint build/agent/run/worldmodel.pt --results build/agent/worldmodel.json
+    python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt --results build/ppo-agent/ppo.json
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ MAX_BYTES = 20_000_000
 """The package-data budget of the shipped agent (issue #8)."""
 
 
-def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, name: str = "default") -> dict:
+def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, name: str = "ppo") -> dict:
     """Writes `<out>/<name>.pt` (inference-only checkpoint) and `<out>/<name>.json` (its provenance)."""
     from rlflow.controller.policy import load_checkpoint, save_checkpoint
     from rlflow.errors import RlflowError
@@ -49,14 +49,14 @@ def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, na
         "real_steps": run["train"]["real_steps"],
         "train_seconds": run["train"]["seconds"],
         "final_mean_return": run["train"]["final_mean_return"],
-        "reproduce": "make agent",
+        "reproduce": "make ppo-agent",
     }
     write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
     return meta
 
 
 def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR,
-                    name: str = "worldmodel") -> dict:
+                    name: str = "default") -> dict:
     """Writes `<out>/<name>.pt` (V, M and the controller, with the dream's reward clip from the run's training
     episodes, without the replay) and `<out>/<name>.json` from a world-model run (`rlflow train --algo
     worldmodel`)."""
@@ -88,7 +88,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "real_steps": payload["real_steps"],
         "train_seconds": run.get("wall_seconds"),
         "final_mean_return": run.get("final_reward_worldmodel"),
-        "reproduce": run.get("command"),
+        "reproduce": f"make agent  # {run.get('command')}",
     }
     write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
     return meta
@@ -110,15 +110,15 @@ def main(argv: typing.Sequence[str] | None = None) -> dict:
     parser.add_argument("--checkpoint", required=True, help="the training run's ppo.pt or worldmodel.pt")
     parser.add_argument("--results", required=True, help="the training run's ppo.json or worldmodel.json")
     parser.add_argument("--out", type=Path, default=AGENTS_DIR, help="folder of the shipped agent")
-    parser.add_argument("--name", default=None, help="file stem (default: 'default' for a PPO policy, 'worldmodel' "
-                                                     "for a world-model agent)")
+    parser.add_argument("--name", default=None, help="file stem (default: 'default' for a world-model agent, the one "
+                                                     "rlflow optimize uses; 'ppo' for a PPO policy)")
     args = parser.parse_args(argv)
     from rlflow.training import checkpoint_algo
 
     if checkpoint_algo(args.checkpoint) == "worldmodel":
-        meta = ship_worldmodel(args.checkpoint, args.results, args.out, args.name or "worldmodel")
+        meta = ship_worldmodel(args.checkpoint, args.results, args.out, args.name or "default")
     else:
-        meta = ship(args.checkpoint, args.results, args.out, args.name or "default")
+        meta = ship(args.checkpoint, args.results, args.out, args.name or "ppo")
     print(f"shipped {args.out / meta['checkpoint']} ({meta['bytes'] / 1e6:.2f} MB, registry "
           f"{meta['registry_version']}, held out: {', '.join(meta['held_out'])})")
     return meta

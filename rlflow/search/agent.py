@@ -1,8 +1,9 @@
 """The learned agent as a search method: a trained policy proposes rewrite sequences, measurement picks the winner.
 
-The policy (`rlflow.controller.policy.CandidatePolicy`, shipped as `rlflow/agents/default.pt`) plays a few episodes
+The agent (the world-model agent shipped as `rlflow/agents/default.pt`, see `rlflow.controller.wm_actor`, or a
+masked-PPO `rlflow.controller.policy.CandidatePolicy` such as `rlflow/agents/ppo.pt`) plays a few episodes
 of `rlflow/Rewrite-v0` on the model: the first greedily, stopping where the policy stops; the rest sampled from the
-policy's choice among rewrites, never stopping early (trained on the cost model, the policy stops as soon as it is
+policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops as soon as it is
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
 it has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
 best, are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
@@ -27,7 +28,7 @@ from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import Candidate, SearchResult, select_measured
 
 DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "agents" / "default.pt"
-"""The shipped agent (package data), trained by `rlflow train --algo ppo --agent-split` (see the README)."""
+"""The shipped agent (package data): the world-model agent of `make agent` (see the README)."""
 
 
 @dataclass

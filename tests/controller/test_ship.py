@@ -27,14 +27,14 @@ def _run(tmp_path):
 def test_ship_writes_weights_without_optimizer_and_provenance(tmp_path):
     policy, checkpoint, results = _run(tmp_path)
     meta = ship.ship(checkpoint, results, tmp_path / "agents")
-    shipped, payload = load_checkpoint(tmp_path / "agents" / "default.pt")
-    assert payload["optimizer"] is None and meta["bytes"] == (tmp_path / "agents" / "default.pt").stat().st_size
+    shipped, payload = load_checkpoint(tmp_path / "agents" / "ppo.pt")
+    assert payload["optimizer"] is None and meta["bytes"] == (tmp_path / "agents" / "ppo.pt").stat().st_size
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in shipped.state_dict().items())
     assert meta["held_out"] == ["vit-b-16-tiny", "demo-block"] and meta["trained_on"] == ["resnet-18-tiny"]
     agents = tmp_path / "agents"
-    assert not ship.is_held_out("resnet-18", agents) and not ship.is_held_out("resnet-18-tiny", agents)
-    assert ship.is_held_out("vit-b-16", agents) and ship.is_held_out("demo-block", agents)
-    assert ship.is_held_out("nasnet-a-mobile", agents)  # in neither list: never trained on, so held out
+    assert not ship.is_held_out("resnet-18", agents, "ppo") and not ship.is_held_out("resnet-18-tiny", agents, "ppo")
+    assert ship.is_held_out("vit-b-16", agents, "ppo") and ship.is_held_out("demo-block", agents, "ppo")
+    assert ship.is_held_out("nasnet-a-mobile", agents, "ppo")  # in neither list: never trained on, so held out
     assert not ship.is_held_out("vit-b-16", tmp_path / "nowhere")
 
 
@@ -43,11 +43,16 @@ def test_ship_refuses_an_agent_over_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(ship, "MAX_BYTES", 1000)
     with pytest.raises(RlflowError, match="package-data budget"):
         ship.ship(checkpoint, results, tmp_path / "agents")
-    assert not (tmp_path / "agents" / "default.pt").exists()
+    assert not (tmp_path / "agents" / "ppo.pt").exists()
 
 
 def test_the_shipped_agent_loads_under_this_registry():
     meta = json.loads(DEFAULT_AGENT.with_suffix(".json").read_text())
     assert meta["bytes"] == DEFAULT_AGENT.stat().st_size <= ship.MAX_BYTES
     assert len(meta["held_out"]) >= 4 and not set(meta["held_out"]) & set(meta["trained_on"])
-    assert isinstance(load_agent(), CandidatePolicy)
+    from rlflow.controller.wm_actor import WorldModelActor
+
+    assert meta["algo"] == "worldmodel" and isinstance(load_agent(), WorldModelActor)  # the world-model agent
+    ppo = DEFAULT_AGENT.with_name("ppo.pt")  # the model-free baseline ships beside it
+    assert isinstance(load_agent(ppo), CandidatePolicy)
+    assert json.loads(ppo.with_suffix(".json").read_text())["trained_on"] == meta["trained_on"]
