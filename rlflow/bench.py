@@ -378,18 +378,7 @@ def markdown_table(results: dict) -> str:
 
 def outcome(row: dict) -> str:
     """optimize()'s `Result.outcome` for an rlflow row; '' for peers and for rows recorded before it was kept."""
-    if row["kind"] != "rlflow":
-        return ""
-    if row.get("outcome"):
-        return row["outcome"]
-    reason = row.get("reason") or ""  # rows of 2026-11-23 have optimize()'s reason but not yet its outcome
-    if not reason:
-        return ""
-    if row["rewritten"]:
-        return "rewritten"
-    if "not measurably faster" in reason:
-        return "gate rejected"
-    return "not verified" if "does not verify" in reason else "nothing found"
+    return (row.get("outcome") or "") if row["kind"] == "rlflow" else ""
 
 
 def _outcome_lines(rows: Sequence[dict]) -> list[str]:

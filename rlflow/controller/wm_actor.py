@@ -41,13 +41,15 @@ class WorldModelActor:
     def reset(self) -> None:
         """A new episode: h back to M's initial state."""
         self.state = self.agent.mdrnn.initial_state(1)
+        self._encoded = (None, None)  # (observation, its z): `observe` reuses what `logits` just encoded
 
     @torch.no_grad()
     def _latent(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
         from rlflow.controller.policy import obs_to_torch
 
-        z, _ = self.agent.vision.encode(obs_to_torch(obs))
-        return z
+        if self._encoded[0] is not obs:
+            self._encoded = (obs, self.agent.vision.encode(obs_to_torch(obs))[0])
+        return self._encoded[1]
 
     @torch.no_grad()
     def rule_logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
@@ -86,16 +88,13 @@ def load_actor(path) -> tuple[WorldModelActor, dict]:
     return WorldModelActor(agent, payload.get("config"), payload.get("reward_range")), payload
 
 
-DREAM_CHUNK = 2048
-"""Dream steps per PPO call of `finetune_in_dream` (64 dreams x 32 steps): the deadline is checked between them."""
-
-
 def finetune_in_dream(actor: WorldModelActor, graph, steps: int, *, settings=None, rules=None, cost_model=None,
                       seed: int = 0, deadline: float | None = None):
     """A copy of `actor` whose controller is adapted to `graph` by about `steps` PPO steps in the dream: dreams start
     at V's encoding of this graph and step entirely inside M (no measurement, no real rewrite), with the training
-    run's dream settings and reward clip.  The given actor is left unchanged.  The cost model only supplies the
-    per-node cost feature of the graph's observation, as it did in training.
+    run's dream settings and reward clip, one PPO update per `dream_envs` x `dream_rollout` steps (the deadline is
+    checked between updates).  The given actor is left unchanged.  The cost model only supplies the per-node cost
+    feature of the graph's observation, as it did in training.
 
     Returns:
         (adapted actor, `rlflow.controller.finetune.FinetuneReport`; its steps are dream steps)
@@ -120,6 +119,8 @@ def finetune_in_dream(actor: WorldModelActor, graph, steps: int, *, settings=Non
         from rlflow.controller.policy import obs_to_torch
 
         mu, logvar = agent.vision.encode(obs_to_torch(obs))
+    if not cfg.get("sample_latents", False):  # as training's dreams start: at the posterior mean
+        logvar = torch.full_like(logvar, -float("inf"))
     envs, rollout = int(cfg.get("dream_envs", 64)), int(cfg.get("dream_rollout", 32))
     low_high = None
     if actor.reward_range is not None:
