@@ -169,3 +169,23 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
     assert "2048 dream steps" in format_report(result) and result.outcome in (
         "rewritten", "gate rejected", "not verified", "nothing found")
     assert all(torch.equal(v, load_agent(shipped).agent.policy.state_dict()[k]) for k, v in weights.items())
+
+
+def test_dream_finetune_stops_at_its_deadline_and_leaves_the_agent_alone(run):
+    import time
+    from pathlib import Path
+
+    from rlflow.controller.wm_actor import finetune_in_dream, load_actor
+    from rlflow.measure.costmodel import CostModel
+
+    config, _ = run
+    actor, _ = load_actor(Path(config.run_dir) / "worldmodel.pt")
+    weights = {k: v.clone() for k, v in actor.agent.policy.state_dict().items()}
+    cost_model = CostModel(cache_dir=config.cost_cache)
+    adapted, report = finetune_in_dream(actor, config.models[0], 10_000, cost_model=cost_model,
+                                        deadline=time.monotonic())
+    assert report.updates == 0 and report.stop_reason == "time limit" and report.environment == "dream"
+    adapted, report = finetune_in_dream(actor, config.models[0], 1, cost_model=cost_model)
+    assert report.updates == 1 and report.steps == config.dream_envs * config.dream_rollout
+    assert any(not torch.equal(v, adapted.agent.policy.state_dict()[k]) for k, v in weights.items())
+    assert all(torch.equal(v, actor.agent.policy.state_dict()[k]) for k, v in weights.items())
