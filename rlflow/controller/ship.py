@@ -25,19 +25,26 @@ MAX_BYTES = 20_000_000
 """The package-data budget of the shipped agent (issue #8)."""
 
 
+def _within_budget(path: Path) -> int:
+    """The size of the shipped checkpoint at `path`; over MAX_BYTES it is deleted and refused (RlflowError)."""
+    from rlflow.errors import RlflowError
+
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        path.unlink()
+        raise RlflowError(f"the agent is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB package-data budget")
+    return size
+
+
 def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, name: str = "ppo") -> dict:
     """Writes `<out>/<name>.pt` (inference-only checkpoint) and `<out>/<name>.json` (its provenance)."""
     from rlflow.controller.policy import load_checkpoint, save_checkpoint
-    from rlflow.errors import RlflowError
 
     policy, payload = load_checkpoint(checkpoint)
     run = json.loads(Path(results).read_text())
     config = payload["config"]
     path = save_checkpoint(out / f"{name}.pt", policy, None, config, real_steps=payload.get("real_steps"))
-    size = path.stat().st_size
-    if size > MAX_BYTES:
-        path.unlink()
-        raise RlflowError(f"the agent is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB package-data budget")
+    size = _within_budget(path)
     meta = {
         "checkpoint": path.name,
         "bytes": size,
@@ -60,7 +67,6 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     """Writes `<out>/<name>.pt` (V, M and the controller, with the dream's reward clip from the run's training
     episodes, without the replay) and `<out>/<name>.json` from a world-model run (`rlflow train --algo
     worldmodel`)."""
-    from rlflow.errors import RlflowError
     from rlflow.worldmodel.replay import Replay
     from rlflow.worldmodel.train import dream_reward_range, load_checkpoint, save_checkpoint
     from rlflow.zoo import names
@@ -72,10 +78,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     config = payload["config"]
     path = save_checkpoint(out / f"{name}.pt", agent, config, reward_range=(low.tolist(), high.tolist()),
                            real_steps=payload["real_steps"])
-    size = path.stat().st_size
-    if size > MAX_BYTES:
-        path.unlink()
-        raise RlflowError(f"the agent is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB package-data budget")
+    size = _within_budget(path)
     trained = [m.removesuffix("-tiny") for m in config["models"]]
     meta = {
         "checkpoint": path.name,
