@@ -35,8 +35,9 @@ def cli() -> None:
 @click.option("--agent", "agent", type=click.Path(path_type=Path), default=None,
               help="Policy checkpoint for --method agent [default: the shipped agent].")
 @click.option("--finetune", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",
-              help="Adapt the agent to MODEL first with N PPO steps against the cost model (no measurements; with "
-                   "--time-limit they may use half of it).")
+              help="Adapt the agent to MODEL first with N PPO steps: in its world model's dream (the shipped agent) "
+                   "or against the cost model (a PPO policy); no measurements; with --time-limit they may use half "
+                   "of it.")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None,
               help="Seconds for the search (verification and the final measurement come on top) "
                    "[default: 10 for agent, 60 for the searches].")

@@ -117,7 +117,7 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     except ProviderError:
         raise
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
-        raise ProviderError(f"onnxruntime ({settings.provider}) cannot run the model: {_first_line(exc)}") from None
+        raise cannot_run(settings, exc) from None
 
 
 def inference_session(model: onnx.ModelProto, options, providers: Sequence[str]):
@@ -180,18 +180,9 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers):
     return session
 
 
-def check_runs(model: onnx.ModelProto, settings: SessionSettings, seed: int = 0) -> None:
-    """Raises ProviderError unless onnxruntime builds a session for the model AND runs it once on random inputs.
-
-    Some models pass session creation and fail only when run (a Reshape to an impossible shape, say).
-    """
-    from rlflow.measure.inputs import random_inputs
-
-    session = create_session(model, settings)
-    try:
-        run_session(session, [o.name for o in session.get_outputs()], random_inputs(model, seed))
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
-        raise ProviderError(f"onnxruntime ({settings.provider}) cannot run the model: {_first_line(exc)}") from None
+def cannot_run(settings: SessionSettings, exc: Exception) -> ProviderError:
+    """The one-line error for a model onnxruntime fails to build or run on the settings' provider."""
+    return ProviderError(f"onnxruntime ({settings.provider}) cannot run the model: {_first_line(exc)}")
 
 
 def ort_feeds(feeds: Mapping[str, np.ndarray]) -> dict:

@@ -16,7 +16,7 @@ import onnx
 
 from rlflow.errors import ProviderError
 from rlflow.measure.inputs import random_inputs
-from rlflow.measure.session import SessionSettings, create_session, ort_feeds
+from rlflow.measure.session import SessionSettings, cannot_run, create_session, ort_feeds
 
 MIN_ROUND_SECONDS = 0.01
 """Each model runs enough times per round to take at least this long, so clock resolution never matters."""
@@ -220,6 +220,36 @@ def time_model(model: onnx.ModelProto, settings: SessionSettings | None = None, 
     for _ in range(warmup):
         runner.run()
     return _stats(label, [runner.time(1) for _ in range(repeats)], warmup, settings)
+
+
+CHECK_SECONDS = 2.0
+"""Timed runs of `check_and_time` stop after this long (once it has 3): its latency is a report's, not a comparison."""
+
+
+def check_and_time(model: onnx.ModelProto, settings: SessionSettings, *, seed: int = 0,
+                   shapes: Mapping[str, Sequence[int]] | None = None, warmup: int = 2, repeats: int = 10,
+                   label: str = "input") -> Timing:
+    """Latency of a model that must run: one session both checks it and times it.
+
+    `rlflow optimize` needs both of the input, the check before searching and the latency when the input is kept; a
+    second session would cost as much again (GPT-2 small: 4 s to build, 0.5 s a run).  Timed runs stop at `repeats`,
+    or after CHECK_SECONDS once there are 3.
+
+    Raises:
+        ProviderError: onnxruntime cannot build a session for the model, or cannot run it (some models pass session
+            creation and fail only when run: a Reshape to an impossible shape, say).
+    """
+    runner = Runner(model, settings, random_inputs(model, seed, shapes))
+    try:
+        for _ in range(max(1, warmup)):
+            runner.run()
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
+        raise cannot_run(settings, exc) from None
+    samples: list[float] = []
+    began = time.perf_counter()
+    while len(samples) < repeats and (len(samples) < 3 or time.perf_counter() - began < CHECK_SECONDS):
+        samples.append(runner.time(1))
+    return _stats(label, samples, max(1, warmup), settings)
 
 
 def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None = None, *, rounds: int = 30,

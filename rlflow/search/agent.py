@@ -7,8 +7,9 @@ policy's choice among rewrites, never stopping early (trained on a cost-model re
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
 it has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
 best, are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
-faster wins, else the input is kept.  When not even one fits (a large model), the best-estimated graph is returned
-unscreened and the final measurement of `rlflow.optimize` alone decides whether it is kept.
+faster wins, else the input is kept.  When not even one fits (a large model), the input is kept too, and the reason
+says what time limit would measure them: handing an unmeasured graph to the final measurement of `rlflow.optimize`
+would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate after a 5 s search).
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
 from __future__ import annotations
@@ -140,12 +141,15 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster",
                             candidates_estimated=len(visited))
-    affordable = _affordable(start + config.time_limit - time.monotonic(), original_cost, config.rounds, len(pool))
-    if not affordable:  # a large model: screening would overrun the limit, so the final measurement decides
-        best = min(pool, key=lambda candidate: visited[candidate.fingerprint][0])
-        return SearchResult(best.graph, list(best.applied), 0, time.monotonic() - start,
-                            f"{stop}; no time left to screen candidates: the best-estimated graph goes to the final "
-                            "measurement", candidates_estimated=len(visited))
+    seconds_left = start + config.time_limit - time.monotonic()
+    affordable = _affordable(seconds_left, original_cost, config.rounds, len(pool))
+    if not affordable:  # a large model: measuring even one candidate would overrun the limit
+        needed = _screen_seconds(original_cost, config.rounds, len(pool))
+        return SearchResult(graph, [], 0, time.monotonic() - start,
+                            f"{stop}; no time left to measure a candidate (one takes about "
+                            f"{_screen_seconds(original_cost, config.rounds, 1):.0f} s, {max(seconds_left, 0):.0f} s "
+                            f"were left; a time limit of about {2 * needed:.0f} s would measure {len(pool)})",
+                            candidates_estimated=len(visited))
     return select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
                            deadline=start + config.time_limit, start=start, stop_reason=stop,
                            estimated=len(visited))
@@ -155,10 +159,14 @@ SCREEN_OVERHEAD_RUNS = 10
 """Runs per model a screening comparison costs beyond its rounds: warm-up and session building (measured on GPT-2)."""
 
 
+def _screen_seconds(estimated_ms: float, rounds: int, candidates: int) -> float:
+    """Seconds to screen `candidates` against the input, from the cost model's latency (the input counts as one more)."""
+    return (candidates + 1) * max(estimated_ms, 1e-3) / 1000.0 * (rounds + SCREEN_OVERHEAD_RUNS)
+
+
 def _affordable(seconds_left: float, estimated_ms: float, rounds: int, wanted: int) -> int:
-    """How many candidates can be screened against the input in `seconds_left`, from the cost model's latency."""
-    per_model = max(estimated_ms, 1e-3) / 1000.0 * (rounds + SCREEN_OVERHEAD_RUNS)
-    return max(0, min(wanted, int(seconds_left / per_model) - 1))
+    """How many candidates, at most `wanted`, can be screened against the input in `seconds_left`."""
+    return next((n for n in range(wanted, 0, -1) if _screen_seconds(estimated_ms, rounds, n) <= seconds_left), 0)
 
 
 def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: float,

@@ -110,18 +110,27 @@ def test_screening_fits_the_time_left():
     assert agent_module._affordable(-1.0, 1.0, 15, 4) == 0
 
 
-def test_without_time_to_screen_the_best_estimated_graph_goes_to_the_final_gate(zoo_paths, cost_model, policy,
-                                                                                 monkeypatch):
+def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit_would_do(zoo_paths, cost_model,
+                                                                                           policy, monkeypatch):
     graph = rlflow.load(zoo_paths["bert-base-tiny"])
     offered = []
 
     def every_visited(visited, endings, original_cost, original, top_k):
-        offered.extend(sorted(visited.values(), key=lambda pair: pair[0])[:2])
-        return [candidate for _, candidate in offered]
+        offered.extend(candidate for _, candidate in sorted(visited.values(), key=lambda pair: pair[0])[:2])
+        return list(offered)
 
     monkeypatch.setattr(agent_module, "_pool", every_visited)
     monkeypatch.setattr(agent_module, "_affordable", lambda *args: 0)
     result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, length=4, time_limit=60),
                           cost_model=cost_model, policy=policy)
-    assert result.candidates_measured == 0 and "no time left to screen" in result.stop_reason
-    assert result.graph.fingerprint() == offered[0][1].fingerprint and result.applied == list(offered[0][1].applied)
+    assert offered, "the rollouts reached no graph: the test would not test anything"
+    assert result.candidates_measured == 0 and result.applied == []
+    assert result.graph.fingerprint() == graph.fingerprint()
+    assert "no time left to measure a candidate" in result.stop_reason
+    assert f"would measure {len(offered)})" in result.stop_reason
+
+
+def test_screening_cost_counts_the_input_as_one_more_model():
+    per_model = 300.0 / 1000 * (15 + agent_module.SCREEN_OVERHEAD_RUNS)
+    assert agent_module._screen_seconds(300.0, 15, 1) == pytest.approx(2 * per_model)
+    assert agent_module._screen_seconds(300.0, 15, 4) == pytest.approx(5 * per_model)

@@ -7,7 +7,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.measure import SessionSettings, compare, profile_nodes, time_model
-from rlflow.measure.timing import bootstrap_ratio
+from rlflow.errors import ProviderError
+from rlflow.measure import timing as timing_module
+from rlflow.measure.timing import bootstrap_ratio, check_and_time
 from tests.conftest import tiny_model
 
 
@@ -30,6 +32,23 @@ def test_time_model_records_settings(mlp):
     assert timing.settings == {"provider": "CPUExecutionProvider", "threads": 1, "opt_level": "all",
                                "execution_mode": "sequential"}
     assert 0 < timing.min_ms <= timing.median_ms and timing.iqr_ms >= 0
+
+
+def test_check_and_time_stops_timing_after_its_seconds_once_it_has_three(mlp, monkeypatch):
+    settings = SessionSettings(threads=1)
+    assert check_and_time(mlp, settings, repeats=6).samples == 6
+    monkeypatch.setattr(timing_module, "CHECK_SECONDS", 0.0)
+    timing = check_and_time(mlp, settings, repeats=6, label="input")
+    assert timing.samples == 3 and timing.label == "input" and timing.min_ms > 0
+
+
+def test_check_and_time_refuses_a_model_that_builds_but_cannot_run():
+    shape = numpy_helper.from_array(np.array([3, 5], dtype=np.int64), "shape")
+    model = tiny_model([helper.make_node("Reshape", ["x", "shape"], ["y"], name="reshape")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [shape])
+    with pytest.raises(ProviderError, match="cannot run the model"):
+        check_and_time(model, SessionSettings(threads=1))
 
 
 def test_self_comparison_interval_contains_one(mlp):
