@@ -207,7 +207,9 @@ def select_measured(original: Graph, pool: Sequence[Candidate], settings: Sessio
     screening = measure_against(original, pool, settings, rounds=rounds, seed=seed, deadline=deadline, pace=pace)
     measured = screening.pairs
     best = fastest(measured)
-    if screening.unmeasured and not measured:
+    if not pool:
+        outcome = "no rewrite reached a new graph: nothing to measure"
+    elif screening.unmeasured and not measured:
         outcome = f"no time left to measure any of {len(pool)} candidates"
     else:
         late = f" ({screening.unmeasured} of {len(pool)} not measured: no time left)" if screening.unmeasured else ""

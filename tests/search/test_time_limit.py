@@ -144,6 +144,13 @@ def test_select_measured_keeps_the_original_when_no_candidate_can_be_measured_in
     assert fake.clock.now <= start + 8.0
 
 
+def test_select_measured_says_when_there_was_nothing_to_measure(fake, graph):
+    result = select_measured(graph, [], SessionSettings(), rounds=15, seed=0, deadline=None, start=fake.clock.now,
+                             stop_reason="queue empty after 1 expanded", estimated=0)
+    assert result.graph is graph and result.candidates_measured == 0 and fake.sessions == 0
+    assert result.stop_reason == "queue empty after 1 expanded; no rewrite reached a new graph: nothing to measure"
+
+
 def test_compare_with_a_pace_starts_no_block_that_would_end_late(fake, graph):
     model = graph.to_model(static=True)
     deadline = fake.clock.now + 4 * SESSION  # room for the first block, not for a second one
