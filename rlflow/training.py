@@ -30,13 +30,37 @@ def save_checkpoint_atomic(payload: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def read_checkpoint(path: str | os.PathLike):
+    """A checkpoint file's contents, read as tensors, plain containers and numpy arrays only.
+
+    A checkpoint is a pickle, and unrestricted unpickling runs whatever code the file names: `--agent PATH` must not
+    turn a file someone hands over into a program.  So this is torch's `weights_only` loading, with numpy arrays
+    allowed besides (the world model's replay holds them).
+
+    Raises:
+        Exception: whatever torch.load raises for a file that is not such a checkpoint.
+    """
+    import torch
+
+    torch.serialization.add_safe_globals(_array_globals())
+    return torch.load(Path(path), map_location="cpu", weights_only=True)
+
+
+def _array_globals() -> list:
+    """What unpickling a numpy array names: its reconstructor, the array and dtype classes (no code of the file's)."""
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtypes = [getattr(np.dtypes, name) for name in getattr(getattr(np, "dtypes", None), "__all__", [])]
+    return [_reconstruct, scalar, np.ndarray, np.dtype, *dtypes]
+
+
 def checkpoint_algo(path: str | os.PathLike) -> str | None:
     """The `algo` a checkpoint file says it holds (`ppo`, `worldmodel`), or None when it says none or is no
     checkpoint at all (the loaders then refuse it with their clear message)."""
-    import torch
-
     try:
-        payload = torch.load(Path(path), map_location="cpu", weights_only=False)
+        payload = read_checkpoint(path)
     except Exception:  # noqa: BLE001 - unreadable: not ours to judge here
         return None
     return payload.get("algo") if isinstance(payload, dict) else None
@@ -50,8 +74,6 @@ def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_versi
         RlflowError: missing file, not a checkpoint (of `algo`, when given), or trained on another rule registry or
             observation version (rule ids and observation columns would mean other things).
     """
-    import torch
-
     from rlflow.errors import RlflowError
     from rlflow.features import OBS_VERSION
     from rlflow.rewrites import REGISTRY_VERSION
@@ -60,9 +82,11 @@ def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_versi
     if not path.is_file():
         raise RlflowError(f"{path}: no such checkpoint")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = read_checkpoint(path)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
-        raise RlflowError(f"{path}: not an rlflow checkpoint ({exc})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RlflowError(f"{path}: not an rlflow checkpoint, or one holding more than weights and arrays "
+                          f"({first})") from None
     kind = f"{algo} " if algo else ""
     if not isinstance(payload, dict) or payload.get("format") != fmt or (algo and payload.get("algo") != algo):
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__

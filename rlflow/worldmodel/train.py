@@ -496,7 +496,8 @@ def main(config: Config) -> dict:
         replay = Replay.from_state_dict(payload["replay"])
         points, history = payload["points"], payload["history"]
         real_steps, start_iteration = payload["real_steps"], payload["iteration"] + 1
-        rng = payload["rng"]
+        rng = np.random.default_rng()
+        rng.bit_generator.state = payload["rng"]
         torch.set_rng_state(payload["torch_rng"])
         print(f"resumed from {checkpoint_path}: iteration {start_iteration}, {real_steps} real steps", flush=True)
     writer = CsvWriter(run_dir / "metrics.csv")
@@ -572,7 +573,8 @@ def main(config: Config) -> dict:
               f"mask acc {quality_now.get('mask_accuracy', float('nan')):.3f} "
               f"(exact {quality_now.get('mask_exact', float('nan')):.3f})  {point['seconds']:.0f}s", flush=True)
         save_checkpoint(checkpoint_path, agent, config, replay=replay.state_dict(), points=points, history=history,
-                        real_steps=real_steps, iteration=iteration, rng=rng, torch_rng=torch.get_rng_state())
+                        real_steps=real_steps, iteration=iteration, rng=rng.bit_generator.state,
+                        torch_rng=torch.get_rng_state())
         cost_model.save()
     writer.close()
     result = build_result(config, points, history, real_steps, REGISTRY_VERSION, n_rules,

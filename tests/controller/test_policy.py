@@ -85,3 +85,30 @@ def test_checkpoint_roundtrip_and_registry_check(tmp_path, zoo_paths, cost_model
         load_checkpoint(tmp_path / "junk.pt")
     with pytest.raises(RlflowError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
+
+
+RAN = []
+
+
+def _side_effect():
+    RAN.append("the file's code ran")
+    return {}
+
+
+class _Payload:
+    """Unpickles by calling `_side_effect`: what a hostile checkpoint would do with os.system."""
+
+    def __reduce__(self):
+        return _side_effect, ()
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path):
+    from rlflow.search.agent import load_agent
+
+    path = tmp_path / "hostile.pt"
+    torch.save({"format": 1, "algo": "worldmodel", "trap": _Payload()}, path)
+    with pytest.raises(RlflowError, match="not an rlflow checkpoint, or one holding more than weights and arrays"):
+        load_checkpoint(path)
+    with pytest.raises(RlflowError, match="not an rlflow checkpoint"):
+        load_agent(path)
+    assert RAN == []
