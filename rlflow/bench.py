@@ -388,16 +388,18 @@ def _outcome_lines(rows: Sequence[dict]) -> list[str]:
         return []
     lines = ["", "## What each search's rewrite came to", "",
              "`gate rejected`: the search's verified rewrite was not measurably faster in optimize()'s final "
-             "measurement (its median speedup there in brackets), so the input was kept.", "",
-             "| method | rewritten | gate rejected | not verified | nothing found |",
-             "| --- | ---: | --- | ---: | ---: |"]
+             "measurement (its median speedup there in brackets), so the input was kept. `out of time`: the search "
+             "kept the input with candidates it would have measured left unmeasured when its time ran out.", "",
+             "| method | rewritten | gate rejected | not verified | out of time | nothing found |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
     for method in methods:
         mine = [r for r in rows if r["method"] == method and outcome(r)]
-        count = {kind: sum(outcome(r) == kind for r in mine) for kind in ("rewritten", "not verified", "nothing found")}
+        count = {kind: sum(outcome(r) == kind for r in mine)
+                 for kind in ("rewritten", "not verified", "out of time", "nothing found")}
         rejected = [r for r in mine if outcome(r) == "gate rejected"]
         detail = ", ".join(f"{r['model']} ({r['gate_speedup']:.3f})" for r in rejected)
         lines.append(f"| {method} | {count['rewritten']} | {len(rejected)}{': ' + detail if detail else ''} "
-                     f"| {count['not verified']} | {count['nothing found']} |")
+                     f"| {count['not verified']} | {count['out of time']} | {count['nothing found']} |")
     return lines
 
 

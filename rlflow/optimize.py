@@ -72,6 +72,7 @@ class Result:
     settings: dict
     source: str | None = None
     gate: Ratio | None = None
+    candidates_unmeasured: int = 0
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -80,13 +81,16 @@ class Result:
 
     @property
     def outcome(self) -> str:
-        """`rewritten`, `gate rejected` (a verified rewrite not measurably faster), `not verified`, or `nothing found`
-        (the search handed back the input): `reason` in one word, for tables."""
+        """`reason` in a word or two, for tables: `rewritten`; `gate rejected` (a verified rewrite not measurably
+        faster); `not verified`; or, when the search handed back the input, `out of time` (it left candidates it would
+        have measured unmeasured) or `nothing found`."""
         if self.rewritten:
             return "rewritten"
         if self.gate is not None:
             return "gate rejected"
-        return "not verified" if self.verification is not None else "nothing found"
+        if self.verification is not None:
+            return "not verified"
+        return "out of time" if self.candidates_unmeasured else "nothing found"
 
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the output model atomically."""
@@ -108,6 +112,7 @@ class Result:
             "seconds": {"total": self.seconds, "search": self.search_seconds},
             "candidates_measured": self.candidates_measured,
             "candidates_estimated": self.candidates_estimated,
+            "candidates_unmeasured": self.candidates_unmeasured,
             "settings": self.settings,
         }
 
@@ -169,6 +174,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         recorded["finetune"] = adapted.as_dict() if adapted else None
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
+                  candidates_unmeasured=search.candidates_unmeasured,
                   settings=recorded, source=graph.source)
 
     verification, keep, gate = None, False, None

@@ -41,7 +41,8 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
             assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
             assert row["flops"] > 0 and 0 < row["peak_fraction"] and row["search_seconds"] <= row["seconds"]
             assert row["heldout"] == (model == "nasrnn")
-            assert row["outcome"] in ("rewritten", "gate rejected", "not verified", "nothing found"), row["reason"]
+            assert row["outcome"] in ("rewritten", "gate rejected", "not verified", "out of time", "nothing found"), \
+                row["reason"]
         for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
     with open(out / "results.csv") as handle:
@@ -60,13 +61,13 @@ def _row(method, result_outcome, gate=float("nan"), kind="rlflow"):
 
 def test_outcomes_say_why_an_input_was_kept():
     rows = [_row("taso", "rewritten", gate=1.05), _row("taso", "gate rejected", gate=0.998),
-            _row("taso", "not verified"), _row("agent", "nothing found"), _row("random", "not verified"),
-            _row("onnxsim", "", kind="peer")]
+            _row("taso", "not verified"), _row("agent", "nothing found"), _row("agent", "out of time"),
+            _row("random", "not verified"), _row("onnxsim", "", kind="peer")]
     assert [outcome(r) for r in rows] == ["rewritten", "gate rejected", "not verified", "nothing found",
-                                          "not verified", ""]
+                                          "out of time", "not verified", ""]
     lines = _outcome_lines(rows)
-    assert "| taso | 1 | 1: m (0.998) | 1 | 0 |" in lines and "| agent | 0 | 0 | 0 | 1 |" in lines
-    assert "| random | 0 | 0 | 1 | 0 |" in lines
+    assert "| taso | 1 | 1: m (0.998) | 1 | 0 | 0 |" in lines and "| agent | 0 | 0 | 0 | 1 | 1 |" in lines
+    assert "| random | 0 | 0 | 1 | 0 | 0 |" in lines
     assert not any("onnxsim" in line for line in lines)
     assert _outcome_lines([{k: v for k, v in r.items() if k != "outcome"} for r in rows]) == []  # older results
 

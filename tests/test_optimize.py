@@ -139,3 +139,16 @@ def _accept_first_candidate(graph, settings, config, rules, progress=False):
 def test_unknown_method():
     with pytest.raises(rlflow.InputError, match="unknown method"):
         rlflow.optimize("whatever.onnx", method="magic")
+
+
+@pytest.mark.parametrize("unmeasured, expected", [(0, "nothing found"), (3, "out of time")])
+def test_a_kept_input_says_whether_time_left_candidates_unmeasured(cnn_opset9_ir3_path, monkeypatch, unmeasured,
+                                                                   expected):
+    from rlflow.search.candidates import SearchResult
+
+    pipeline = importlib.import_module("rlflow.optimize")
+    monkeypatch.setattr(pipeline, "greedy", lambda graph, *args, **kwargs: SearchResult(
+        graph, [], 1, 0.1, "time limit", candidates_unmeasured=unmeasured))
+    result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5)
+    assert not result.rewritten and result.outcome == expected == result.as_dict()["outcome"]
+    assert result.as_dict()["candidates_unmeasured"] == unmeasured

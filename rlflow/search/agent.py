@@ -149,7 +149,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                             f"{stop}; no time left to measure a candidate (one takes about "
                             f"{_screen_seconds(original_cost, config.rounds, 1):.0f} s, {max(seconds_left, 0):.0f} s "
                             f"were left; a time limit of about {2 * needed:.0f} s would measure {len(pool)})",
-                            candidates_estimated=len(visited))
+                            candidates_estimated=len(visited), candidates_unmeasured=len(pool))
     return select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
                            deadline=start + config.time_limit, start=start, stop_reason=stop,
                            estimated=len(visited))

@@ -46,6 +46,8 @@ class SearchResult:
     Attributes:
         candidates_measured: graphs measured end to end (the expensive, real measurements).
         candidates_estimated: graphs scored with the cost model only.
+        candidates_unmeasured: graphs the search would have measured but had no time left for (a longer limit might
+            have found more).
     """
 
     graph: Graph
@@ -55,6 +57,7 @@ class SearchResult:
     stop_reason: str
     steps: list[dict] = field(default_factory=list)
     candidates_estimated: int = 0
+    candidates_unmeasured: int = 0
 
 
 def try_apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph | None:
@@ -217,8 +220,8 @@ def select_measured(original: Graph, pool: Sequence[Candidate], settings: Sessio
                    f"no candidate measurably faster{late}")
     if best is None:
         return SearchResult(original, [], len(measured), time.monotonic() - start, f"{stop_reason}; {outcome}",
-                            candidates_estimated=estimated)
+                            candidates_estimated=estimated, candidates_unmeasured=screening.unmeasured)
     candidate = best[0]
     steps = [{"rule": m.rule, "location": m.root} for m in candidate.applied]
     return SearchResult(candidate.graph, list(candidate.applied), len(measured), time.monotonic() - start,
-                        f"{stop_reason}; {outcome}", steps, estimated)
+                        f"{stop_reason}; {outcome}", steps, estimated, screening.unmeasured)

@@ -41,7 +41,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     deadline = start + config.time_limit
     current = Candidate(graph, (), graph.fingerprint())
     seen = {current.fingerprint}
-    steps, measured, stop = [], 0, "step limit"
+    steps, measured, unmeasured, stop = [], 0, 0, "step limit"
     pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
     with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar:
         for _ in range(config.max_steps):
@@ -58,6 +58,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             measured += len(results.pairs)
             best = fastest(results.pairs)
             if best is None:
+                unmeasured = results.unmeasured
                 out_of_time = results.unmeasured or time.monotonic() > deadline
                 stop = "time limit" if out_of_time else "no rewrite is measurably faster"
                 break
@@ -66,4 +67,5 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                           "nodes": len(current.graph)})
             bar.update(1)
             bar.set_postfix_str(f"{current.match.rule} {ratio}")
-    return SearchResult(current.graph, list(current.applied), measured, time.monotonic() - start, stop, steps)
+    return SearchResult(current.graph, list(current.applied), measured, time.monotonic() - start, stop, steps,
+                        candidates_unmeasured=unmeasured)

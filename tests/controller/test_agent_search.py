@@ -127,7 +127,7 @@ def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit
     assert result.candidates_measured == 0 and result.applied == []
     assert result.graph.fingerprint() == graph.fingerprint()
     assert "no time left to measure a candidate" in result.stop_reason
-    assert f"would measure {len(offered)})" in result.stop_reason
+    assert f"would measure {len(offered)})" in result.stop_reason and result.candidates_unmeasured == len(offered)
 
 
 def test_screening_cost_counts_the_input_as_one_more_model():

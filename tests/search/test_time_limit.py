@@ -140,6 +140,7 @@ def test_select_measured_keeps_the_original_when_no_candidate_can_be_measured_in
                              start=start, stop_reason="time limit after 3 expanded", estimated=9)
     assert result.graph is graph and result.applied == [] and result.candidates_measured == 0
     assert result.stop_reason == "time limit after 3 expanded; no time left to measure any of 6 candidates"
+    assert result.candidates_unmeasured == 6
     assert fake.sessions == 1  # the probe only
     assert fake.clock.now <= start + 8.0
 
