@@ -85,6 +85,8 @@ def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_versi
         payload = read_checkpoint(path)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a checkpoint"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if first.startswith("Weights only load failed"):  # torch's advice to load it unrestricted is not ours
+            first = "it names objects or code beyond tensors and arrays, so it was not read"
         raise RlflowError(f"{path}: not an rlflow checkpoint, or one holding more than weights and arrays "
                           f"({first})") from None
     kind = f"{algo} " if algo else ""
