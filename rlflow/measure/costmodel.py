@@ -17,7 +17,9 @@ scale into FusedMatMul, and folds constant subgraphs.  So the unit measured here
 4. Times are the fastest of several batched runs, minus the per-call overhead of a trivial session with as many
    inputs and outputs (so Python's per-call cost is not counted once per group) and minus the NCHWc reorders
    onnxruntime adds at the edges of an isolated group (inside the whole graph, NCHWc convolutions pass blocked
-   tensors to each other without them).
+   tensors to each other without them).  The overhead is timed in batches alternating with the group's own, every
+   time a group is measured: the difference is a few microseconds on small groups, so an overhead timed once and
+   reused would turn one busy moment into a bias on every group measured after it.
 
 The table is cached on disk as JSON, keyed by provider, session settings, machine and onnxruntime version.  After
 warm-up `graph_cost` is a pure-Python pass over the graph with dictionary look-ups.
@@ -51,8 +53,11 @@ from rlflow.measure.session import SessionSettings, inference_session, session_o
 
 log = logging.getLogger("rlflow")
 
-CACHE_VERSION = 1
-"""Bump when what a table entry means changes (grouping, measurement procedure): old tables are then ignored."""
+CACHE_VERSION = 2
+"""Bump when what a table entry means changes (grouping, measurement procedure): old tables are then ignored.
+
+2: the per-call overhead is timed alongside each group (version 1 timed it once per input/output count and cached
+it; one such entry timed 84 us against a true 48 us and floored 39% of a table's groups)."""
 
 MAX_GROUP = 16
 """Most non-static nodes in one fusion group (bounds measurement size and keeps keys reusable)."""
@@ -323,10 +328,10 @@ class CostModel:
             self._new += 1
         cost = table["costs"].get(canon)
         if cost is None:
-            seconds = _time_model(model, self.settings)
-            overhead = self._overhead(len(model.graph.input), len(model.graph.output))
+            probe = _probe_model(max(len(model.graph.input), 1), max(len(model.graph.output), 1))
+            seconds = _time_beyond(model, probe, self.settings)
             boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
-            cost = max(seconds * 1e3 - overhead - boundary, _FLOOR_MS)
+            cost = max(seconds * 1e3 - boundary, _FLOOR_MS)
             with self._lock:
                 table["costs"][canon] = cost
                 table["ops"][canon] = "+".join(n.op for n in group.members)
@@ -335,17 +340,6 @@ class CostModel:
             self.stats.canonical_hits += 1
         if self._new >= AUTOSAVE_EVERY:
             self.save()
-        return cost
-
-    def _overhead(self, n_in: int, n_out: int) -> float:
-        """Milliseconds a session.run of a trivial model with this many inputs and outputs takes (cached)."""
-        key = f"overhead:{n_in}:{n_out}"
-        cost = self.table["costs"].get(key)
-        if cost is None:
-            cost = _time_model(_probe_model(max(n_in, 1), max(n_out, 1)), self.settings) * 1e3
-            with self._lock:
-                self.table["costs"][key] = cost
-                self._new += 1
         return cost
 
     def _boundary_reorders(self, optimized: onnx.ModelProto) -> float:
@@ -371,9 +365,8 @@ class CostModel:
         key = "reorder:" + "x".join(map(str, shape))
         cost = self.table["costs"].get(key)
         if cost is None:
-            probe = _time_model(_reorder_probe(shape), SessionSettings(self.settings.provider, self.settings.threads,
-                                                                       "basic", self.settings.execution_mode))
-            cost = max(probe * 1e3 - self._overhead(1, 1), 0.0) / 2
+            basic = SessionSettings(self.settings.provider, self.settings.threads, "basic", self.settings.execution_mode)
+            cost = max(_time_beyond(_reorder_probe(shape), _probe_model(1, 1), basic) * 1e3, 0.0) / 2
             with self._lock:
                 self.table["costs"][key] = cost
                 self._new += 1
@@ -721,23 +714,29 @@ def _reorder_probe(shape: tuple[int, ...]) -> onnx.ModelProto:
                              ir_version=max_ir_version())
 
 
-def _time_model(model: onnx.ModelProto, settings: SessionSettings, *, batch_s: float = 0.002,
-                budget_s: float = 0.12) -> float:
-    """Seconds per run: the fastest of several batches (each at least `batch_s` long) after a warm-up.
+def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: SessionSettings, *,
+                 batch_s: float = 0.002, budget_s: float = 0.12) -> float:
+    """Seconds per run of `model` beyond those of `probe` (the trivial model whose run is the per-call overhead).
 
-    The minimum, not the median: the table is filled at different times on a shared machine, and the fastest batch
-    is the least disturbed by whatever else runs (the end-to-end check measures interleaved, where this matters less).
+    Batches of the two alternate and the fastest batch of each counts: the minimum, not the median, because the table
+    is filled at different times on a shared machine and the fastest batch is the least disturbed; alternating, so that
+    both minima come from the same stretch of time (the end-to-end check measures interleaved, where this matters
+    less).  The result may be negative for a group cheaper than the probe's Identity nodes.
     """
     from rlflow.measure.timing import Runner
 
-    runner = Runner(model, settings, random_inputs(model, 0))
-    for _ in range(2):
-        runner.run()
-    first = max(runner.time(1), 1e-7)
-    runs = max(1, math.ceil(batch_s / first))
-    batches = int(min(15, max(5, budget_s / (runs * first))))
-    samples = [runner.time(runs) for _ in range(batches)]
-    return float(np.min(samples))
+    runners = [Runner(m, settings, random_inputs(m, 0)) for m in (model, probe)]
+    for runner in runners:
+        for _ in range(2):
+            runner.run()
+    firsts = [max(runner.time(1), 1e-7) for runner in runners]
+    runs = [max(1, math.ceil(batch_s / first)) for first in firsts]
+    batches = int(min(15, max(5, budget_s / sum(n * first for n, first in zip(runs, firsts)))))
+    best = [math.inf, math.inf]
+    for _ in range(batches):
+        for k, runner in enumerate(runners):
+            best[k] = min(best[k], runner.time(runs[k]))
+    return best[0] - best[1]
 
 
 def spearman(x: Iterable[float], y: Iterable[float]) -> float:

@@ -164,3 +164,41 @@ def test_significant_pairs():
     pairs, agree = significant_pairs([10.0, 8.0, 10.5], ratios)
     assert pairs == 2 and agree == 1.0  # graph 1 is faster than 0 and 2; graph 0 vs 2 cannot be told apart
     assert significant_pairs([10.0, 12.0, 10.5], ratios) == (2, 0.0)
+
+
+class _ScriptedRunner:
+    """Stands in for `rlflow.measure.timing.Runner`: a group takes 60 us a run and the overhead probe 50 us, but the
+    first `busy` timings (of any model) run 40 us slower: another process held the core while the first group was
+    measured."""
+
+    busy = 32  # the timings one group's measurement takes (a first run and 15 batches, of the group and of the probe)
+
+    def __init__(self, model, settings, feeds):
+        self.seconds = 50e-6 if model.graph.name == "probe" else 60e-6
+
+    def run(self) -> None:
+        pass
+
+    def time(self, runs: int) -> float:
+        _ScriptedRunner.busy -= 1
+        return self.seconds + (40e-6 if _ScriptedRunner.busy >= 0 else 0.0)
+
+
+def _single(op: str, shape: list[int]) -> Graph:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+    return Graph.from_model(_model([helper.make_node(op, ["x"], ["y"], name="n")], [x], [y]))
+
+
+def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path, monkeypatch):
+    """The per-call overhead is timed alongside every group: an overhead timed once during a slow stretch and reused
+    would floor every group measured after the stretch."""
+    import rlflow.measure.timing as timing
+
+    monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
+    monkeypatch.setattr(_ScriptedRunner, "busy", 32)
+    model = CostModel(cache_dir=tmp_path)
+    costs = [model.graph_cost(_single(op, shape)) for op, shape in (("Relu", [4, 8]), ("Sigmoid", [2, 16]),
+                                                                     ("Tanh", [8, 8]))]
+    assert model.stats.measured == 3
+    assert costs == pytest.approx([0.010] * 3, abs=1e-9)
