@@ -31,6 +31,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     assert results["settings"]["threads"] == 1 and results["config"]["time_limit"] == 2
     assert results["config"]["agent"] == str(DEFAULT_AGENT)  # held out below: from the agent's own default.json
     assert results["peak"]["gflops"] > 0 and results["environment"]["onnxruntime"]
+    assert sorted(results["cost_table_warmup_seconds"]) == ["nasrnn", "resnet-18"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
     assert len(rows) == 3 * 6  # 3 models x (greedy + agent + 4 peers)
     assert all(r["status"] == "failed" and "load" in r["error"] for (m, _), r in rows.items() if m == "broken")
@@ -81,3 +82,18 @@ def test_find_models(tmp_path, matmul_model):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RlflowError, match="no .onnx models"):
         find_models([tmp_path / "empty"])
+
+
+def test_the_cost_table_is_filled_before_any_method_runs(tmp_path, matmul_model, monkeypatch):
+    """The first method on a model must not pay, inside its time limit, for table entries later methods read free."""
+    from rlflow.bench import warm_cost_table
+    from rlflow.graph import Graph
+    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.session import SessionSettings
+
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    graph, settings = Graph.from_model(matmul_model), SessionSettings()
+    assert warm_cost_table(graph, settings) > 0
+    fresh = CostModel(settings)  # what a method's optimize() creates: it reads the table from disk
+    fresh.graph_cost(graph)
+    assert fresh.stats.misses == 0 and fresh.stats.hits > 0
