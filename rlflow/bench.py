@@ -182,7 +182,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
     agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
     rows: list[Row] = []
-    warmups: dict[str, float] = {}
+    warmups: dict[str, float | None] = {}
     jobs = [(m, method) for m in models for method in (*config.methods, *peers)]
     started = time.monotonic()
     with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
@@ -220,8 +220,9 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     return results
 
 
-def warm_cost_table(graph: Graph, settings: SessionSettings) -> float:
-    """Fills the cost table for the model's own graph before any method runs on it; returns the seconds it took.
+def warm_cost_table(graph: Graph, settings: SessionSettings) -> float | None:
+    """Fills the cost table for the model's own graph before any method runs on it; returns the seconds it took, or
+    None when the cost model cannot take the graph (the methods' own rows then say what fails on it).
 
     The table is shared on disk, so whichever method ran first on a model would otherwise pay, inside its time limit,
     for measuring the groups every later method then reads for free.  Groups of rewritten graphs are still measured by
@@ -230,14 +231,18 @@ def warm_cost_table(graph: Graph, settings: SessionSettings) -> float:
     from rlflow.measure.costmodel import CostModel
 
     start = time.monotonic()
-    cost_model = CostModel(settings)
-    cost_model.graph_cost(graph)
-    cost_model.save()
+    try:
+        cost_model = CostModel(settings)
+        cost_model.graph_cost(graph)
+        cost_model.save()
+    except Exception as exc:  # noqa: BLE001 - a warm-up must not stop the run: every method still gets its row
+        log.warning("cost table warm-up failed on %s: %s", graph.source or "graph", str(exc).splitlines()[0][:200])
+        return None
     return time.monotonic() - start
 
 
 def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started: float, rows: list[Row],
-             warmups: dict[str, float], complete: bool) -> dict:
+             warmups: dict[str, float | None], complete: bool) -> dict:
     records = [asdict(r) for r in rows]
     return {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
             "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
@@ -352,7 +357,7 @@ def markdown_table(results: dict) -> str:
         f"Search time limit {_limit(cfg['time_limit'])} per model and method; {cfg['rounds']} interleaved rounds per "
         f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s. "
         f"Before the methods run on a model, the cost table is filled for its graph (outside every method's time; "
-        f"{sum(results.get('cost_table_warmup_seconds', {}).values()):.0f} s in all)."
+        f"{sum(s for s in results.get('cost_table_warmup_seconds', {}).values() if s is not None):.0f} s in all)."
         + (f" Method agent: `{cfg['agent']}`." if cfg.get("agent") else ""),
         "",
         "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "

@@ -97,3 +97,17 @@ def test_the_cost_table_is_filled_before_any_method_runs(tmp_path, matmul_model,
     fresh = CostModel(settings)  # what a method's optimize() creates: it reads the table from disk
     fresh.graph_cost(graph)
     assert fresh.stats.misses == 0 and fresh.stats.hits > 0
+
+
+def test_a_failed_warm_up_leaves_the_run_going(matmul_model, monkeypatch):
+    """The cost model failing on a graph is the methods' rows to report, not a reason to stop the whole bench."""
+    from rlflow.bench import warm_cost_table
+    from rlflow.graph import Graph
+    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.session import SessionSettings
+
+    def broken(self, graph):
+        raise ValueError("shape inference failed\nsecond line")
+
+    monkeypatch.setattr(CostModel, "graph_cost", broken)
+    assert warm_cost_table(Graph.from_model(matmul_model), SessionSettings()) is None
