@@ -4,9 +4,13 @@ world-model checkpoint (`rlflow train --algo worldmodel`).
 The controller was trained in the dream over rule types, from the state (z, h): z is V's encoding of the graph, h is
 M's memory of the rewrites applied so far.  On a real graph the actor does the same: V encodes the observation, M's
 one-step cell advances h after every rewrite, and the controller's logits over rules (masked by the rules that
-really have a match) become logits over the environment's candidates: every candidate of a rule gets its rule's
-logit.  A greedy choice therefore takes a rule's first listed candidate, as the real episodes that trained the world
-model did, and sampled rollouts spread over the locations of a rule (the location choice is not learned).
+really have a match) become logits over the environment's candidates.  With a location scorer (see
+`rlflow.worldmodel.location`) a candidate's logit is its rule's logit less how far its predicted reward falls short
+of the rule's best-scored match, divided by `LOCATION_TEMPERATURE`: a greedy choice takes the controller's rule at
+its best-scored match, as the real episodes that trained the world model did, and sampled rollouts favour the
+better matches.
+Without one (checkpoints from before it) every candidate of a rule gets its rule's logit, so a greedy choice takes
+the rule's first listed match.
 """
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ import torch
 
 NEG = -1e8
 """Logit of an action that cannot be taken."""
+
+LOCATION_TEMPERATURE = 0.1
+"""Spread of the location distribution, in the scorer's units (reward / reward scale): matches whose predicted
+rewards differ by one percentage point (0.1 at the usual scale of 10) differ by a factor e in probability."""
 
 
 class WorldModelActor:
@@ -34,8 +42,9 @@ class WorldModelActor:
         self.reward_range = reward_range  # (low, high) the dream's reward clip, from the training episodes
         self.n_rules = agent.n_rules
         self.cell = MDRNNCell(agent.mdrnn)
-        for module in (agent.vision, agent.mdrnn, agent.policy):
-            module.eval()
+        for module in (agent.vision, agent.mdrnn, agent.policy, getattr(agent, "location", None)):
+            if module is not None:
+                module.eval()
         self.reset()
 
     def reset(self) -> None:
@@ -61,13 +70,31 @@ class WorldModelActor:
 
     def logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
         """(C + 1,) logits over the observation's candidates and terminate (the last): each listed candidate gets its
-        rule's logit, unlisted slots NEG."""
+        rule's logit plus its location's preference (when the agent has a location scorer), unlisted slots NEG."""
         per_rule = self.rule_logits(obs)
         rules = torch.as_tensor(np.asarray(obs["cand_rule"]), dtype=torch.long).clamp(0, self.n_rules - 1)
         listed = torch.as_tensor(np.asarray(obs["cand_mask"]).astype(bool))
         out = torch.full((len(rules) + 1,), NEG)
-        out[:-1] = torch.where(listed, per_rule[rules], torch.full((), NEG))
+        out[:-1] = torch.where(listed, per_rule[rules] + self.location_preference(obs), torch.full((), NEG))
         out[-1] = per_rule[self.n_rules]
+        return out
+
+    def location_preference(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
+        """(C,) per listed candidate, (its predicted reward - the best of its rule's matches) / LOCATION_TEMPERATURE:
+        0 at each rule's best-scored match, negative elsewhere (zeros without a location scorer, and for unlisted
+        slots)."""
+        from rlflow.worldmodel.location import candidate_scores
+
+        out = torch.zeros(len(np.asarray(obs["cand_rule"])))
+        scorer = getattr(self.agent, "location", None)
+        listed = np.flatnonzero(np.asarray(obs["cand_mask"]).astype(bool))
+        if scorer is None or not len(listed):
+            return out
+        scores = candidate_scores(scorer, obs, listed) / LOCATION_TEMPERATURE
+        rules = torch.as_tensor(np.asarray(obs["cand_rule"])[listed], dtype=torch.long)
+        for rule in rules.unique():
+            same = rules == rule
+            out[torch.as_tensor(listed)[same]] = scores[same] - scores[same].max()
         return out
 
     @torch.no_grad()

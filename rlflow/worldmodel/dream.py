@@ -271,7 +271,9 @@ def real_starts(mdrnn: MDRNN, episodes: list, mu: torch.Tensor, logvar: torch.Te
         rows["steps"].append(torch.full((len(live),), t, dtype=torch.long))
         rows["episode"].append(torch.as_tensor([index[i] for i in live], dtype=torch.long))
         actions = torch.as_tensor([min(episodes[i].actions[t], mdrnn.n_actions - 1) for i in live])
-        _, (h_new, c_new) = cell(actions, mu[states], (h[live], c[live]))
+        flags = torch.as_tensor([float(episodes[i].random_locations[t]) if episodes[i].random_locations else 0.0
+                                 for i in live])
+        _, (h_new, c_new) = cell(actions, mu[states], (h[live], c[live]), flags)
         h[live], c[live] = h_new, c_new
     states = torch.cat(rows["state"])
     steps = torch.cat(rows["steps"])

@@ -6,7 +6,11 @@ Gaussians over z_{t+1}, plus the reward and a termination logit.  `MDRNN` runs w
 weight by construction.
 
 Actions are rule ids (`0..R-1`: apply one match of that rule) and `R` (terminate), one-hot encoded: the dream acts
-over rule types, so it needs no candidate list from a real graph.  What a real candidate list would say is
+over rule types, so it needs no candidate list from a real graph.  With `location_flag` the action also carries one
+bit: the rule was applied at a random match (exploration) rather than where the agent's location scorer chose
+(`rlflow.worldmodel.location`); where a rule goes changes what it earns, and the dream always plays the agent's own
+choice (bit 0), so M learns both kinds of real transition without mistaking one for the other.  What a real
+candidate list would say is
 predicted too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the graph have a match of rule r?) of
 the state (z_t, h_t), which is the action mask the dream hands to the controller.  The heads read the LSTM output
 together with z_t and the action (a skip connection: reward is mostly a function of the graph and the rule, which
@@ -70,17 +74,20 @@ class MDRNN(nn.Module):
         hidden: LSTM size (H).
         gaussians: mixture components (K).
         reward_ensemble: reward heads (E).
+        location_flag: the action carries the random-location bit (see the module docstring).
     """
 
     def __init__(self, latent_size: int, n_actions: int, n_rules: int, hidden: int = 128, gaussians: int = 5,
-                 reward_ensemble: int = 5):
+                 reward_ensemble: int = 5, location_flag: bool = False):
         super().__init__()
         if reward_ensemble < 1:
             raise ValueError("reward_ensemble must be >= 1")
         self.latent_size, self.n_actions, self.n_rules = latent_size, n_actions, n_rules
         self.hidden, self.gaussians, self.reward_ensemble = hidden, gaussians, reward_ensemble
-        self.rnn = nn.LSTM(latent_size + n_actions, hidden)
-        head_in = hidden + latent_size + n_actions
+        self.location_flag = bool(location_flag)
+        action_size = n_actions + int(self.location_flag)
+        self.rnn = nn.LSTM(latent_size + action_size, hidden)
+        head_in = hidden + latent_size + action_size
         self.gmm_linear = nn.Linear(head_in, (2 * latent_size + 1) * gaussians)
         self.reward_heads = nn.ModuleList(nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
                                           for _ in range(reward_ensemble))
@@ -90,12 +97,21 @@ class MDRNN(nn.Module):
     def spec(self) -> dict:
         """Constructor arguments (stored in checkpoints)."""
         return {"latent_size": self.latent_size, "n_actions": self.n_actions, "n_rules": self.n_rules,
-                "hidden": self.hidden, "gaussians": self.gaussians, "reward_ensemble": self.reward_ensemble}
+                "hidden": self.hidden, "gaussians": self.gaussians, "reward_ensemble": self.reward_ensemble,
+                "location_flag": self.location_flag}
 
     def initial_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero (h, c), each (B, H)."""
         zeros = torch.zeros(batch, self.hidden, device=device)
         return zeros, zeros.clone()
+
+    def encode_action(self, actions: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
+        """(*L,) action ids and (*L,) random-location bits (zeros when None) -> (*L, A) or (*L, A + 1) inputs."""
+        onehot = F.one_hot(actions.long(), self.n_actions).float()
+        if not self.location_flag:
+            return onehot
+        flags = torch.zeros(actions.shape) if flags is None else flags.float()
+        return torch.cat([onehot, flags.unsqueeze(-1)], -1)
 
     def mask_logits(self, latents: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Per-rule availability logits (*L, R) of the state (z, h): latents (*L, Z), h (*L, H)."""
@@ -119,13 +135,15 @@ class MDRNN(nn.Module):
                            members)
 
     def forward(self, actions: torch.Tensor, latents: torch.Tensor,
-                state: tuple[torch.Tensor, torch.Tensor] | None = None) -> MDRNNOutput:
+                state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                flags: torch.Tensor | None = None) -> MDRNNOutput:
         """Predictions for a batch of sequences.
 
         Args:
             actions: (T, B) long action ids.
             latents: (T, B, Z) z_t.
             state: initial (h, c), each (B, H); zeros when None.
+            flags: (T, B) random-location bits (zeros when None; ignored without `location_flag`).
 
         Returns:
             `MDRNNOutput` with leading dims (T, B); `mask_logits[t]` is the availability of state t, read from z_t
@@ -134,7 +152,7 @@ class MDRNN(nn.Module):
         t, b = actions.shape
         if state is None:
             state = self.initial_state(b, latents.device)
-        onehot = F.one_hot(actions.long(), self.n_actions).float()
+        onehot = self.encode_action(actions, flags)
         outs, _ = self.rnn(torch.cat([latents, onehot], -1), (state[0].unsqueeze(0), state[1].unsqueeze(0)))
         before = torch.cat([state[0].unsqueeze(0), outs[:-1]], 0)  # h_t for each t
         return self._output(self._heads(outs, latents, onehot), self.mask_logits(latents, before))
@@ -151,11 +169,13 @@ class MDRNNCell(nn.Module):
         super().__init__()
         self.mdrnn = mdrnn
 
-    def forward(self, action: torch.Tensor, latent: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]):
-        """One step: action (B,) long, latent (B, Z), state (h, c) each (B, H) ->
+    def forward(self, action: torch.Tensor, latent: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
+                flag: torch.Tensor | None = None):
+        """One step: action (B,) long, latent (B, Z), state (h, c) each (B, H), flag (B,) random-location bits
+        (zeros when None: the agent's own location, as in the dream) ->
         (`MDRNNOutput` with leading dim B, next state (h, c))."""
         m = self.mdrnn
-        onehot = F.one_hot(action.long(), m.n_actions).float()
+        onehot = m.encode_action(action, flag)
         out, (h, c) = m.rnn(torch.cat([latent, onehot], -1).unsqueeze(0), (state[0].unsqueeze(0),
                                                                             state[1].unsqueeze(0)))
         out = out.squeeze(0)

@@ -21,13 +21,17 @@ _EDGE_KEYS = ("edge_index", "edge_features", "edge_mask")
 @dataclass
 class Episode:
     """One real episode: states s_0..s_L (indices into the replay), actions a_0..a_{L-1} (rule ids, or the terminate
-    id), rewards, and how it ended.  `ended_empty`: it ended because no rewrite was left (the world model's
-    termination target)."""
+    id), rewards, the node indices of the match each rule was applied at (`locations`, [] for terminate; what the
+    location scorer learns from), whether that match was a random one (`random_locations`: exploration, not the
+    agent's location choice) and how it ended.  `ended_empty`: it ended because no rewrite was left (the world
+    model's termination target)."""
 
     model: str
     states: list[int] = field(default_factory=list)
     actions: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    locations: list[list[int]] = field(default_factory=list)
+    random_locations: list[bool] = field(default_factory=list)
     ended_empty: bool = False
     truncated: bool = False
     heldout: bool = False
@@ -151,13 +155,14 @@ def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, m
 
     Returns:
         `actions` (T, B) long, `latents` and `next_latents` (T, B, Z), `rewards`, `dones`, `valid` (transition
-        targets) and `state_valid` (T, B), `masks` (T, B, R).
+        targets), `state_valid` and `flags` (T, B; 1 where the rule went to a random match), `masks` (T, B, R).
     """
     t_max = max(len(e.states) for e in episodes)
     b, z, r = len(episodes), mu.shape[1], masks.shape[1]
     out = {"actions": torch.full((t_max, b), terminate, dtype=torch.long), "latents": torch.zeros(t_max, b, z),
            "next_latents": torch.zeros(t_max, b, z), "rewards": torch.zeros(t_max, b), "dones": torch.zeros(t_max, b),
-           "valid": torch.zeros(t_max, b), "state_valid": torch.zeros(t_max, b), "masks": torch.zeros(t_max, b, r)}
+           "valid": torch.zeros(t_max, b), "state_valid": torch.zeros(t_max, b), "masks": torch.zeros(t_max, b, r),
+           "flags": torch.zeros(t_max, b)}
     for col, ep in enumerate(episodes):
         ids = torch.as_tensor(ep.states)
         lat = mu[ids] + (0.5 * logvar[ids]).exp() * torch.randn(len(ids), z) if sample else mu[ids]
@@ -170,6 +175,8 @@ def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, m
             out["actions"][:steps, col] = torch.as_tensor(ep.actions)
             out["next_latents"][:steps, col] = lat[1: steps + 1]
             out["rewards"][:steps, col] = torch.as_tensor(ep.rewards, dtype=torch.float32) / reward_scale
+            if ep.random_locations:
+                out["flags"][:steps, col] = torch.as_tensor(ep.random_locations, dtype=torch.float32)
             acts = torch.as_tensor(ep.actions)
             out["valid"][:steps, col] = (acts != terminate).float()
             if ep.ended_empty and ep.actions[-1] != terminate:

@@ -9,7 +9,9 @@ accuracy is given three ways, since most of the registry's rules never match a -
 "unavailable" everywhere already scores high per entry: per entry, per entry over the rules seen available at least
 once, and per state (the whole mask right).  Transitions whose (state, rule) pair also occurs in the training
 episodes are counted too (the environment is deterministic and starts from the same graphs, so many do): the
-correlation is also given over the unseen ones.
+correlation is also given over the unseen ones, and separately over the transitions whose rule went where the agent's
+location scorer chose (what the dream plays) and those that went to a random match (exploration: which match was
+drawn is not in M's input, so their rewards are partly unpredictable by design).
 """
 from __future__ import annotations
 
@@ -79,13 +81,14 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
     masks = torch.as_tensor(np.stack(replay.rule_masks))
     terminate = mdrnn.n_rules
     seq = sequences(episodes, mu, logvar, masks, terminate, sample=False, reward_scale=reward_scale)
-    out = mdrnn(seq["actions"], seq["latents"])
+    out = mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
     from rlflow.worldmodel.mdrnn import gmm_loss
 
     valid = seq["valid"].bool()
     nll = gmm_loss(seq["next_latents"], out.mus, out.sigmas, out.logpi, reduce=False)[valid]
     predicted = (out.reward[valid] * reward_scale).numpy()
     real = (seq["rewards"][valid] * reward_scale).numpy()
+    at_random = seq["flags"][valid].bool().numpy()  # the rule went to a random match (exploration)
     done_pred = (out.done_logit[valid] > 0).numpy()
     done_real = seq["dones"][valid].bool().numpy()
     state_valid = seq["state_valid"].bool()
@@ -116,13 +119,18 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
         "reward_pearson_unseen": pearson(predicted[unseen], real[unseen]),
         "reward_spearman": spearman(predicted, real),
         "unseen_transitions": int(unseen.sum()),
+        "reward_pearson_agent_location": pearson(predicted[~at_random], real[~at_random]),
+        "agent_location_transitions": int((~at_random).sum()),
+        "reward_pearson_random_location": pearson(predicted[at_random], real[at_random]),
+        "random_location_transitions": int(at_random.sum()),
         "done_accuracy": float(np.mean(done_pred == done_real)) if len(real) else float("nan"),
         "mask_accuracy": float(np.mean(mask_pred == mask_real)),
         "mask_accuracy_seen_rules": float(np.mean(mask_pred[:, seen_rules] == mask_real[:, seen_rules])),
         "mask_exact": float(np.mean((mask_pred == mask_real).all(-1))),
         "mask_false_available": float(np.mean(mask_pred & ~mask_real)),
         "mask_false_unavailable": float(np.mean(~mask_pred & mask_real)),
-        "reward_pairs": {"predicted": predicted.tolist(), "real": real.tolist(), "seen": seen.tolist()},
+        "reward_pairs": {"predicted": predicted.tolist(), "real": real.tolist(), "seen": seen.tolist(),
+                         "random_location": at_random.tolist()},
     }
 
 
@@ -208,11 +216,16 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
     ax.plot(its, [h.get("reward_pearson", math.nan) for h in history], "o-", label="reward Pearson")
     ax.plot(its, [h.get("reward_pearson_unseen", math.nan) for h in history], "o-", label="reward Pearson (unseen)")
     ax.plot(its, [h.get("reward_spearman", math.nan) for h in history], "o-", label="reward Spearman (ranks)")
+    if any("reward_pearson_agent_location" in h for h in history):
+        ax.plot(its, [h.get("reward_pearson_agent_location", math.nan) for h in history], "o-", color="tab:cyan",
+                label="reward Pearson (rule at the scorer's match)")
+        ax.plot(its, [h.get("location_pearson", math.nan) for h in history], "o:", color="tab:purple",
+                label="location scorer Pearson")
     ax.plot(its, [h.get("done_accuracy", math.nan) for h in history], "o-", label="termination accuracy")
     ax.axhline(0.8, color="grey", ls="--", lw=0.5)
     ax.set_ylim(-0.1, 1.05)
     ax.set_xlabel("iteration")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, loc="lower right")
     ax.set_title("reward and termination", fontsize=9)
     ax2 = ax.twinx()
     ax2.plot(its, [h.get("reward_mae", math.nan) for h in history], "s--", color="tab:red", label="reward MAE")

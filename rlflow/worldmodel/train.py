@@ -13,8 +13,10 @@ Each iteration:
 5. evaluate: one greedy episode per model in the real environment (these steps count as real steps too), and the
    world model's quality on the held-out episodes.
 
-Actions are rule types plus terminate.  In the real environment the chosen rule is applied at its first listed
-candidate (the location heuristic: `rlflow.controller.dream_ppo.first_candidate`), masked by the real availability.
+Actions are rule types plus terminate, masked by the real availability.  In the real environment the chosen rule is
+applied where the learned location scorer (`rlflow.worldmodel.location`, trained on the real transitions after V)
+predicts the best reward; random and exploratory actions pick a random match (with `learn_location` off: the first
+listed match, `rlflow.controller.dream_ppo.first_candidate`).
 
 Everything the run needs to resume (weights, optimiser states, replay, curves, config, rule-registry version) is in
 `<run_dir>/worldmodel.pt`; metrics (`charts/`, `losses/`, `eval/`) go to `<run_dir>/metrics.csv`; the report
@@ -79,6 +81,10 @@ class Config:
             means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
             than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
             controller exploits.
+        learn_location: apply a chosen rule at the match the learned location scorer rates best (random matches
+            when exploring); False: always at the first listed match.
+        location_epochs: epochs of the location scorer per iteration.
+        location_lr: the location scorer's Adam learning rate.
         mask_weight: weight of M's availability loss.
         reward_scale: rewards are predicted divided by this.
         temperature: sampling temperature of the dream.
@@ -111,7 +117,7 @@ class Config:
     """
 
     models: tuple[str, ...] = DEFAULT_MODELS
-    iterations: int = 4
+    iterations: int = 6
     random_steps: int = 500
     random_terminate: float = 0.1
     collect_steps: int = 250
@@ -132,6 +138,9 @@ class Config:
     mdrnn_lr: float = 1e-3
     mdrnn_batch: int = 32
     sample_latents: bool = False
+    learn_location: bool = True
+    location_epochs: int = 30
+    location_lr: float = 1e-3
     mask_weight: float = 10.0
     reward_scale: float = 10.0
     temperature: float = 1.0
@@ -162,32 +171,41 @@ class Config:
 
 
 class Agent:
-    """V, M and the controller with their optimisers (what a checkpoint holds besides the replay and curves)."""
+    """V, M, the controller and the location scorer (None with `learn_location` off) with their optimisers (what a
+    checkpoint holds besides the replay and curves)."""
 
     def __init__(self, config: Config, n_rules: int):
         import torch
 
         from rlflow.controller.dream_ppo import LatentPolicy
+        from rlflow.worldmodel.location import LocationScorer
         from rlflow.worldmodel.mdrnn import MDRNN
         from rlflow.worldmodel.vae import GraphVAE
 
         self.n_rules = n_rules
         self.vision = GraphVAE(n_rules, config.hidden, config.rounds, config.latent_size)
         self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians,
-                           config.reward_ensemble)
+                           config.reward_ensemble, location_flag=config.learn_location)
         self.policy = LatentPolicy(config.latent_size + config.rnn_hidden, n_rules + 1, config.controller_hidden)
         self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=config.vae_lr)
         self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=config.mdrnn_lr)
         self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=config.controller_lr, eps=1e-5)
+        self.location = LocationScorer(n_rules, config.hidden, config.rounds) if config.learn_location else None
+        self.location_opt = (torch.optim.Adam(self.location.parameters(), lr=config.location_lr)
+                             if self.location is not None else None)
+
+    def _parts(self) -> tuple[str, ...]:
+        parts = ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt")
+        return parts + ("location", "location_opt") if self.location is not None else parts
 
     def state_dict(self) -> dict:
-        return {"vision": self.vision.state_dict(), "mdrnn": self.mdrnn.state_dict(),
-                "policy": self.policy.state_dict(), "vision_opt": self.vision_opt.state_dict(),
-                "mdrnn_opt": self.mdrnn_opt.state_dict(), "policy_opt": self.policy_opt.state_dict(),
-                "specs": {"vision": self.vision.spec(), "mdrnn": self.mdrnn.spec(), "policy": self.policy.spec()}}
+        data = {name: getattr(self, name).state_dict() for name in self._parts()}
+        data["specs"] = {name: getattr(self, name).spec() for name in ("vision", "mdrnn", "policy", "location")
+                         if getattr(self, name) is not None}
+        return data
 
     def load_state_dict(self, data: dict) -> None:
-        for name in ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt"):
+        for name in self._parts():
             getattr(self, name).load_state_dict(data[name])
 
 
@@ -216,7 +234,8 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
     payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
                                       algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
     fields = {f.name for f in dataclasses.fields(Config)}
-    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["config"].items() if k in fields})
+    stored = {"learn_location": False, **payload["config"]}  # checkpoints from before it used the first match
+    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in fields})
     agent = Agent(config, len(payload["rules"]))
     agent.load_state_dict(payload["agent"])
     return agent, payload
@@ -248,9 +267,12 @@ def tried_pairs(episodes: list) -> dict:
 
 def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.random.Generator, *, greedy: bool,
                  epsilon: float = 0.0, random_terminate: float = 0.1, heldout: bool = False, source: str = "random",
-                 iteration: int = 0, max_steps: int | None = None, tried: dict | None = None):
+                 iteration: int = 0, max_steps: int | None = None, tried: dict | None = None,
+                 random_locations: bool = False):
     """One real episode with rule-level actions (random when `agent` is None, see `explore_action`), recorded in
-    `replay`; `tried` counts the (state, rule) pairs applied and is updated.
+    `replay`; `tried` counts the (state, rule) pairs applied and is updated.  A rule goes where the agent's location
+    scorer rates best; random and exploratory actions go to a random match when `random_locations` is set, and
+    everything goes to the first listed match when there is no scorer.
 
     Returns:
         The `Episode` (also appended to `replay.episodes`).
@@ -259,6 +281,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
 
     from rlflow.controller.dream_ppo import first_candidate, rule_mask_from_obs
     from rlflow.controller.policy import obs_to_torch
+    from rlflow.worldmodel.location import choose_location
     from rlflow.worldmodel.mdrnn import MDRNNCell
     from rlflow.worldmodel.replay import Episode
 
@@ -276,22 +299,33 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         if agent is not None:
             with torch.no_grad():
                 z, _ = agent.vision.encode(obs_to_torch(obs))
-        if agent is None or (epsilon > 0 and rng.random() < epsilon):
+        explored = agent is None or (epsilon > 0 and rng.random() < epsilon)
+        if explored:
             action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules)
         else:
             with torch.no_grad():
                 chosen, *_ = agent.policy.get_action_and_value(torch.cat([z, state[0]], -1),
                                                                torch.as_tensor(mask).unsqueeze(0), greedy=greedy)
             action = int(chosen.item())
-        env_action = env.terminate_action if action == n_rules else first_candidate(obs, action)
+        scorer = agent.location if agent is not None else None
+        if action == n_rules:
+            env_action = env.terminate_action
+        elif (explored and random_locations) or scorer is not None:
+            env_action = choose_location(obs, action, scorer, rng, explore=explored)
+        else:
+            env_action = first_candidate(obs, action)
+        match = ([int(n) for n in np.asarray(obs["cand_nodes"])[env_action] if n >= 0] if action != n_rules else [])
+        random_location = bool(action != n_rules and explored and random_locations)
         obs, reward, terminated, truncated, info = env.step(env_action)
         episode.actions.append(int(action))
+        episode.locations.append(match)
+        episode.random_locations.append(random_location)
         episode.rewards.append(float(reward))
         if tried is not None:
             tried[(episode.states[-1], int(action))] = tried.get((episode.states[-1], int(action)), 0) + 1
         if agent is not None and action != n_rules:
             with torch.no_grad():
-                _, state = cell(torch.tensor([action]), z, state)
+                _, state = cell(torch.tensor([action]), z, state, torch.tensor([float(random_location)]))
         done = terminated or truncated or (max_steps is not None and len(episode.actions) >= max_steps)
         if done:
             episode.states.append(replay.add_state(obs, rule_mask_from_obs(obs, n_rules)))
@@ -312,7 +346,8 @@ def collect(env, agent: Agent | None, replay, steps: int, config: Config, rng: n
         heldout = bool(rng.random() < config.heldout_fraction)
         ep = real_episode(env, index, agent, replay, rng, greedy=False, epsilon=config.explore_epsilon,
                           random_terminate=config.random_terminate, heldout=heldout,
-                          source="random" if agent is None else "controller", iteration=iteration, tried=tried)
+                          source="random" if agent is None else "controller", iteration=iteration, tried=tried,
+                          random_locations=config.learn_location)
         episodes.append(ep)
         taken += len(ep.actions)
         if progress is not None:
@@ -382,7 +417,7 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
             chunk = [episodes[i] for i in order[begin: begin + config.mdrnn_batch]]
             seq = sequences(chunk, mu, logvar, masks, terminate, sample=config.sample_latents,
                             reward_scale=config.reward_scale)
-            out = agent.mdrnn(seq["actions"], seq["latents"])
+            out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
             losses = mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
                                 seq["state_valid"], config.mask_weight)
             agent.mdrnn_opt.zero_grad()
@@ -475,6 +510,7 @@ def main(config: Config) -> dict:
     from rlflow.controller.ppo import CsvWriter, make_env, resolve_models
     from rlflow.measure.costmodel import CostModel
     from rlflow.rewrites import REGISTRY_VERSION, RULES
+    from rlflow.worldmodel.location import location_quality, train_location
     from rlflow.worldmodel.replay import Replay
     from rlflow.worldmodel.report import encode_all, quality
 
@@ -532,10 +568,19 @@ def main(config: Config) -> dict:
         with tqdm(total=config.vae_epochs, desc=f"[{iteration}] V", leave=False, file=sys.stderr) as bar:
             v_losses = train_vision(agent, replay, ids, train_eps, config, rng, bar)
         mu, logvar = encode_all(agent.vision, replay)
+        # 2b. where a chosen rule goes in the real graph
+        l_losses: dict = {}
+        if agent.location is not None:
+            with tqdm(total=config.location_epochs, desc=f"[{iteration}] location", leave=False,
+                      file=sys.stderr) as bar:
+                l_losses = train_location(agent.location, agent.location_opt, replay, train_eps,
+                                          config.location_epochs, config.vae_batch, config.reward_scale, rng, bar)
         # 3. M
         with tqdm(total=config.mdrnn_epochs, desc=f"[{iteration}] M", leave=False, file=sys.stderr) as bar:
             m_losses = train_mdrnn(agent, replay, train_eps, mu, logvar, config, rng, bar)
         quality_now = quality(agent.vision, agent.mdrnn, replay, held_eps, train_eps, mu, logvar, config.reward_scale)
+        if agent.location is not None:
+            quality_now.update(location_quality(agent.location, replay, held_eps, config.reward_scale))
         quality_now["iteration"] = iteration
         history.append(quality_now)
         # 4. controller in the dream (starts: real states of the training episodes, encoded once)
@@ -556,6 +601,8 @@ def main(config: Config) -> dict:
         points.append(point)
         for key, value in v_losses.items():
             writer.add_scalar(f"losses/vae_{key}", value, real_steps)
+        for key, value in l_losses.items():
+            writer.add_scalar(f"losses/location_{key}", value, real_steps)
         for key, value in m_losses.items():
             writer.add_scalar(f"losses/mdrnn_{key}", value, real_steps)
         for key in ("policy_loss", "value_loss", "entropy"):
@@ -565,13 +612,15 @@ def main(config: Config) -> dict:
         writer.add_scalar("charts/real_steps", real_steps, real_steps)
         writer.add_scalar("eval/mean_return", point["eval_mean_return"], real_steps)
         for key in ("reward_pearson", "reward_spearman", "mask_accuracy", "mask_exact", "mdn_nll", "vae_kl",
-                    "vae_reconstruction"):
+                    "vae_reconstruction", "location_pearson"):
             writer.add_scalar(f"eval/{key}", quality_now.get(key, float("nan")), real_steps)
         print(f"iteration {iteration}: real steps {real_steps}  collect {point['collect_mean_return']:+.2f}  "
               f"dream {d_stats['dream_return']:+.2f}  real greedy {point['eval_mean_return']:+.2f}  "
               f"reward r {quality_now.get('reward_pearson', float('nan')):.3f}  "
               f"mask acc {quality_now.get('mask_accuracy', float('nan')):.3f} "
-              f"(exact {quality_now.get('mask_exact', float('nan')):.3f})  {point['seconds']:.0f}s", flush=True)
+              f"(exact {quality_now.get('mask_exact', float('nan')):.3f})  "
+              f"location r {quality_now.get('location_pearson', float('nan')):.3f}  {point['seconds']:.0f}s",
+              flush=True)
         save_checkpoint(checkpoint_path, agent, config, replay=replay.state_dict(), points=points, history=history,
                         real_steps=real_steps, iteration=iteration, rng=rng.bit_generator.state,
                         torch_rng=torch.get_rng_state())
@@ -626,9 +675,16 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
             "real_steps_ppo": "ppo.json train.real_steps (training steps; its random-baseline episodes excluded)",
             "reward_pearson": "predicted vs real reward on the transitions of held-out real episodes",
             "reward_spearman": "rank correlation of the same pairs (ties share their mean rank)",
+            "reward_pearson_agent_location": "quality: the same over the held-out transitions whose rule went where "
+                                             "the location scorer chose (the dream's own kind of step)",
+            "reward_pearson_random_location": "quality: the same over those whose rule went to a random match "
+                                              "(exploration; which match is not in M's input)",
             "mask_accuracy": "per-rule availability predicted by M from (z, h) vs the real candidate list, per "
                              "entry over all rules, on held-out states (see mask_accuracy_seen_rules, mask_exact)",
-            "location": "actions are rule types; a rule runs at its first listed candidate in the real environment",
+            "location": ("actions are rule types; in the real environment a rule runs at the match the learned "
+                         "location scorer rates best (random matches when exploring)" if config.learn_location else
+                         "actions are rule types; a rule runs at its first listed candidate in the real environment"),
+            "location_pearson": "the location scorer's predicted vs real reward on the held-out transitions",
         },
         "same_models_as_ppo": bool(ppo and tuple(ppo["config"]["models"]) == tuple(config.models)),
         "same_registry_as_ppo": bool(ppo and ppo.get("registry_version") == registry_version),

@@ -85,6 +85,34 @@ def test_mdrnn_loss_is_finite_and_training_reduces_it():
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
 
 
+def test_the_random_location_bit_tells_m_apart_two_rewards_of_one_rule():
+    """The same (z, rule) pays +1 at the agent's chosen match and -1 at random ones: with the bit M learns both, the
+    cell (the dream, bit 0 by default) predicts the agent's reward, and sequence and cell still agree."""
+    torch.manual_seed(0)
+    model = MDRNN(latent_size=4, n_actions=3, n_rules=2, hidden=16, gaussians=1, location_flag=True)
+    t, b = 1, 64
+    actions, latents = torch.ones(t, b, dtype=torch.long), torch.zeros(t, b, 4)
+    flags = (torch.arange(b) % 2).float().expand(t, b)
+    rewards = 1.0 - 2.0 * flags
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        out = model(actions, latents, flags=flags)
+        loss = mdrnn_loss(out, latents, rewards, torch.zeros(t, b), torch.ones(t, b, 2), torch.ones(t, b))["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        chosen, _ = MDRNNCell(model)(torch.ones(1, dtype=torch.long), torch.zeros(1, 4), model.initial_state(1))
+        at_random, _ = MDRNNCell(model)(torch.ones(1, dtype=torch.long), torch.zeros(1, 4), model.initial_state(1),
+                                        torch.ones(1))
+        seq = model(actions, latents, flags=flags)
+    assert float(chosen.reward) == pytest.approx(1.0, abs=0.1)
+    assert float(at_random.reward) == pytest.approx(-1.0, abs=0.1)
+    assert torch.allclose(seq.reward[0, 0], chosen.reward[0], atol=1e-5)
+    assert torch.allclose(seq.reward[0, 1], at_random.reward[0], atol=1e-5)
+    assert MDRNN(4, 3, 2, location_flag=True).spec()["location_flag"] is True
+
+
 def test_temperature_changes_sampling_spread():
     torch.manual_seed(0)
     mus = torch.zeros(4000, 2, 3)

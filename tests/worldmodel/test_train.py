@@ -38,7 +38,9 @@ def test_one_training_run_end_to_end(run):
 def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     from pathlib import Path
 
-    from rlflow.worldmodel.train import load_checkpoint, main, save_checkpoint
+    import dataclasses
+
+    from rlflow.worldmodel.train import Agent, load_checkpoint, main, save_checkpoint
 
     config, result = run
     path = Path(config.run_dir) / "worldmodel.pt"
@@ -48,17 +50,24 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     again = tmp_path / "again.pt"
     save_checkpoint(again, agent, config)
     reloaded, _ = load_checkpoint(again)
-    for name in ("vision", "mdrnn", "policy"):
+    assert agent.location is not None and agent.mdrnn.location_flag
+    for name in ("vision", "mdrnn", "policy", "location"):
         for (k, a), (_, b) in zip(getattr(agent, name).state_dict().items(),
                                   getattr(reloaded, name).state_dict().items()):
             assert torch.equal(a, b), k
     with pytest.raises(RlflowError, match="rule registry"):
         load_checkpoint(again, registry_version="not-this-one")
+    # a checkpoint from before the location scorer (no learn_location in its config) loads as it was trained: no
+    # scorer, no random-location bit, rules at their first listed match
+    old = torch.load(again, weights_only=False)
+    del old["config"]["learn_location"]
+    old["agent"] = Agent(dataclasses.replace(config, learn_location=False), agent.n_rules).state_dict()
+    torch.save(old, tmp_path / "old.pt")
+    before, _ = load_checkpoint(tmp_path / "old.pt")
+    assert before.location is None and not before.mdrnn.location_flag
     with pytest.raises(RlflowError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
     # resuming a finished run trains no more iterations and keeps its figures
-    import dataclasses
-
     resumed = main(dataclasses.replace(config, resume=True, report=False))
     assert resumed["real_steps_worldmodel"] == result["real_steps_worldmodel"]
 
@@ -153,7 +162,11 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
     rules, listed = np.asarray(obs["cand_rule"]), np.asarray(obs["cand_mask"]).astype(bool)
     per_rule = actor.rule_logits(obs)
     assert logits.shape == (len(rules) + 1,) and float(logits[-1]) == float(per_rule[-1])
-    assert all(float(logits[i]) == float(per_rule[rules[i]]) for i in np.flatnonzero(listed))
+    # each rule's best-scored match carries the rule's logit, its other matches no more
+    for rule in np.unique(rules[listed]):
+        mine = np.flatnonzero(listed & (rules == rule))
+        assert max(float(logits[i]) for i in mine) == pytest.approx(float(per_rule[rule]))
+        assert all(float(logits[i]) <= float(per_rule[rule]) for i in mine)
     assert (logits[:-1][torch.as_tensor(~listed)] == NEG).all()
     before = actor.state[0].clone()
     actor.observe(int(np.flatnonzero(listed)[0]), obs)

@@ -1,0 +1,167 @@
+"""The learned location choice: where in the graph a rule chosen by the controller is applied.
+
+The controller acts over rule types (the dream has no candidate list), so something must pick one of the rule's
+real matches.  A fixed heuristic (the first listed match) caps what the agent can reach: on nasrnn-tiny, for
+example, which pair of sibling MatMuls is merged first decides what later merges pay.  `LocationScorer` predicts
+the reward of applying a rule at one match from the real graph (its own message-passing encoder, the mean of the
+match's node embeddings, the graph embedding and a learned embedding of the rule) and is trained by regression on
+the real transitions (each records the nodes of the match it applied).  In the real environment the rule is applied
+at its best-scored match; exploration, and the first iteration before any scorer is trained, pick a match at random,
+so that the scorer sees every kind of location.  The world model's reward for a rule is then the reward at the
+location the agent really picks, which is what its training transitions record.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlflow.worldmodel.encoder import GraphEncoder, trim
+
+
+class LocationScorer(nn.Module):
+    """Predicted reward (divided by the reward scale) of applying rule r at a match touching nodes m.
+
+    Args:
+        n_rules: size of the rule registry.
+        hidden: encoder width.
+        rounds: message-passing rounds.
+    """
+
+    def __init__(self, n_rules: int, hidden: int = 64, rounds: int = 3):
+        super().__init__()
+        self.n_rules, self.hidden, self.n_rounds = n_rules, hidden, rounds
+        self.encoder = GraphEncoder(hidden, rounds)
+        self.rule_embed = nn.Embedding(n_rules, hidden)
+        self.head = nn.Sequential(nn.Linear(3 * hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def spec(self) -> dict:
+        """Constructor arguments (stored in checkpoints)."""
+        return {"n_rules": self.n_rules, "hidden": self.hidden, "rounds": self.n_rounds}
+
+    def forward(self, obs: Mapping[str, torch.Tensor], graph_index: torch.Tensor, rules: torch.Tensor,
+                nodes: torch.Tensor) -> torch.Tensor:
+        """Scores K (graph, rule, match) triples.
+
+        Args:
+            obs: a batch of B observations (encoder keys).
+            graph_index: (K,) long, which graph of the batch each match is in.
+            rules: (K,) long rule ids.
+            nodes: (K, M) long node indices of each match, -1 padding (at least one real index per row).
+
+        Returns:
+            (K,) predicted rewards (reward units / reward scale).
+        """
+        node_emb, graph_emb = self.encoder(trim(obs))
+        real = (nodes >= 0).float().unsqueeze(-1)
+        picked = node_emb[graph_index.unsqueeze(-1), nodes.clamp(0, node_emb.shape[1] - 1)]  # (K, M, H)
+        local = (picked * real).sum(1) / real.sum(1).clamp_min(1.0)
+        x = torch.cat([local, graph_emb[graph_index], self.rule_embed(rules)], -1)
+        return self.head(x).squeeze(-1)
+
+
+def rule_candidates(obs: Mapping[str, np.ndarray], rule: int) -> np.ndarray:
+    """Indices of the listed candidates of `rule` in a real observation (find_matches order)."""
+    listed = np.asarray(obs["cand_mask"]).astype(bool)
+    return np.flatnonzero(listed & (np.asarray(obs["cand_rule"]) == rule))
+
+
+@torch.no_grad()
+def candidate_scores(scorer: LocationScorer, obs: Mapping[str, np.ndarray], candidates: np.ndarray) -> torch.Tensor:
+    """(len(candidates),) the scorer's predicted rewards of the given candidates of a real observation."""
+    from rlflow.controller.policy import obs_to_torch
+
+    scorer.eval()
+    rules = torch.as_tensor(np.asarray(obs["cand_rule"])[candidates], dtype=torch.long)
+    nodes = torch.as_tensor(np.asarray(obs["cand_nodes"])[candidates], dtype=torch.long)
+    return scorer(obs_to_torch(obs), torch.zeros(len(candidates), dtype=torch.long), rules, nodes)
+
+
+def choose_location(obs: Mapping[str, np.ndarray], rule: int, scorer: LocationScorer | None,
+                    rng: np.random.Generator, explore: bool) -> int:
+    """The candidate index at which to apply `rule`: the best-scored match, or a uniformly random one when
+    `explore` is set or no scorer is trained yet.
+
+    Raises:
+        ValueError: the rule has no listed candidate.
+    """
+    candidates = rule_candidates(obs, rule)
+    if not len(candidates):
+        raise ValueError(f"rule {rule} has no listed candidate")
+    if len(candidates) == 1:
+        return int(candidates[0])
+    if explore or scorer is None:
+        return int(rng.choice(candidates))
+    return int(candidates[int(torch.argmax(candidate_scores(scorer, obs, candidates)))])
+
+
+def location_transitions(episodes: list, n_rules: int) -> list[tuple[int, int, list[int], float]]:
+    """(state id, rule, match nodes, reward) of every rule transition of `episodes` that recorded its match."""
+    rows = []
+    for e in episodes:
+        for s, a, r, nodes in zip(e.states, e.actions, e.rewards, e.locations):
+            if a < n_rules and nodes:
+                rows.append((s, a, nodes, r))
+    return rows
+
+
+def score_transitions(scorer: LocationScorer, replay, rows: list) -> torch.Tensor:
+    """(len(rows),) predicted rewards (scaled) of `location_transitions` rows."""
+    ids = sorted({s for s, *_ in rows})
+    where = {s: i for i, s in enumerate(ids)}
+    width = max(len(nodes) for _, _, nodes, _ in rows)
+    nodes = torch.full((len(rows), width), -1, dtype=torch.long)
+    for k, (_, _, match, _) in enumerate(rows):
+        nodes[k, : len(match)] = torch.as_tensor(match)
+    return scorer(replay.batch(ids), torch.as_tensor([where[s] for s, *_ in rows]),
+                  torch.as_tensor([a for _, a, _, _ in rows]), nodes)
+
+
+def train_location(scorer: LocationScorer, optimizer: torch.optim.Optimizer, replay, episodes: list, epochs: int,
+                   batch: int, reward_scale: float, rng: np.random.Generator, progress=None) -> dict:
+    """Epochs of squared-error regression of the scorer on the real transitions of `episodes`; returns the last
+    epoch's mean loss (`location_mse`, scaled units) and the transition count."""
+    rows = location_transitions(episodes, scorer.n_rules)
+    if not rows:
+        return {"location_mse": float("nan"), "transitions": 0}
+    scorer.train()
+    loss_sum, batches = 0.0, 0
+    for _ in range(epochs):
+        loss_sum, batches = 0.0, 0
+        order = rng.permutation(len(rows))
+        for begin in range(0, len(rows), batch):
+            chunk = [rows[i] for i in order[begin: begin + batch]]
+            target = torch.as_tensor([r for *_, r in chunk], dtype=torch.float32) / reward_scale
+            loss = (score_transitions(scorer, replay, chunk) - target).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(scorer.parameters(), 5.0)
+            optimizer.step()
+            loss_sum, batches = loss_sum + float(loss.detach()), batches + 1
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(mse=f"{loss_sum / max(batches, 1):.3f}")
+    scorer.eval()
+    return {"location_mse": loss_sum / max(batches, 1), "transitions": len(rows)}
+
+
+@torch.no_grad()
+def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scale: float) -> dict:
+    """The scorer on held-out `episodes`: Pearson correlation and mean absolute error of its predicted vs the real
+    reward of the matches applied (`location_pearson`, `location_mae`, `location_transitions`)."""
+    from rlflow.worldmodel.report import pearson
+
+    rows = location_transitions(episodes, scorer.n_rules)
+    if not rows:
+        return {"location_transitions": 0}
+    scorer.eval()
+    predicted = score_transitions(scorer, replay, rows).numpy() * reward_scale
+    real = np.array([r for *_, r in rows])
+    return {"location_pearson": pearson(predicted, real), "location_mae": float(np.mean(np.abs(predicted - real))),
+            "location_transitions": len(rows)}
+
+
+__all__ = ["LocationScorer", "rule_candidates", "candidate_scores", "choose_location", "location_transitions",
+           "score_transitions", "train_location", "location_quality"]

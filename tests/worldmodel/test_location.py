@@ -1,0 +1,83 @@
+"""The learned location choice: the scorer learns which match of a rule pays, and the agent plays it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def graph_with_a_repeated_rule(tiny_model, wm_cost_model):
+    """A real observation of resnet-18-tiny and a rule with several listed matches there."""
+    from rlflow.env import RewriteEnv
+    from rlflow.worldmodel.location import rule_candidates
+
+    obs, _ = RewriteEnv(tiny_model, cost_model=wm_cost_model, max_nodes=128, max_edges=256,
+                        max_candidates=64).reset()
+    rules = np.asarray(obs["cand_rule"])[np.asarray(obs["cand_mask"]).astype(bool)]
+    counts = np.bincount(rules)
+    rule = int(np.argmax(counts))
+    assert counts[rule] >= 3, "resnet-18-tiny should have a rule with several matches"
+    return obs, rule, rule_candidates(obs, rule)
+
+
+def _match(obs, candidate: int) -> list[int]:
+    return [int(n) for n in np.asarray(obs["cand_nodes"])[candidate] if n >= 0]
+
+
+def _trained_scorer(obs, rule, candidates, good: int):
+    """A scorer trained on transitions where `good` pays +20 and the rule's other matches -20."""
+    from rlflow.worldmodel.location import LocationScorer, train_location
+    from rlflow.worldmodel.replay import Episode, Replay
+
+    torch.manual_seed(0)
+    replay = Replay(n_rules=int(np.max(obs["cand_rule"])) + 1)
+    state = replay.add_state(obs, np.zeros(replay.n_rules, bool))
+    episodes = [Episode(model="m", states=[state, state], actions=[rule], rewards=[20.0 if c == good else -20.0],
+                        locations=[_match(obs, c)]) for c in candidates]
+    scorer = LocationScorer(replay.n_rules, hidden=32, rounds=2)
+    opt = torch.optim.Adam(scorer.parameters(), lr=3e-3)
+    stats = train_location(scorer, opt, replay, episodes, epochs=150, batch=64, reward_scale=10.0,
+                           rng=np.random.default_rng(0))
+    assert stats["transitions"] == len(candidates)
+    return scorer, replay, episodes
+
+
+def test_the_scorer_learns_which_match_pays_and_the_choice_follows_it(graph_with_a_repeated_rule):
+    from rlflow.worldmodel.location import choose_location, location_quality
+
+    obs, rule, candidates = graph_with_a_repeated_rule
+    good = int(candidates[-1])  # not the first listed: the old heuristic would never take it
+    scorer, replay, episodes = _trained_scorer(obs, rule, candidates, good)
+    rng = np.random.default_rng(0)
+    assert choose_location(obs, rule, scorer, rng, explore=False) == good
+    quality = location_quality(scorer, replay, episodes, reward_scale=10.0)
+    assert quality["location_transitions"] == len(candidates) and quality["location_pearson"] > 0.9
+    # exploring, or before any scorer is trained, every match gets tried
+    assert {choose_location(obs, rule, scorer, rng, explore=True) for _ in range(200)} == set(candidates.tolist())
+    assert {choose_location(obs, rule, None, rng, explore=False) for _ in range(200)} == set(candidates.tolist())
+    with pytest.raises(ValueError, match="no listed candidate"):
+        choose_location(obs, int(np.max(obs["cand_rule"])) + 5, scorer, rng, explore=False)
+
+
+def test_the_world_model_actor_plays_the_best_scored_match(graph_with_a_repeated_rule):
+    """The actor's logit of a rule's best-scored match is the rule's logit; its other matches fall below it; without
+    a scorer (checkpoints from before it) every match carries the rule's logit."""
+    from rlflow.controller.wm_actor import WorldModelActor
+    from rlflow.rewrites import RULES
+    from rlflow.worldmodel.train import Agent, Config
+
+    obs, rule, candidates = graph_with_a_repeated_rule
+    good = int(candidates[1])
+    scorer, _, _ = _trained_scorer(obs, rule, candidates, good)
+    config = Config(hidden=32, rounds=2)
+    agent = Agent(config, len(RULES))
+    agent.location = scorer
+    actor = WorldModelActor(agent)
+    logits, per_rule = actor.logits(obs), actor.rule_logits(obs)
+    assert float(logits[good]) == pytest.approx(float(per_rule[rule]))
+    assert all(float(logits[c]) < float(per_rule[rule]) for c in candidates if c != good)
+
+    plain = WorldModelActor(Agent(Config(hidden=32, rounds=2, learn_location=False), len(RULES)))
+    logits, per_rule = plain.logits(obs), plain.rule_logits(obs)
+    assert all(float(logits[c]) == float(per_rule[rule]) for c in candidates)
