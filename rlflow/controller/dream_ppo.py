@@ -101,11 +101,15 @@ def rule_mask_from_obs(obs: Mapping[str, np.ndarray], n_rules: int) -> np.ndarra
     return mask
 
 
+def rule_candidates(obs: Mapping[str, np.ndarray], rule: int) -> np.ndarray:
+    """Indices of the listed candidates of `rule` in a real observation (find_matches order)."""
+    listed = np.asarray(obs["cand_mask"]).astype(bool)
+    return np.flatnonzero(listed & (np.asarray(obs["cand_rule"]) == rule))
+
+
 def first_candidate(obs: Mapping[str, np.ndarray], rule: int) -> int:
     """The location heuristic: the index of the first listed candidate of `rule` (find_matches order)."""
-    rules = np.asarray(obs["cand_rule"])
-    listed = np.asarray(obs["cand_mask"]).astype(bool)
-    hits = np.flatnonzero(listed & (rules == rule))
+    hits = rule_candidates(obs, rule)
     if not len(hits):
         raise ValueError(f"rule {rule} has no listed candidate")
     return int(hits[0])
@@ -197,4 +201,5 @@ def train_in_dream(policy: LatentPolicy, optimizer: torch.optim.Optimizer, dream
     return stats
 
 
-__all__ = ["DreamPPOConfig", "LatentPolicy", "rule_mask_from_obs", "first_candidate", "train_in_dream"]
+__all__ = ["DreamPPOConfig", "LatentPolicy", "rule_mask_from_obs", "rule_candidates", "first_candidate",
+           "train_in_dream"]

@@ -62,12 +62,6 @@ class LocationScorer(nn.Module):
         return self.head(x).squeeze(-1)
 
 
-def rule_candidates(obs: Mapping[str, np.ndarray], rule: int) -> np.ndarray:
-    """Indices of the listed candidates of `rule` in a real observation (find_matches order)."""
-    listed = np.asarray(obs["cand_mask"]).astype(bool)
-    return np.flatnonzero(listed & (np.asarray(obs["cand_rule"]) == rule))
-
-
 @torch.no_grad()
 def candidate_scores(scorer: LocationScorer, obs: Mapping[str, np.ndarray], candidates: np.ndarray) -> torch.Tensor:
     """(len(candidates),) the scorer's predicted rewards of the given candidates of a real observation."""
@@ -87,6 +81,8 @@ def choose_location(obs: Mapping[str, np.ndarray], rule: int, scorer: LocationSc
     Raises:
         ValueError: the rule has no listed candidate.
     """
+    from rlflow.controller.dream_ppo import rule_candidates
+
     candidates = rule_candidates(obs, rule)
     if not len(candidates):
         raise ValueError(f"rule {rule} has no listed candidate")
@@ -163,5 +159,5 @@ def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scal
             "location_transitions": len(rows)}
 
 
-__all__ = ["LocationScorer", "rule_candidates", "candidate_scores", "choose_location", "location_transitions",
+__all__ = ["LocationScorer", "candidate_scores", "choose_location", "location_transitions",
            "score_transitions", "train_location", "location_quality"]

@@ -308,14 +308,14 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
                                                                torch.as_tensor(mask).unsqueeze(0), greedy=greedy)
             action = int(chosen.item())
         scorer = agent.location if agent is not None else None
+        random_location = bool(action != n_rules and explored and random_locations)
         if action == n_rules:
             env_action = env.terminate_action
-        elif (explored and random_locations) or scorer is not None:
-            env_action = choose_location(obs, action, scorer, rng, explore=explored)
+        elif random_location or scorer is not None:
+            env_action = choose_location(obs, action, scorer, rng, explore=random_location)
         else:
             env_action = first_candidate(obs, action)
         match = ([int(n) for n in np.asarray(obs["cand_nodes"])[env_action] if n >= 0] if action != n_rules else [])
-        random_location = bool(action != n_rules and explored and random_locations)
         obs, reward, terminated, truncated, info = env.step(env_action)
         episode.actions.append(int(action))
         episode.locations.append(match)
