@@ -69,33 +69,8 @@ class WorldModelActor:
         return self.agent.policy.logits(torch.cat([self._latent(obs), self.state[0]], -1), mask)[0]
 
     def logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
-        """(C + 1,) logits over the observation's candidates and terminate (the last): each listed candidate gets its
-        rule's logit plus its location's preference (when the agent has a location scorer), unlisted slots NEG."""
-        per_rule = self.rule_logits(obs)
-        rules = torch.as_tensor(np.asarray(obs["cand_rule"]), dtype=torch.long).clamp(0, self.n_rules - 1)
-        listed = torch.as_tensor(np.asarray(obs["cand_mask"]).astype(bool))
-        out = torch.full((len(rules) + 1,), NEG)
-        out[:-1] = torch.where(listed, per_rule[rules] + self.location_preference(obs), torch.full((), NEG))
-        out[-1] = per_rule[self.n_rules]
-        return out
-
-    def location_preference(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
-        """(C,) per listed candidate, (its predicted reward - the best of its rule's matches) / LOCATION_TEMPERATURE:
-        0 at each rule's best-scored match, negative elsewhere (zeros without a location scorer, and for unlisted
-        slots)."""
-        from rlflow.worldmodel.location import candidate_scores
-
-        out = torch.zeros(len(np.asarray(obs["cand_rule"])))
-        scorer = getattr(self.agent, "location", None)
-        listed = np.flatnonzero(np.asarray(obs["cand_mask"]).astype(bool))
-        if scorer is None or not len(listed):
-            return out
-        scores = candidate_scores(scorer, obs, listed) / LOCATION_TEMPERATURE
-        rules = torch.as_tensor(np.asarray(obs["cand_rule"])[listed], dtype=torch.long)
-        for rule in rules.unique():
-            same = rules == rule
-            out[torch.as_tensor(listed)[same]] = scores[same] - scores[same].max()
-        return out
+        """(C + 1,) logits over the observation's candidates and terminate (the last); see `candidate_logits`."""
+        return candidate_logits(self.rule_logits(obs), obs, getattr(self.agent, "location", None))
 
     @torch.no_grad()
     def observe(self, action: int, obs: Mapping[str, np.ndarray]) -> None:
@@ -104,6 +79,37 @@ class WorldModelActor:
             return
         rule = int(np.asarray(obs["cand_rule"])[action])
         _, self.state = self.cell(torch.tensor([rule]), self._latent(obs), self.state)
+
+
+def candidate_logits(per_rule: torch.Tensor, obs: Mapping[str, np.ndarray], scorer=None) -> torch.Tensor:
+    """(C + 1,) logits over a real observation's candidates and terminate (the last) from the controller's (R + 1,)
+    logits over rules: each listed candidate gets its rule's logit plus its location's preference (with a location
+    `scorer`), unlisted slots NEG."""
+    n_rules = len(per_rule) - 1
+    rules = torch.as_tensor(np.asarray(obs["cand_rule"]), dtype=torch.long).clamp(0, n_rules - 1)
+    listed = torch.as_tensor(np.asarray(obs["cand_mask"]).astype(bool))
+    out = torch.full((len(rules) + 1,), NEG)
+    out[:-1] = torch.where(listed, per_rule[rules] + location_preference(obs, scorer), torch.full((), NEG))
+    out[-1] = per_rule[n_rules]
+    return out
+
+
+def location_preference(obs: Mapping[str, np.ndarray], scorer=None) -> torch.Tensor:
+    """(C,) per listed candidate, (its predicted reward - the best of its rule's matches) / LOCATION_TEMPERATURE:
+    0 at each rule's best-scored match, negative elsewhere (zeros without a location scorer, and for unlisted
+    slots)."""
+    from rlflow.worldmodel.location import candidate_scores
+
+    out = torch.zeros(len(np.asarray(obs["cand_rule"])))
+    listed = np.flatnonzero(np.asarray(obs["cand_mask"]).astype(bool))
+    if scorer is None or not len(listed):
+        return out
+    scores = candidate_scores(scorer, obs, listed) / LOCATION_TEMPERATURE
+    rules = torch.as_tensor(np.asarray(obs["cand_rule"])[listed], dtype=torch.long)
+    for rule in rules.unique():
+        same = rules == rule
+        out[torch.as_tensor(listed)[same]] = scores[same] - scores[same].max()
+    return out
 
 
 def load_actor(path) -> tuple[WorldModelActor, dict]:
@@ -174,4 +180,4 @@ def finetune_in_dream(actor: WorldModelActor, graph, steps: int, *, settings=Non
     return WorldModelActor(agent, cfg, actor.reward_range), report
 
 
-__all__ = ["WorldModelActor", "finetune_in_dream", "load_actor", "NEG"]
+__all__ = ["WorldModelActor", "candidate_logits", "finetune_in_dream", "load_actor", "location_preference", "NEG"]

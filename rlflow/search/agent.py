@@ -175,12 +175,15 @@ def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: 
 
     Returns the fingerprint of the graph the episode ended on.
     """
+    from rlflow.controller.unvisited import choose_unvisited
+
     obs, _ = env.reset(options={"model": 0})
     actor.reset()
     seen = {env.fingerprint}
     done = False
     while not done and time.monotonic() < deadline:
-        action = _choose(env, actor.logits(obs), seen, greedy, temperature, generator)
+        action = choose_unvisited(env, actor.logits(obs), seen, greedy=greedy, may_terminate=greedy,
+                                  temperature=temperature, generator=generator)
         actor.observe(action, obs)
         obs, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
@@ -189,32 +192,6 @@ def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: 
             visited.setdefault(env.fingerprint, (info["cost"], Candidate(env.graph, tuple(env.applied),
                                                                          env.fingerprint)))
     return env.fingerprint
-
-
-def _choose(env, logits, seen: set[str], greedy: bool, temperature: float, generator) -> int:
-    """The policy's action, skipping rewrites that return to a graph of this episode (terminate when none is left).
-
-    Sampled episodes choose among rewrites only; the greedy one may terminate.
-    """
-    import torch
-
-    if not greedy:
-        logits[env.terminate_action] = -1e8
-    while True:
-        valid = logits > -1e7
-        if not bool(valid.any()):
-            return env.terminate_action
-        if greedy:
-            action = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / max(temperature, 1e-6), -1) * valid
-            action = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-        if action == env.terminate_action:
-            return action
-        child = env.peek(action)
-        if child is not None and child not in seen:
-            return action
-        logits[action] = -1e8
 
 
 def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], original_cost: float,

@@ -83,6 +83,10 @@ class Config:
             controller exploits.
         learn_location: apply a chosen rule at the match the learned location scorer rates best (random matches
             when exploring); False: always at the first listed match.
+        avoid_revisits: the greedy real evaluation never returns to a graph of its episode, as `rlflow optimize`
+            plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
+            where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
+            step (`RewriteEnv.peek`, no reward read), which counts as no real step.
         location_epochs: epochs of the location scorer per iteration.
         location_lr: the location scorer's Adam learning rate.
         mask_weight: weight of M's availability loss.
@@ -139,6 +143,7 @@ class Config:
     mdrnn_batch: int = 32
     sample_latents: bool = False
     learn_location: bool = True
+    avoid_revisits: bool = True
     location_epochs: int = 30
     location_lr: float = 1e-3
     mask_weight: float = 10.0
@@ -268,11 +273,13 @@ def tried_pairs(episodes: list) -> dict:
 def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.random.Generator, *, greedy: bool,
                  epsilon: float = 0.0, random_terminate: float = 0.1, heldout: bool = False, source: str = "random",
                  iteration: int = 0, max_steps: int | None = None, tried: dict | None = None,
-                 random_locations: bool = False):
+                 random_locations: bool = False, avoid_revisits: bool = False):
     """One real episode with rule-level actions (random when `agent` is None, see `explore_action`), recorded in
     `replay`; `tried` counts the (state, rule) pairs applied and is updated.  A rule goes where the agent's location
     scorer rates best; random and exploratory actions go to a random match when `random_locations` is set, and
-    everything goes to the first listed match when there is no scorer.
+    everything goes to the first listed match when there is no scorer.  With `avoid_revisits` the controller's
+    choices never lead back to a graph of the episode (`rlflow.controller.unvisited`): where its rule at that match
+    would, it takes its next choice, as `rlflow optimize` plays the agent.
 
     Returns:
         The `Episode` (also appended to `replay.episodes`).
@@ -281,6 +288,8 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
 
     from rlflow.controller.dream_ppo import first_candidate, rule_mask_from_obs
     from rlflow.controller.policy import obs_to_torch
+    from rlflow.controller.unvisited import choose_unvisited
+    from rlflow.controller.wm_actor import candidate_logits
     from rlflow.worldmodel.location import choose_location
     from rlflow.worldmodel.mdrnn import MDRNNCell
     from rlflow.worldmodel.replay import Episode
@@ -291,6 +300,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     if agent is not None:
         cell = MDRNNCell(agent.mdrnn)
         state = agent.mdrnn.initial_state(1)
+    seen = {env.fingerprint} if avoid_revisits else None
     done = False
     while not done:
         mask = rule_mask_from_obs(obs, n_rules)
@@ -300,8 +310,15 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
             with torch.no_grad():
                 z, _ = agent.vision.encode(obs_to_torch(obs))
         explored = agent is None or (epsilon > 0 and rng.random() < epsilon)
+        env_action = None
         if explored:
             action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules)
+        elif seen is not None:
+            with torch.no_grad():
+                per_rule = agent.policy.logits(torch.cat([z, state[0]], -1), torch.as_tensor(mask).unsqueeze(0))[0]
+            env_action = choose_unvisited(env, candidate_logits(per_rule, obs, agent.location), seen, greedy=greedy)
+            action = (n_rules if env_action == env.terminate_action
+                      else int(np.asarray(obs["cand_rule"])[env_action]))
         else:
             with torch.no_grad():
                 chosen, *_ = agent.policy.get_action_and_value(torch.cat([z, state[0]], -1),
@@ -309,18 +326,21 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
             action = int(chosen.item())
         scorer = agent.location if agent is not None else None
         random_location = bool(action != n_rules and explored and random_locations)
-        if action == n_rules:
-            env_action = env.terminate_action
-        elif random_location or scorer is not None:
-            env_action = choose_location(obs, action, scorer, rng, explore=random_location)
-        else:
-            env_action = first_candidate(obs, action)
+        if env_action is None:  # not yet placed by the choice that avoids revisits
+            if action == n_rules:
+                env_action = env.terminate_action
+            elif random_location or scorer is not None:
+                env_action = choose_location(obs, action, scorer, rng, explore=random_location)
+            else:
+                env_action = first_candidate(obs, action)
         match = ([int(n) for n in np.asarray(obs["cand_nodes"])[env_action] if n >= 0] if action != n_rules else [])
         obs, reward, terminated, truncated, info = env.step(env_action)
         episode.actions.append(int(action))
         episode.locations.append(match)
         episode.random_locations.append(random_location)
         episode.rewards.append(float(reward))
+        if seen is not None:
+            seen.add(env.fingerprint)
         if tried is not None:
             tried[(episode.states[-1], int(action))] = tried.get((episode.states[-1], int(action)), 0) + 1
         if agent is not None and action != n_rules:
@@ -356,9 +376,11 @@ def collect(env, agent: Agent | None, replay, steps: int, config: Config, rng: n
 
 
 def evaluate_real(env, agent: Agent, replay, config: Config, rng: np.random.Generator, iteration: int) -> list:
-    """One greedy episode per model in the real environment (recorded: they are real experience too)."""
+    """One greedy episode per model in the real environment (recorded: they are real experience too), never
+    returning to a graph of the episode when `config.avoid_revisits` is set."""
     return [real_episode(env, index, agent, replay, rng, greedy=True,
-                         heldout=bool(rng.random() < config.heldout_fraction), source="eval", iteration=iteration)
+                         heldout=bool(rng.random() < config.heldout_fraction), source="eval", iteration=iteration,
+                         avoid_revisits=config.avoid_revisits)
             for index in range(len(env.models))]
 
 

@@ -202,3 +202,50 @@ def test_dream_finetune_stops_at_its_deadline_and_leaves_the_agent_alone(run):
     assert report.updates == 1 and report.steps == config.dream_envs * config.dream_rollout
     assert any(not torch.equal(v, adapted.agent.policy.state_dict()[k]) for k, v in weights.items())
     assert all(torch.equal(v, actor.agent.policy.state_dict()[k]) for k, v in weights.items())
+
+
+def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model, wm_cost_model):
+    """A controller that prefers a rule and its inverse above stopping steps back and forth between two graphs for
+    the whole episode; with `avoid_revisits` (the evaluation's setting) it stops where its next rewrite would lead
+    to a graph it has seen."""
+    import numpy as np
+
+    from rlflow.env import RewriteEnv
+    from rlflow.rewrites import RULES
+    from rlflow.worldmodel.replay import Replay
+    from rlflow.worldmodel.train import Agent, Config, real_episode
+
+    names = [r.name for r in RULES] + ["terminate"]
+    config = Config(hidden=16, rounds=1, learn_location=False, max_nodes=128, max_edges=256, max_candidates=64)
+    agent = Agent(config, len(RULES))
+    preference = torch.full((len(RULES) + 1,), -5.0)
+    preference[names.index("gemm-to-matmul-add")] = preference[names.index("matmul-add-to-gemm")] = 5.0
+    preference[len(RULES)] = 0.0  # terminate: below the pair, above everything else
+    with torch.no_grad():
+        agent.policy.actor[-1].weight.zero_()
+        agent.policy.actor[-1].bias.copy_(preference)
+    env = RewriteEnv(tiny_model, cost_model=wm_cost_model, max_episode_steps=8, max_nodes=128, max_edges=256,
+                     max_candidates=64)
+    visits: list[str] = []
+    real_reset, real_step = env.reset, env.step
+
+    def reset(**kwargs):
+        out = real_reset(**kwargs)
+        visits.clear()
+        visits.append(env.fingerprint)
+        return out
+
+    def step(action):
+        out = real_step(action)
+        if action != env.terminate_action:
+            visits.append(env.fingerprint)
+        return out
+
+    env.reset, env.step = reset, step
+    replay, rng = Replay(len(RULES)), np.random.default_rng(0)
+    looping = real_episode(env, 0, agent, replay, rng, greedy=True)
+    assert [names[a] for a in looping.actions] == ["gemm-to-matmul-add", "matmul-add-to-gemm"] * 4
+    assert len(set(visits)) < len(visits) and looping.truncated
+    avoiding = real_episode(env, 0, agent, replay, rng, greedy=True, avoid_revisits=True)
+    assert names[avoiding.actions[0]] == "gemm-to-matmul-add" and names[avoiding.actions[-1]] == "terminate"
+    assert len(set(visits)) == len(visits) and len(avoiding.actions) < len(looping.actions)
