@@ -3,7 +3,8 @@
 CleanRL's ppo.py on a vectorised environment (`rlflow.worldmodel.dream.DreamBatch`): rollouts of `num_steps` steps
 in `num_envs` dreams, GAE, clipped surrogate, clipped value loss, entropy bonus.  The policy picks a rule type (or
 terminate) among those the world model predicts to be available; in the real environment the same policy is masked
-with the real availability instead (`rule_mask_from_obs`) and the rule is applied at its first listed location.
+with the real availability instead (`rule_mask_from_obs`) and the rule is applied where the learned location scorer
+rates best (`rlflow.worldmodel.location`; its first listed match for agents without one).
 """
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ Each iteration:
    graphs and from states of the training episodes (with M's hidden state there), last at most `dream_horizon`
    steps, and pay a pessimistic reward (ensemble mean minus `reward_penalty` times the ensemble spread, clipped to
    the range of the real rewards) so that the controller cannot profit from the world model's errors;
-5. evaluate: one greedy episode per model in the real environment (these steps count as real steps too), and the
-   world model's quality on the held-out episodes.
+5. evaluate: one greedy episode per model in the real environment, played as `rlflow optimize` plays the agent
+   (never back to a graph of the episode, see `avoid_revisits`; these steps count as real steps too), and the world
+   model's quality on the held-out episodes.
 
 Actions are rule types plus terminate, masked by the real availability.  In the real environment the chosen rule is
 applied where the learned location scorer (`rlflow.worldmodel.location`, trained on the real transitions after V)
