@@ -314,17 +314,18 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         env_action = None
         if explored:
             action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules)
-        elif seen is not None:
-            with torch.no_grad():
-                per_rule = agent.policy.logits(torch.cat([z, state[0]], -1), torch.as_tensor(mask).unsqueeze(0))[0]
-            env_action = choose_unvisited(env, candidate_logits(per_rule, obs, agent.location), seen, greedy=greedy)
-            action = (n_rules if env_action == env.terminate_action
-                      else int(np.asarray(obs["cand_rule"])[env_action]))
         else:
             with torch.no_grad():
-                chosen, *_ = agent.policy.get_action_and_value(torch.cat([z, state[0]], -1),
-                                                               torch.as_tensor(mask).unsqueeze(0), greedy=greedy)
-            action = int(chosen.item())
+                latent_state, rule_mask = torch.cat([z, state[0]], -1), torch.as_tensor(mask).unsqueeze(0)
+                if seen is None:
+                    chosen, *_ = agent.policy.get_action_and_value(latent_state, rule_mask, greedy=greedy)
+                    action = int(chosen.item())
+                else:
+                    per_rule = agent.policy.logits(latent_state, rule_mask)[0]
+                    env_action = choose_unvisited(env, candidate_logits(per_rule, obs, agent.location), seen,
+                                                  greedy=greedy)
+                    action = (n_rules if env_action == env.terminate_action
+                              else int(np.asarray(obs["cand_rule"])[env_action]))
         scorer = agent.location if agent is not None else None
         random_location = bool(action != n_rules and explored and random_locations)
         if env_action is None:  # not yet placed by the choice that avoids revisits
