@@ -93,13 +93,39 @@ def choose_location(obs: Mapping[str, np.ndarray], rule: int, scorer: LocationSc
     return int(candidates[int(torch.argmax(candidate_scores(scorer, obs, candidates)))])
 
 
-def location_transitions(episodes: list, n_rules: int) -> list[tuple[int, int, list[int], float]]:
-    """(state id, rule, match nodes, reward) of every rule transition of `episodes` that recorded its match."""
+def best_returns(episodes: list, n_rules: int, gamma: float, sweeps: int = 200) -> dict[int, float]:
+    """State id -> the best discounted return the real transitions of `episodes` show from that state (at least 0:
+    terminate is always allowed).  The environment is deterministic, so the transitions form one graph over states
+    and value iteration on it gives, for each state, the best continuation seen from it in any episode."""
+    edges: dict[int, dict] = {}
+    for e in episodes:
+        for t, (s, a, r) in enumerate(zip(e.states, e.actions, e.rewards)):
+            if a < n_rules and t + 1 < len(e.states):
+                edges.setdefault(s, {})[(a, tuple(e.locations[t]) if e.locations else ())] = (r, e.states[t + 1])
+    values: dict[int, float] = {}
+    for _ in range(sweeps):
+        new = {s: max(0.0, max(r + gamma * values.get(nxt, 0.0) for r, nxt in out.values()))
+               for s, out in edges.items()}
+        converged = all(abs(new[s] - values.get(s, 0.0)) < 1e-9 for s in new)
+        values = new
+        if converged:
+            break
+    return values
+
+
+def location_transitions(episodes: list, n_rules: int, gamma: float = 0.0,
+                         values: dict[int, float] | None = None) -> list[tuple[int, int, list[int], float]]:
+    """(state id, rule, match nodes, target) of every rule transition of `episodes` that recorded its match; the
+    target is the transition's reward plus `gamma` times the best return seen from the state it led to (`values`,
+    from `best_returns` over `episodes` when None)."""
+    if gamma > 0 and values is None:
+        values = best_returns(episodes, n_rules, gamma)
     rows = []
     for e in episodes:
-        for s, a, r, nodes in zip(e.states, e.actions, e.rewards, e.locations):
+        for t, (s, a, r, nodes) in enumerate(zip(e.states, e.actions, e.rewards, e.locations)):
             if a < n_rules and nodes:
-                rows.append((s, a, nodes, r))
+                after = gamma * values.get(e.states[t + 1], 0.0) if gamma > 0 and t + 1 < len(e.states) else 0.0
+                rows.append((s, a, nodes, r + after))
     return rows
 
 
@@ -116,10 +142,12 @@ def score_transitions(scorer: LocationScorer, replay, rows: list) -> torch.Tenso
 
 
 def train_location(scorer: LocationScorer, optimizer: torch.optim.Optimizer, replay, episodes: list, epochs: int,
-                   batch: int, reward_scale: float, rng: np.random.Generator, progress=None) -> dict:
-    """Epochs of squared-error regression of the scorer on the real transitions of `episodes`; returns the last
-    epoch's mean loss (`location_mse`, scaled units) and the transition count."""
-    rows = location_transitions(episodes, scorer.n_rules)
+                   batch: int, reward_scale: float, rng: np.random.Generator, progress=None,
+                   gamma: float = 0.0) -> dict:
+    """Epochs of squared-error regression of the scorer on the real transitions of `episodes` (targets: see
+    `location_transitions`); returns the last epoch's mean loss (`location_mse`, scaled units) and the transition
+    count."""
+    rows = location_transitions(episodes, scorer.n_rules, gamma)
     if not rows:
         return {"location_mse": float("nan"), "transitions": 0}
     scorer.train()
@@ -144,12 +172,14 @@ def train_location(scorer: LocationScorer, optimizer: torch.optim.Optimizer, rep
 
 
 @torch.no_grad()
-def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scale: float) -> dict:
+def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scale: float, gamma: float = 0.0,
+                     values: dict[int, float] | None = None) -> dict:
     """The scorer on held-out `episodes`: Pearson correlation and mean absolute error of its predicted vs the real
-    reward of the matches applied (`location_pearson`, `location_mae`, `location_transitions`)."""
+    target of the matches applied (`location_pearson`, `location_mae`, `location_transitions`; the reward, plus
+    `gamma` times the best return `values` records after it)."""
     from rlflow.worldmodel.report import pearson
 
-    rows = location_transitions(episodes, scorer.n_rules)
+    rows = location_transitions(episodes, scorer.n_rules, gamma, values)
     if not rows:
         return {"location_transitions": 0}
     scorer.eval()
@@ -159,5 +189,5 @@ def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scal
             "location_transitions": len(rows)}
 
 
-__all__ = ["LocationScorer", "candidate_scores", "choose_location", "location_transitions",
+__all__ = ["LocationScorer", "best_returns", "candidate_scores", "choose_location", "location_transitions",
            "score_transitions", "train_location", "location_quality"]

@@ -81,3 +81,25 @@ def test_the_world_model_actor_plays_the_best_scored_match(graph_with_a_repeated
     plain = WorldModelActor(Agent(Config(hidden=32, rounds=2, learn_location=False), len(RULES)))
     logits, per_rule = plain.logits(obs), plain.rule_logits(obs)
     assert all(float(logits[c]) == float(per_rule[rule]) for c in candidates)
+
+
+def test_best_returns_follow_the_best_continuation_seen_and_stop_at_nothing():
+    """Value iteration over the states of real episodes: from state 0, one episode earns 1 then 5 (via state 1),
+    another 2 and stops (via state 3); a rule and its inverse between 1 and 4 (-3, +3) must not loop into a gain."""
+    from rlflow.worldmodel.location import best_returns, location_transitions
+    from rlflow.worldmodel.replay import Episode
+
+    rule = 0
+    episodes = [Episode(model="m", states=[0, 1, 2], actions=[rule, rule], rewards=[1.0, 5.0], locations=[[1], [2]]),
+                Episode(model="m", states=[0, 3, 3], actions=[rule, 9], rewards=[2.0, 0.0], locations=[[3], []]),
+                Episode(model="m", states=[1, 4, 1], actions=[rule, rule], rewards=[-3.0, 3.0], locations=[[4], [5]]),
+                Episode(model="m", states=[2, 5], actions=[rule], rewards=[-1.0], locations=[[6]])]
+    values = best_returns(episodes, n_rules=9, gamma=1.0)
+    assert values[0] == pytest.approx(6.0) and values[1] == pytest.approx(5.0)
+    assert values[4] == pytest.approx(8.0) and values[2] == 0.0  # state 2's only move loses: stopping is better
+    assert best_returns(episodes, n_rules=9, gamma=0.5)[0] == pytest.approx(3.5)  # 1 + 0.5 * 5 against 2
+    targets = {(s, tuple(nodes)): target for s, _, nodes, target in location_transitions(episodes, 9, gamma=1.0)}
+    assert targets[(0, (1,))] == pytest.approx(6.0) and targets[(0, (3,))] == pytest.approx(2.0)
+    assert targets[(1, (4,))] == pytest.approx(5.0)  # -3 now, then the +3 back and the 5 from state 1
+    plain = {(s, tuple(nodes)): target for s, _, nodes, target in location_transitions(episodes, 9)}
+    assert plain[(0, (1,))] == 1.0 and plain[(1, (4,))] == -3.0  # gamma 0: the reward alone

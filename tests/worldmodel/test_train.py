@@ -249,3 +249,38 @@ def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model
     avoiding = real_episode(env, 0, agent, replay, rng, greedy=True, avoid_revisits=True)
     assert names[avoiding.actions[0]] == "gemm-to-matmul-add" and names[avoiding.actions[-1]] == "terminate"
     assert len(set(visits)) == len(visits) and len(avoiding.actions) < len(looping.actions)
+
+
+def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
+    """With a validation share, M ends with the weights of its best epoch on the episodes set aside, whose loss it
+    reports; those episodes are drawn first from the generator, and M never trains on them."""
+    import dataclasses
+    from pathlib import Path
+
+    import numpy as np
+
+    from rlflow.worldmodel.mdrnn import mdrnn_loss
+    from rlflow.worldmodel.replay import Replay, sequences
+    from rlflow.worldmodel.report import encode_all
+    from rlflow.worldmodel.train import load_checkpoint, train_mdrnn
+
+    config, _ = run
+    agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")
+    replay = Replay.from_state_dict(payload["replay"])
+    episodes = replay.split(False)
+    assert len(episodes) >= 10
+    mu, logvar = encode_all(agent.vision, replay)
+    config = dataclasses.replace(config, mdrnn_epochs=6, mdrnn_validation=0.3)
+    stats = train_mdrnn(agent, replay, episodes, mu, logvar, config, np.random.default_rng(7))
+    held = int(round(0.3 * len(episodes)))
+    validation = [episodes[i] for i in np.random.default_rng(7).permutation(len(episodes))[:held]]
+    seq = sequences(validation, mu, logvar, torch.as_tensor(np.stack(replay.rule_masks)), agent.n_rules,
+                    sample=False, reward_scale=config.reward_scale)
+    with torch.no_grad():
+        out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
+        now = float(mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
+                               seq["state_valid"], config.mask_weight)["loss"])
+    assert 1 <= stats["best_epoch"] <= 6
+    assert now == pytest.approx(stats["best_validation_loss"], rel=1e-5)
+    assert stats["best_validation_loss"] <= stats["validation_loss"] + 1e-9
+
