@@ -18,7 +18,10 @@ the LSTM need not relay).
 
 The reward is predicted by an ensemble of `reward_ensemble` regression heads (different initialisations, each trained
 on every transition): their mean is the prediction and their spread (`reward_std`) says where the model does not
-know, which the dream turns into a penalty (MOPO) so that the controller cannot exploit the model's errors.
+know, which the dream turns into a penalty (MOPO) so that the controller cannot exploit the model's errors.  With
+`markov_reward` the reward heads read only z_t and the action: the environment is Markov in the graph, and a head
+that also reads the LSTM's history can tell training episodes apart by it and learn their rewards by heart (reward
+Pearson 0.99 on training episodes against 0.55 on held-out ones, #7).
 """
 from __future__ import annotations
 
@@ -75,21 +78,24 @@ class MDRNN(nn.Module):
         gaussians: mixture components (K).
         reward_ensemble: reward heads (E).
         location_flag: the action carries the random-location bit (see the module docstring).
+        markov_reward: the reward heads read z_t and the action only, not the LSTM's history (see the module
+            docstring).
     """
 
     def __init__(self, latent_size: int, n_actions: int, n_rules: int, hidden: int = 128, gaussians: int = 5,
-                 reward_ensemble: int = 5, location_flag: bool = False):
+                 reward_ensemble: int = 5, location_flag: bool = False, markov_reward: bool = False):
         super().__init__()
         if reward_ensemble < 1:
             raise ValueError("reward_ensemble must be >= 1")
         self.latent_size, self.n_actions, self.n_rules = latent_size, n_actions, n_rules
         self.hidden, self.gaussians, self.reward_ensemble = hidden, gaussians, reward_ensemble
-        self.location_flag = bool(location_flag)
+        self.location_flag, self.markov_reward = bool(location_flag), bool(markov_reward)
         action_size = n_actions + int(self.location_flag)
         self.rnn = nn.LSTM(latent_size + action_size, hidden)
         head_in = hidden + latent_size + action_size
         self.gmm_linear = nn.Linear(head_in, (2 * latent_size + 1) * gaussians)
-        self.reward_heads = nn.ModuleList(nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        reward_in = latent_size + action_size if self.markov_reward else head_in
+        self.reward_heads = nn.ModuleList(nn.Sequential(nn.Linear(reward_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
                                           for _ in range(reward_ensemble))
         self.done_head = nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.mask_head = nn.Sequential(nn.Linear(latent_size + hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_rules))
@@ -98,7 +104,7 @@ class MDRNN(nn.Module):
         """Constructor arguments (stored in checkpoints)."""
         return {"latent_size": self.latent_size, "n_actions": self.n_actions, "n_rules": self.n_rules,
                 "hidden": self.hidden, "gaussians": self.gaussians, "reward_ensemble": self.reward_ensemble,
-                "location_flag": self.location_flag}
+                "location_flag": self.location_flag, "markov_reward": self.markov_reward}
 
     def initial_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero (h, c), each (B, H)."""
@@ -126,7 +132,8 @@ class MDRNN(nn.Module):
         mus = gmm[..., : k * z].reshape(*lead, k, z)
         sigmas = gmm[..., k * z: 2 * k * z].reshape(*lead, k, z).clamp(-7.0, 5.0).exp()
         logpi = F.log_softmax(gmm[..., 2 * k * z:], dim=-1)
-        members = torch.cat([head(x) for head in self.reward_heads], -1)
+        reward_x = torch.cat([latents, onehot], -1) if self.markov_reward else x
+        members = torch.cat([head(reward_x) for head in self.reward_heads], -1)
         return mus, sigmas, logpi, self.done_head(x).squeeze(-1), members
 
     def _output(self, heads, mask_logits: torch.Tensor) -> MDRNNOutput:

@@ -80,6 +80,8 @@ class Config:
         mdrnn_batch: M's batch size (episodes).
         mdrnn_validation: share of the training episodes set aside in each iteration to pick M's epoch (the lowest
             loss on them); 0: M keeps its last epoch.
+        markov_reward: M's reward heads read z and the action, not the LSTM's history
+            (`rlflow.worldmodel.mdrnn.MDRNN`).
         sample_latents: M learns from, and the dream starts at, latents sampled from V's posteriors; False: their
             means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
             than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
@@ -149,6 +151,7 @@ class Config:
     mdrnn_lr: float = 1e-3
     mdrnn_batch: int = 32
     mdrnn_validation: float = 0.0
+    markov_reward: bool = False
     sample_latents: bool = False
     learn_location: bool = True
     location_gamma: float = 0.0
@@ -199,7 +202,8 @@ class Agent:
         self.n_rules = n_rules
         self.vision = GraphVAE(n_rules, config.hidden, config.rounds, config.latent_size)
         self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians,
-                           config.reward_ensemble, location_flag=config.learn_location)
+                           config.reward_ensemble, location_flag=config.learn_location,
+                           markov_reward=config.markov_reward)
         self.policy = LatentPolicy(config.latent_size + config.rnn_hidden, n_rules + 1, config.controller_hidden)
         self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=config.vae_lr)
         self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=config.mdrnn_lr)

@@ -124,3 +124,19 @@ def test_temperature_changes_sampling_spread():
     hot = sample_gmm(mus, sigmas, logpi, 1.5, gen)
     assert hot.std() > cold.std()
     assert torch.equal(sample_gmm(mus, sigmas, logpi, 0.0), torch.zeros(4000, 3))
+
+
+def test_a_markov_reward_reads_the_state_and_action_but_not_the_history():
+    """With `markov_reward`, one (z, action) earns the same predicted reward whatever the LSTM's state (its history);
+    without it the history changes the reward; the option is part of the spec."""
+    torch.manual_seed(0)
+    z, action = torch.randn(1, 4), torch.ones(1, dtype=torch.long)
+    history = (torch.randn(1, 16), torch.randn(1, 16))
+    for markov in (True, False):
+        model = MDRNN(latent_size=4, n_actions=3, n_rules=2, hidden=16, gaussians=1, markov_reward=markov)
+        with torch.no_grad():
+            fresh, _ = MDRNNCell(model)(action, z, model.initial_state(1))
+            later, _ = MDRNNCell(model)(action, z, history)
+        assert (float(fresh.reward) == pytest.approx(float(later.reward))) is markov
+        assert (float(fresh.done_logit) == pytest.approx(float(later.done_logit))) is False  # the rest still reads h
+        assert model.spec()["markov_reward"] is markov
