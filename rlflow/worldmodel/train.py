@@ -646,6 +646,7 @@ def main(config: Config) -> dict:
             m_losses = train_mdrnn(agent, replay, train_eps, mu, logvar, config, rng, bar)
         quality_now = quality(agent.vision, agent.mdrnn, replay, held_eps, train_eps, mu, logvar, config.reward_scale)
         if agent.location is not None:
+            # held-out targets: the best returns every real episode shows (the scorer trained on its own episodes')
             values = (best_returns(replay.episodes, n_rules, config.location_gamma) if config.location_gamma > 0
                       else None)
             quality_now.update(location_quality(agent.location, replay, held_eps, config.reward_scale,

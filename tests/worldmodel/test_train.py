@@ -284,3 +284,15 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
     assert now == pytest.approx(stats["best_validation_loss"], rel=1e-5)
     assert stats["best_validation_loss"] <= stats["validation_loss"] + 1e-9
 
+
+
+def test_the_reward_error_is_shared_out_by_rule():
+    import numpy as np
+
+    from rlflow.rewrites import RULES
+    from rlflow.worldmodel.report import error_by_rule
+
+    shares = error_by_rule(np.array([0.0, 0.0, 1.0, 5.0]), np.array([1.0, 1.0, 1.0, 2.0]), np.array([0, 0, 1, 2]))
+    assert shares == {RULES[2].name: pytest.approx(9 / 11, abs=1e-4), RULES[0].name: pytest.approx(2 / 11, abs=1e-4),
+                      RULES[1].name: 0.0}
+    assert error_by_rule(np.ones(3), np.ones(3), np.zeros(3, int)) == {}
