@@ -89,9 +89,10 @@ class Config:
         learn_location: apply a chosen rule at the match the learned location scorer rates best (random matches
             when exploring); False: always at the first listed match.
         location_gamma: the scorer learns a match's reward plus this times the best return the real transitions
-            show after it (`rlflow.worldmodel.location.best_returns`); 0: the reward alone.  Two matches of a rule
-            can pay the same now and very differently later (on nasrnn-tiny one MatMul merge opens a Gemm fusion
-            worth 8%, another of the same reward opens nothing).
+            show after it (`rlflow.worldmodel.location.best_returns`); 0: the reward alone (checkpoints from before
+            it).  Two matches of a rule can pay the same now and very differently later (on nasrnn-tiny one MatMul
+            merge opens a Gemm fusion worth 8%, another of the same reward opens nothing); with 0.95 seeds 0 and 3
+            reached PPO's final and without it neither did (docs/results/worldmodel-options/).
         avoid_revisits: the greedy real evaluation never returns to a graph of its episode, as `rlflow optimize`
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
@@ -154,7 +155,7 @@ class Config:
     markov_reward: bool = False
     sample_latents: bool = False
     learn_location: bool = True
-    location_gamma: float = 0.0
+    location_gamma: float = 0.95
     avoid_revisits: bool = True
     location_epochs: int = 30
     location_lr: float = 1e-3
@@ -252,7 +253,8 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
     payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
                                       algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
     fields = {f.name for f in dataclasses.fields(Config)}
-    stored = {"learn_location": False, **payload["config"]}  # checkpoints from before it used the first match
+    # checkpoints from before the learned location used the first match, from before location_gamma the reward
+    stored = {"learn_location": False, "location_gamma": 0.0, **payload["config"]}
     config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in fields})
     agent = Agent(config, len(payload["rules"]))
     agent.load_state_dict(payload["agent"])
