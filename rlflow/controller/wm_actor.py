@@ -5,10 +5,10 @@ The controller was trained in the dream over rule types, from the state (z, h): 
 M's memory of the rewrites applied so far.  On a real graph the actor does the same: V encodes the observation, M's
 one-step cell advances h after every rewrite, and the controller's logits over rules (masked by the rules that
 really have a match) become logits over the environment's candidates.  With a location scorer (see
-`rlflow.worldmodel.location`) a candidate's logit is its rule's logit less how far its predicted reward falls short
-of the rule's best-scored match, divided by `LOCATION_TEMPERATURE`: a greedy choice takes the controller's rule at
-its best-scored match, as the real episodes that trained the world model did, and sampled rollouts favour the
-better matches.
+`rlflow.worldmodel.location`) a candidate's logit is its rule's logit less how far its score (predicted reward, plus
+what follows it with `location_gamma`) falls short of the rule's best-scored match, divided by
+`LOCATION_TEMPERATURE`: a greedy choice takes the controller's rule at its best-scored match, as the real episodes
+that trained the world model did, and sampled rollouts favour the better matches.
 Without one (checkpoints from before it) every candidate of a rule gets its rule's logit, so a greedy choice takes
 the rule's first listed match.
 """

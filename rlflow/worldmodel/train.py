@@ -16,8 +16,9 @@ Each iteration:
 
 Actions are rule types plus terminate, masked by the real availability.  In the real environment the chosen rule is
 applied where the learned location scorer (`rlflow.worldmodel.location`, trained on the real transitions after V)
-predicts the best reward; random and exploratory actions pick a random match (with `learn_location` off: the first
-listed match, `rlflow.controller.dream_ppo.first_candidate`).
+predicts the most: the reward plus the discounted best return the real transitions show after it (`location_gamma`);
+random and exploratory actions pick a random match (with `learn_location` off: the first listed match,
+`rlflow.controller.dream_ppo.first_candidate`).
 
 Everything the run needs to resume (weights, optimiser states, replay, curves, config, rule-registry version) is in
 `<run_dir>/worldmodel.pt`; metrics (`charts/`, `losses/`, `eval/`) go to `<run_dir>/metrics.csv`; the report
