@@ -252,8 +252,8 @@ def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model
 
 
 def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
-    """With a validation share, M ends with the weights of its best epoch on the episodes set aside, whose loss it
-    reports; those episodes are drawn first from the generator, and M never trains on them."""
+    """With a validation share, M ends with the weights of its best epoch on the episodes set aside (drawn first from
+    the generator): its loss there now is the best one it reports, no higher than the last epoch's."""
     import dataclasses
     from pathlib import Path
 
@@ -283,7 +283,6 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
     assert 1 <= stats["best_epoch"] <= 6
     assert now == pytest.approx(stats["best_validation_loss"], rel=1e-5)
     assert stats["best_validation_loss"] <= stats["validation_loss"] + 1e-9
-
 
 
 def test_the_reward_error_is_shared_out_by_rule():
