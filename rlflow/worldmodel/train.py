@@ -93,7 +93,7 @@ class Config:
             show after it (`rlflow.worldmodel.location.best_returns`); 0: the reward alone (checkpoints from before
             it).  Two matches of a rule can pay the same now and very differently later (on nasrnn-tiny one MatMul
             merge opens a Gemm fusion worth 8%, another of the same reward opens nothing); with 0.95 two seeds of
-            three reached PPO's final in time and without it none did (docs/results/worldmodel-options/).
+            four reached PPO's final in time and without it none did (docs/results/worldmodel-options/).
         avoid_revisits: the greedy real evaluation never returns to a graph of its episode, as `rlflow optimize`
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
