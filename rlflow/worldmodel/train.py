@@ -757,7 +757,10 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
             "location": ("actions are rule types; in the real environment a rule runs at the match the learned "
                          "location scorer rates best (random matches when exploring)" if config.learn_location else
                          "actions are rule types; a rule runs at its first listed candidate in the real environment"),
-            "location_pearson": "the location scorer's predicted vs real reward on the held-out transitions",
+            "location_pearson": ("the location scorer's predicted vs real target on the held-out transitions: the "
+                                 f"reward plus {config.location_gamma} times the best return every real episode "
+                                 "shows after it" if config.location_gamma > 0 else
+                                 "the location scorer's predicted vs real reward on the held-out transitions"),
         },
         "same_models_as_ppo": bool(ppo and tuple(ppo["config"]["models"]) == tuple(config.models)),
         "same_registry_as_ppo": bool(ppo and ppo.get("registry_version") == registry_version),
