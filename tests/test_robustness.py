@@ -6,6 +6,7 @@ one line on stderr and no output file.  docs/robustness.md lists each case with 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -81,7 +82,8 @@ def test_unreadable_file(tmp_path, capsys, monkeypatch, matmul_model):
 
 # ------------------------------------------------------------------------------------------------------ models
 def test_custom_domain_operators_are_left_alone(tmp_path):
-    """A contrib operator onnxruntime runs stays as it is; rules never root at a custom-domain look-alike."""
+    """A contrib operator onnxruntime runs is kept or rewritten by a named rule, never dropped; rules never root at a
+    custom-domain look-alike."""
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
     nodes = _transpose_pair(out="r") + [
@@ -98,8 +100,12 @@ def test_custom_domain_operators_are_left_alone(tmp_path):
     assert not any(n.name in m.nodes for m in find_matches(graph) for n in graph.gs.nodes
                    if n.domain == "com.example.fake")
     del model.graph.node[4]  # onnxruntime cannot run the fake domain; the rest must optimise and verify
-    written = optimize_ok(save(model, tmp_path / "contrib.onnx"), tmp_path)
-    assert any(n.op_type == "FusedMatMul" and n.domain == "com.microsoft" for n in written.graph.node)
+    written = optimize_ok(save(model, tmp_path / "contrib.onnx"), tmp_path, "--json", str(tmp_path / "report.json"))
+    # Unfusing it is a legal rewrite the search keeps only when it measures faster, so which outcome comes depends on
+    # the machine's timings: either the operator is still there, or the report names the rule that replaced it.
+    applied = json.loads((tmp_path / "report.json").read_text())["applied"]
+    kept = any(n.op_type == "FusedMatMul" and n.domain == "com.microsoft" for n in written.graph.node)
+    assert kept or any(step.startswith("fused-matmul-unfuse@") for step in applied), applied
 
 
 def test_control_flow_is_kept_and_outer_tensors_follow_rewrites(tmp_path):
