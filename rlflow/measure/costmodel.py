@@ -334,10 +334,7 @@ class CostModel:
             self._new += 1
         cost = table["costs"].get(canon)
         if cost is None:
-            probe = _probe_model(max(len(model.graph.input), 1), max(len(model.graph.output), 1))
-            seconds = _time_beyond(model, probe, self.settings)
-            boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
-            cost = max(seconds * 1e3 - boundary, _FLOOR_MS)
+            cost = self._time_isolated(model, optimized)
             with self._lock:
                 table["costs"][canon] = cost
                 table["ops"][canon] = "+".join(n.op for n in group.members)
@@ -347,6 +344,22 @@ class CostModel:
         if self._new >= AUTOSAVE_EVERY:
             self.save()
         return cost
+
+    def _time_isolated(self, model: onnx.ModelProto, optimized: onnx.ModelProto | None) -> float:
+        """Milliseconds of an isolated group (`_isolated_model`) beyond the call overhead and its boundary reorders:
+        what the table stores for it (`optimized`: `_optimized(model)`)."""
+        probe = _probe_model(max(len(model.graph.input), 1), max(len(model.graph.output), 1))
+        seconds = _time_beyond(model, probe, self.settings)
+        boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
+        return max(seconds * 1e3 - boundary, _FLOOR_MS)
+
+    def remeasure(self, graph: Graph, group: _Group) -> tuple[str, float | None, float]:
+        """(table key, cached cost or None, a fresh measurement) of one group of `graph`, leaving the table as it is
+        (see `rlflow.measure.costmodel_audit`)."""
+        model = _isolated_model(graph, group)
+        optimized = self._optimized(model)
+        canon = ("o:" + _optimized_key(optimized)) if optimized is not None else group.key
+        return canon, self.table["costs"].get(canon), self._time_isolated(model, optimized)
 
     def _boundary_reorders(self, optimized: onnx.ModelProto) -> float:
         """Milliseconds of the NCHWc reorders onnxruntime adds at the edges of an isolated group.

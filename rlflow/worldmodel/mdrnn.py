@@ -191,7 +191,7 @@ class MDRNNCell(nn.Module):
 
 def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor,
                masks: torch.Tensor, valid: torch.Tensor, state_valid: torch.Tensor | None = None,
-               mask_weight: float = 1.0) -> dict[str, torch.Tensor]:
+               mask_weight: float = 1.0, member_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The world model's training loss over padded sequences.
 
     Args:
@@ -203,6 +203,8 @@ def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tens
         valid: (T, B) 1 on steps with a transition target (a rule was applied), 0 elsewhere.
         state_valid: (T, B) 1 on real states (availability targets); `valid` when None.
         mask_weight: weight of the availability loss.
+        member_weights: (B, E) which episodes each reward-ensemble member learns from (bootstrap: 0 or 1); None:
+            every member learns from every episode.
 
     Returns:
         Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) /
@@ -212,7 +214,12 @@ def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tens
     valid = valid.float()
     count = valid.sum().clamp_min(1.0)
     gmm = (gmm_loss(next_latents, out.mus, out.sigmas, out.logpi, reduce=False) * valid).sum() / count
-    mse = ((out.reward_members - rewards.unsqueeze(-1)).pow(2).mean(-1) * valid).sum() / count
+    squared = (out.reward_members - rewards.unsqueeze(-1)).pow(2)  # (T, B, E)
+    if member_weights is None:
+        mse = (squared.mean(-1) * valid).sum() / count
+    else:  # each member's mean over its own episodes, then the mean over members
+        weights = valid.unsqueeze(-1) * member_weights.unsqueeze(0)
+        mse = ((squared * weights).sum((0, 1)) / weights.sum((0, 1)).clamp_min(1.0)).mean()
     mean_mse = ((out.reward.detach() - rewards).pow(2) * valid).sum() / count
     bce = (F.binary_cross_entropy_with_logits(out.done_logit, dones.float(), reduction="none") * valid).sum() / count
     state_valid = valid if state_valid is None else state_valid.float()

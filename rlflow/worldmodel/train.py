@@ -83,6 +83,8 @@ class Config:
             loss on them); 0: M keeps its last epoch.
         markov_reward: M's reward heads read z and the action, not the LSTM's history
             (`rlflow.worldmodel.mdrnn.MDRNN`).
+        reward_bootstrap: each of M's reward heads learns from this share of the episodes, drawn once per episode
+            (`reward_bootstrap`); 0: every head from every episode.
         sample_latents: M learns from, and the dream starts at, latents sampled from V's posteriors; False: their
             means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
             than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
@@ -154,6 +156,7 @@ class Config:
     mdrnn_batch: int = 32
     mdrnn_validation: float = 0.0
     markov_reward: bool = False
+    reward_bootstrap: float = 0.0
     sample_latents: bool = False
     learn_location: bool = True
     location_gamma: float = 0.95
@@ -457,11 +460,14 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
     masks = torch.as_tensor(np.stack(replay.rule_masks))
     terminate = agent.n_rules
 
+    members = reward_bootstrap(replay, config.reward_ensemble, config.reward_bootstrap, config.seed)
+
     def losses_of(chunk: list, sample: bool) -> dict:
         seq = sequences(chunk, mu, logvar, masks, terminate, sample=sample, reward_scale=config.reward_scale)
         out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
+        weights = torch.stack([members[id(e)] for e in chunk]) if members else None
         return mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
-                          seq["state_valid"], config.mask_weight)
+                          seq["state_valid"], config.mask_weight, weights)
 
     held = int(round(config.mdrnn_validation * len(episodes))) if len(episodes) >= 10 else 0
     validation: list = []
@@ -500,6 +506,26 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
         totals.update(best_epoch=float(best_epoch), best_validation_loss=best_loss)
     agent.mdrnn.eval()
     return totals
+
+
+def reward_bootstrap(replay, members: int, share: float, seed: int) -> dict:
+    """id(episode) -> (members,) 0/1: which reward-ensemble members learn from each episode of `replay`, each member
+    from about `share` of them (at least one member per episode); empty when `share` is 0 or 1 (all learn from all).
+
+    An episode keeps its draw for the whole run (it is seeded by the episode's place in the replay), so members
+    trained over many iterations stay apart: with every member fitting every transition, the members agree where
+    M has memorised its data and disagree nowhere, and their mean inherits M's wild guesses on new transitions."""
+    import torch
+
+    if share <= 0 or share >= 1:
+        return {}
+    out = {}
+    for index, episode in enumerate(replay.episodes):
+        draw = np.random.default_rng([seed, index]).random(members) < share
+        if not draw.any():
+            draw[np.random.default_rng([seed, index, 1]).integers(members)] = True
+        out[id(episode)] = torch.as_tensor(draw, dtype=torch.float32)
+    return out
 
 
 def dream_reward_range(episodes: list, n_rules: int):

@@ -140,3 +140,24 @@ def test_a_markov_reward_reads_the_state_and_action_but_not_the_history():
         assert (float(fresh.reward) == pytest.approx(float(later.reward))) is markov
         assert (float(fresh.done_logit) == pytest.approx(float(later.done_logit))) is False  # the rest still reads h
         assert model.spec()["markov_reward"] is markov
+
+
+def test_bootstrapped_reward_members_each_learn_their_own_episodes():
+    """With member weights, a reward member learns only from the episodes it was dealt: two episodes take the same
+    rule from the same latent and earn +1 and -1; the member dealt the first predicts about +1, the one dealt the
+    second about -1, and their mean sits between (unweighted, both would learn 0)."""
+    torch.manual_seed(0)
+    model = MDRNN(latent_size=4, n_actions=3, n_rules=2, hidden=16, gaussians=1, reward_ensemble=2,
+                  markov_reward=True)
+    z = torch.randn(1, 1, 4).expand(1, 2, 4)  # (T=1, B=2, Z): one state, two episodes
+    actions, rewards = torch.ones(1, 2, dtype=torch.long), torch.tensor([[1.0, -1.0]])
+    ones, weights = torch.ones(1, 2), torch.eye(2)  # member 0 sees episode 0, member 1 episode 1
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(300):
+        out = model(actions, z)
+        loss = mdrnn_loss(out, z, rewards, torch.zeros(1, 2), torch.ones(1, 2, 2), ones, member_weights=weights)
+        opt.zero_grad()
+        loss["loss"].backward()
+        opt.step()
+    members = model(actions, z).reward_members[0, 0].detach()
+    assert float(members[0]) == pytest.approx(1.0, abs=0.1) and float(members[1]) == pytest.approx(-1.0, abs=0.1)

@@ -296,3 +296,20 @@ def test_the_reward_error_is_shared_out_by_rule():
     assert shares == {RULES[2].name: pytest.approx(9 / 11, abs=1e-4), RULES[0].name: pytest.approx(2 / 11, abs=1e-4),
                       RULES[1].name: 0.0}
     assert error_by_rule(np.ones(3), np.ones(3), np.zeros(3, int)) == {}
+
+
+def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
+    """Each episode goes to about `share` of the members, at least one, the same ones on every call (the draw rests
+    on the episode's place in the replay, so iterations keep members apart); 0 and 1 deal everything to all."""
+    from rlflow.worldmodel.replay import Episode, Replay
+    from rlflow.worldmodel.train import reward_bootstrap
+
+    replay = Replay(3)
+    replay.episodes = [Episode(model=f"m{i}") for i in range(400)]
+    dealt = reward_bootstrap(replay, 5, 0.4, seed=3)
+    again = reward_bootstrap(replay, 5, 0.4, seed=3)
+    rows = torch.stack([dealt[id(e)] for e in replay.episodes])
+    assert torch.equal(rows, torch.stack([again[id(e)] for e in replay.episodes]))
+    assert bool((rows.sum(1) >= 1).all()) and 0.35 < float(rows.mean()) < 0.5
+    assert not torch.equal(rows, torch.stack([reward_bootstrap(replay, 5, 0.4, seed=4)[id(e)] for e in replay.episodes]))
+    assert reward_bootstrap(replay, 5, 0.0, seed=3) == {} == reward_bootstrap(replay, 5, 1.0, seed=3)

@@ -1,0 +1,154 @@
+"""Audits the cost model's table: measures the fusion groups of a model's graphs again and lists the cached costs
+that the new measurements do not confirm.
+
+The table measures each group once, when it first meets it, and keeps that cost for good.  The measurement takes the
+fastest of several batches (`rlflow.measure.costmodel._time_beyond`). Even so, a group of a few microseconds sits at
+the noise floor, and a table filled while other processes ran can keep a cost several times too high. One such
+entry makes phantom rewards. On nasrnn-tiny, Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh was cached at 0.0331 ms and
+measured 0.0068-0.0081 ms three times later. With that entry, matmul-add-to-gemm pays -36.6% and the next rewrite
++37.6%, while end to end the two graphs differ by 1% (see docs/results/costmodel-audit.md).
+
+The graphs audited are the model itself and the graphs of random rewrite sequences from it, drawn as
+`rlflow.measure.costmodel_check` draws them.  The audit is read-only: the table stays as it is, because the rewards
+of the runs already made rest on it.  Run it on an otherwise idle machine, or the new measurements carry the same
+noise they are meant to expose.
+
+    python -m rlflow.measure.costmodel_audit nasrnn-tiny --sequences 30 --length 12 --out build/audit.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rlflow.errors import RlflowError
+from rlflow.measure.costmodel import CostModel
+
+FACTOR = 2.0
+"""A cached cost disagrees when it and the median of the new measurements differ by more than this factor..."""
+
+FLOOR_MS = 0.005
+"""...and by more than this many milliseconds (smaller differences are within the timing noise of one group)."""
+
+
+@dataclass
+class GroupAudit:
+    """One table entry measured again.
+
+    Attributes:
+        key: the table's cost key.
+        ops: the group's operators, in order.
+        cached_ms: the cost the table holds (None: not measured yet, so nothing to confirm).
+        fresh_ms: the new measurements, each as the table would have stored it.
+    """
+
+    key: str
+    ops: str
+    cached_ms: float | None
+    fresh_ms: list[float]
+
+    @property
+    def fresh_median_ms(self) -> float:
+        return float(statistics.median(self.fresh_ms))
+
+    def disagrees(self, factor: float = FACTOR, floor_ms: float = FLOOR_MS) -> bool:
+        """Whether the cached cost and the new median differ by more than `factor` and by more than `floor_ms`."""
+        if self.cached_ms is None:
+            return False
+        low, high = sorted((self.cached_ms, self.fresh_median_ms))
+        return high - low > floor_ms and high > factor * max(low, 1e-9)
+
+
+def audit_graphs(cost_model: CostModel, graphs: list, *, repeats: int = 3, progress=None) -> list[GroupAudit]:
+    """Every distinct table entry the groups of `graphs` use, with `repeats` new measurements each (table unchanged).
+
+    Args:
+        cost_model: whose table is audited.
+        graphs: `rlflow.graph.Graph` objects.
+        repeats: new measurements per entry (their median is compared).
+        progress: a tqdm-like object, advanced once per graph.
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be at least 1")
+    audits: dict[str, GroupAudit] = {}
+    for graph in graphs:
+        for group in cost_model.groups(graph):
+            known = cost_model.table["groups"].get(group.key)
+            if known is not None and known in audits:
+                continue
+            key, cached, fresh = cost_model.remeasure(graph, group)
+            if key in audits:
+                continue
+            if cached is None:  # not in the table yet: nothing to confirm
+                continue
+            fresh = [fresh] + [cost_model.remeasure(graph, group)[2] for _ in range(repeats - 1)]
+            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cached, fresh)
+        if progress is not None:
+            progress.update(1)
+    return list(audits.values())
+
+
+def summary(audits: list[GroupAudit], factor: float = FACTOR, floor_ms: float = FLOOR_MS) -> dict:
+    """Counts and the disagreeing entries (largest difference first), as the JSON report holds them."""
+    cached = [a for a in audits if a.cached_ms is not None]
+    bad = sorted((a for a in cached if a.disagrees(factor, floor_ms)),
+                 key=lambda a: -abs(a.cached_ms - a.fresh_median_ms))
+    return {"entries": len(audits), "cached": len(cached), "disagreeing": len(bad),
+            "factor": factor, "floor_ms": floor_ms,
+            "disagreeing_entries": [{**asdict(a), "fresh_median_ms": a.fresh_median_ms} for a in bad]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm.auto import tqdm
+
+    from rlflow.graph import load
+    from rlflow.measure.costmodel_check import random_graphs, resolve_model, write_atomic
+
+    parser = argparse.ArgumentParser(prog="python -m rlflow.measure.costmodel_audit",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", help="ONNX files or zoo names")
+    parser.add_argument("--sequences", type=int, default=20, help="random rewrite sequences per model")
+    parser.add_argument("--length", type=int, default=10, help="longest sequence")
+    parser.add_argument("--repeats", type=int, default=3, help="new measurements per table entry")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--factor", type=float, default=FACTOR, help="disagreement factor")
+    parser.add_argument("--floor-ms", type=float, default=FLOOR_MS, help="smallest difference that counts (ms)")
+    parser.add_argument("--cache-dir", default=None, help="cost table folder (default $RLFLOW_CACHE/costmodel)")
+    parser.add_argument("--out", default=None, help="JSON report")
+    args = parser.parse_args(argv)
+    try:
+        cost_model = CostModel(cache_dir=args.cache_dir)
+        report = {"cost_table": str(cost_model.path), "settings": cost_model.settings.as_dict(),
+                  "command": "python -m rlflow.measure.costmodel_audit " + " ".join(argv or sys.argv[1:]),
+                  "models": {}}
+        for spec in args.models:
+            name, path = resolve_model(spec)
+            start = time.monotonic()
+            graphs = [g for _, g in random_graphs(load(path), args.sequences, args.length,
+                                                  np.random.default_rng(args.seed))]
+            with tqdm(total=len(graphs), desc=f"audit {name}", leave=False, file=sys.stderr) as bar:
+                audits = audit_graphs(cost_model, graphs, repeats=args.repeats, progress=bar)
+            result = {**summary(audits, args.factor, args.floor_ms), "graphs": len(graphs),
+                      "seconds": time.monotonic() - start}
+            report["models"][name] = result
+            print(f"{name}: {result['disagreeing']} of {result['cached']} cached entries disagree with "
+                  f"{args.repeats} new measurements (over {len(graphs)} graphs, {result['seconds']:.0f} s)",
+                  flush=True)
+            for row in result["disagreeing_entries"][:10]:
+                print(f"  cached {row['cached_ms']:.4f} ms, now {row['fresh_median_ms']:.4f} ms  {row['ops'][:80]}")
+    except (OSError, RlflowError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_atomic(Path(args.out), json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The cost-table audit: it finds a corrupted entry, leaves the table alone, and refuses bad input in one line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from rlflow.graph import Graph
+from rlflow.measure.costmodel import CostModel
+from rlflow.measure.costmodel_audit import GroupAudit, audit_graphs, main, summary
+
+
+def _graph() -> Graph:
+    """x @ W -> Relu -> Transpose: a couple of fusion groups to measure."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"), helper.make_node("Relu", ["m"], ["r"]),
+             helper.make_node("Transpose", ["r"], ["y"], perm=[1, 0])]
+    graph = helper.make_graph(nodes, "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 16])], initializer=[w])
+    return Graph.from_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+
+
+def test_a_corrupted_entry_is_flagged_and_the_table_is_left_alone(tmp_path):
+    """An entry set a thousand times too high disagrees with its new measurements; the table on disk and in memory
+    keeps every cost it had."""
+    cost_model, graph = CostModel(cache_dir=tmp_path), _graph()
+    cost_model.graph_cost(graph)
+    key = max(cost_model.table["costs"], key=lambda k: cost_model.table["costs"][k] if k.startswith("o:") else 0)
+    cost_model.table["costs"][key] = 1000.0
+    cost_model.save()
+    before, on_disk = dict(cost_model.table["costs"]), cost_model.path.read_text()
+    audits = audit_graphs(cost_model, [graph, graph], repeats=2)
+    assert len({a.key for a in audits}) == len(audits)  # each entry once, however many graphs use it
+    flagged = summary(audits)["disagreeing_entries"]
+    assert [row["key"] for row in flagged][:1] == [key] and all(len(a.fresh_ms) == 2 for a in audits)
+    assert cost_model.table["costs"] == before and cost_model.path.read_text() == on_disk
+
+
+def test_disagreement_needs_both_the_factor_and_the_floor():
+    assert GroupAudit("k", "Relu", 0.030, [0.007, 0.008, 0.0081]).disagrees()
+    assert not GroupAudit("k", "Relu", 0.003, [0.001, 0.001, 0.001]).disagrees()  # 3x, but 2 us apart
+    assert not GroupAudit("k", "Relu", 0.030, [0.020, 0.021, 0.019]).disagrees()  # 10 us apart, but 1.5x
+    assert not GroupAudit("k", "Relu", None, [0.02]).disagrees()  # never cached
+
+
+def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):
+    code = main([str(tmp_path / "missing.onnx"), "--cache-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ")
+
+
+def test_the_command_writes_its_report(tmp_path):
+    path = tmp_path / "m.onnx"
+    onnx.save(_graph().to_model(), str(path))
+    out = tmp_path / "audit.json"
+    assert main([str(path), "--sequences", "2", "--length", "2", "--repeats", "1", "--cache-dir", str(tmp_path),
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["models"]["m"]["graphs"] >= 1 and report["models"]["m"]["disagreeing"] >= 0
