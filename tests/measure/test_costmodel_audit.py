@@ -59,3 +59,4 @@ def test_the_command_writes_its_report(tmp_path):
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["models"]["m"]["graphs"] >= 1 and report["models"]["m"]["disagreeing"] >= 0
+    assert "| m |" in out.with_suffix(".md").read_text()
