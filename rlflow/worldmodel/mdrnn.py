@@ -17,7 +17,7 @@ together with z_t and the action (a skip connection: reward is mostly a function
 the LSTM need not relay).
 
 The reward is predicted by an ensemble of `reward_ensemble` regression heads (different initialisations, each trained
-on every transition): their mean is the prediction and their spread (`reward_std`) says where the model does not
+on every transition, or with `mdrnn_loss(member_weights=...)` on its own share of the episodes: bagging): their mean is the prediction and their spread (`reward_std`) says where the model does not
 know, which the dream turns into a penalty (MOPO) so that the controller cannot exploit the model's errors.  With
 `markov_reward` the reward heads read only z_t and the action: the environment is Markov in the graph, and a head
 that also reads the LSTM's history can tell training episodes apart by it and learn their rewards by heart (reward
