@@ -16,12 +16,13 @@ the state (z_t, h_t), which is the action mask the dream hands to the controller
 together with z_t and the action (a skip connection: reward is mostly a function of the graph and the rule, which
 the LSTM need not relay).
 
-The reward is predicted by an ensemble of `reward_ensemble` regression heads (different initialisations, each trained
-on every transition, or with `mdrnn_loss(member_weights=...)` on its own share of the episodes: bagging): their mean is the prediction and their spread (`reward_std`) says where the model does not
-know, which the dream turns into a penalty (MOPO) so that the controller cannot exploit the model's errors.  With
-`markov_reward` the reward heads read only z_t and the action: the environment is Markov in the graph, and a head
-that also reads the LSTM's history can tell training episodes apart by it and learn their rewards by heart (reward
-Pearson 0.99 on training episodes against 0.55 on held-out ones, #7).
+The reward is predicted by an ensemble of `reward_ensemble` regression heads (different initialisations, each
+trained on every transition, or with `mdrnn_loss(member_weights=...)` on its own share of the episodes: bagging):
+their mean is the prediction and their spread (`reward_std`) says where the model does not know, which the dream
+turns into a penalty (MOPO) so that the controller cannot exploit the model's errors. With `markov_reward` the
+reward heads read only z_t and the action: the environment is Markov in the graph, and a head that also reads the
+LSTM's history can tell training episodes apart by it and learn their rewards by heart (reward Pearson 0.99 on
+training episodes against 0.55 on held-out ones, #7).
 """
 from __future__ import annotations
 
