@@ -353,13 +353,21 @@ class CostModel:
         boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
         return max(seconds * 1e3 - boundary, _FLOOR_MS)
 
-    def remeasure(self, graph: Graph, group: _Group) -> tuple[str, float | None, float]:
-        """(table key, cached cost or None, a fresh measurement) of one group of `graph`, leaving the table as it is
-        (see `rlflow.measure.costmodel_audit`)."""
+    def cached_key(self, graph: Graph, group: _Group) -> str | None:
+        """The cost key the table holds for one group of `graph` (found through onnxruntime's optimised form where
+        the group itself was never met, as `_measure_group` finds it), or None where no cost is cached for it."""
+        canon = self.table["groups"].get(group.key)
+        if canon is None:
+            optimized = self._optimized(_isolated_model(graph, group))
+            canon = ("o:" + _optimized_key(optimized)) if optimized is not None else group.key
+        return canon if canon in self.table["costs"] else None
+
+    def remeasure(self, graph: Graph, group: _Group, times: int = 1) -> list[float]:
+        """`times` fresh measurements of one group of `graph`, each as the table would store it, leaving the table
+        as it is (see `rlflow.measure.costmodel_audit`)."""
         model = _isolated_model(graph, group)
         optimized = self._optimized(model)
-        canon = ("o:" + _optimized_key(optimized)) if optimized is not None else group.key
-        return canon, self.table["costs"].get(canon), self._time_isolated(model, optimized)
+        return [self._time_isolated(model, optimized) for _ in range(times)]
 
     def _boundary_reorders(self, optimized: onnx.ModelProto) -> float:
         """Milliseconds of the NCHWc reorders onnxruntime adds at the edges of an isolated group.

@@ -83,18 +83,16 @@ def audit_graphs(cost_model: CostModel, graphs: list, *, repeats: int = 3, progr
     audits: dict[str, GroupAudit] = {}
     for graph in graphs:
         for group in cost_model.groups(graph):
-            known = cost_model.table["groups"].get(group.key)
-            if known is not None and known in audits:
-                continue
             try:
-                key, cached, fresh = cost_model.remeasure(graph, group)
-                if key in audits or cached is None:  # audited already, or not in the table: nothing to confirm
+                key = cost_model.cached_key(graph, group)
+                if key is None or key in audits:  # never measured (nothing to confirm), or audited already
                     continue
-                fresh = [fresh] + [cost_model.remeasure(graph, group)[2] for _ in range(repeats - 1)]
+                fresh = cost_model.remeasure(graph, group, repeats)
             except Exception as exc:  # noqa: BLE001 - the cost model counts such a group as 0; so does the audit
                 log.warning("audit: cannot measure group at %s (%s); skipped", group.anchor, exc)
                 continue
-            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cached, fresh)
+            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cost_model.table["costs"][key],
+                                     fresh)
         if progress is not None:
             progress.update(1)
     return list(audits.values())
