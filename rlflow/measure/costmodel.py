@@ -14,12 +14,13 @@ scale into FusedMatMul, and folds constant subgraphs.  So the unit measured here
    and run through onnxruntime with the target settings, so onnxruntime applies its own fusions inside the group.
    The optimised graph onnxruntime saves for it is hashed too, so groups that onnxruntime turns into the same kernels
    (a Conv after a BN fold and a Conv+BN) share one measurement and get exactly the same cost.
-4. Times are the fastest of several batched runs, minus the per-call overhead of a trivial session with as many
-   inputs and outputs (so Python's per-call cost is not counted once per group) and minus the NCHWc reorders
-   onnxruntime adds at the edges of an isolated group (inside the whole graph, NCHWc convolutions pass blocked
-   tensors to each other without them).  The overhead is timed in batches alternating with the group's own, every
-   time a group is measured: the difference is a few microseconds on small groups, so an overhead timed once and
-   reused would turn one busy moment into a bias on every group measured after it.
+4. Times are the fastest of several batched runs (of up to `MAX_REPLICAS` copies of a small group side by side, so
+   that its microseconds rise above the noise of the call overhead), minus the per-call overhead of a trivial
+   session with as many inputs and outputs (so Python's per-call cost is not counted once per group) and minus the
+   NCHWc reorders onnxruntime adds at the edges of an isolated group (inside the whole graph, NCHWc convolutions pass
+   blocked tensors to each other without them).  The overhead is timed in batches alternating with the group's own,
+   every time a group is measured: the difference is a few microseconds on small groups, so an overhead timed once
+   and reused would turn one busy moment into a bias on every group measured after it.
 
 The table is cached on disk as JSON, keyed by provider, session settings, machine and onnxruntime version.  After
 warm-up `graph_cost` is a pure-Python pass over the graph with dictionary look-ups.
@@ -53,17 +54,29 @@ from rlflow.measure.session import SessionSettings, inference_session, session_o
 
 log = logging.getLogger("rlflow")
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """Bump when what a table entry means changes (grouping, measurement procedure): old tables are then ignored.
 
 2: the per-call overhead is timed alongside each group (version 1 timed it once per input/output count and cached
 it; one such entry timed 84 us against a true 48 us and floored 39% of a table's groups).
 3: each entry is the fastest over `SESSION_PAIRS` freshly built session pairs (version 2 used one: a Reshape of
 4 KB stayed at 32.6 us against 0.8-1.7 us re-measured, and made one attention-unfuse on vit-b-16-tiny cost 55% of
-the model's estimate where end-to-end measurement puts the two graphs within a few percent of each other)."""
+the model's estimate where end-to-end measurement puts the two graphs within a few percent of each other).
+4: a group faster than `REPLICA_TARGET_S` is timed as up to `MAX_REPLICAS` copies in one model, and each entry is the
+median over three session pairs (version 3 timed one copy, whose few microseconds were the size of the noise of the
+per-call overhead subtracted from them: on nasrnn-tiny a Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh group was cached
+at 33.1 us against 2.6-13.3 us measured again, a phantom reward of -36.6% for one rewrite and +37.6% for the next
+(docs/results/costmodel-audit.md).  Four one-copy measurements of a group spread by 2.7-3.3 us (median over 30
+groups), replicated ones by 0.4-0.7 us)."""
 
-SESSION_PAIRS = 2
-"""Independently built (group, probe) session pairs per table entry; the fastest batch over all of them counts."""
+SESSION_PAIRS = 3
+"""Independently built (group, probe) session pairs per table entry; the median of their differences counts."""
+
+REPLICA_TARGET_S = 1e-3
+"""A group that runs faster than this (with the call overhead) is timed as several copies in one model."""
+
+MAX_REPLICAS = 32
+"""Most copies of one group timed together (bounds the model built for a microsecond-sized group)."""
 
 MAX_GROUP = 16
 """Most non-static nodes in one fusion group (bounds measurement size and keeps keys reusable)."""
@@ -345,13 +358,35 @@ class CostModel:
             self.save()
         return cost
 
-    def _time_isolated(self, model: onnx.ModelProto, optimized: onnx.ModelProto | None) -> float:
+    def _time_isolated(self, model: onnx.ModelProto, optimized: onnx.ModelProto | None,
+                       copies: int | None = None) -> float:
         """Milliseconds of an isolated group (`_isolated_model`) beyond the call overhead and its boundary reorders:
-        what the table stores for it (`optimized`: `_optimized(model)`)."""
-        probe = _probe_model(max(len(model.graph.input), 1), max(len(model.graph.output), 1))
-        seconds = _time_beyond(model, probe, self.settings)
+        what the table stores for it (`optimized`: `_optimized(model)`).
+
+        A group that runs in less than `REPLICA_TARGET_S` is timed as `copies` independent replicas in one model
+        (default: as many as bring one run to that time, at most `MAX_REPLICAS`), and the time is divided among
+        them: the per-call overhead and its noise are then paid once for all the copies.
+        """
+        if copies is None:
+            copies = self._replicas(model)
+        replicated = _replicated(model, copies)
+        probe = _probe_model(max(len(replicated.graph.input), 1), max(len(replicated.graph.output), 1))
+        seconds = _time_beyond(replicated, probe, self.settings) / copies
         boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
         return max(seconds * 1e3 - boundary, _FLOOR_MS)
+
+    def _replicas(self, model: onnx.ModelProto) -> int:
+        """How many copies of an isolated group make one run last about `REPLICA_TARGET_S` (1 to `MAX_REPLICAS`)."""
+        from rlflow.measure.timing import Runner
+
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+               for node in model.graph.node for a in node.attribute):
+            return 1  # a subgraph may name outer tensors, which the copies rename
+        runner = Runner(model, self.settings, random_inputs(model, 0))
+        for _ in range(2):
+            runner.run()
+        once = min(runner.time(1) for _ in range(3))
+        return int(min(MAX_REPLICAS, max(1, math.ceil(REPLICA_TARGET_S / max(once, 1e-7)))))
 
     def cached_key(self, graph: Graph, group: _Group) -> str | None:
         """The cost key the table holds for one group of `graph` (found through onnxruntime's optimised form where
@@ -579,6 +614,34 @@ def _isolated_model(graph: Graph, group: _Group) -> onnx.ModelProto:
     return helper.make_model(body, opset_imports=opsets, ir_version=max_ir_version())
 
 
+def _replicated(model: onnx.ModelProto, copies: int) -> onnx.ModelProto:
+    """`copies` copies of an isolated group side by side in one model, each with its own inputs, weights and outputs
+    (names suffixed ``__rN``), so that onnxruntime can neither share nor merge their nodes."""
+    if copies == 1:
+        return model
+    body = model.graph
+    nodes, inputs, outputs, initializers = [], [], [], []
+    for copy in range(copies):
+        def rename(name: str) -> str:
+            return f"{name}__r{copy}" if name else name
+
+        for group, target in ((body.input, inputs), (body.output, outputs), (body.initializer, initializers)):
+            for item in group:
+                clone = type(item)()
+                clone.CopyFrom(item)
+                clone.name = rename(item.name)
+                target.append(clone)
+        for node in body.node:
+            clone = onnx.NodeProto()
+            clone.CopyFrom(node)
+            clone.name = rename(node.name)
+            clone.input[:] = [rename(n) for n in node.input]
+            clone.output[:] = [rename(n) for n in node.output]
+            nodes.append(clone)
+    graph = helper.make_graph(nodes, body.name, inputs, outputs, initializer=initializers)
+    return helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+
+
 def _value_info(shapes: "_Shapes", tensor) -> onnx.ValueInfoProto:
     shape, dtype = shapes.get(tensor)
     if dtype is None:
@@ -742,33 +805,36 @@ def _reorder_probe(shape: tuple[int, ...]) -> onnx.ModelProto:
 
 
 def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: SessionSettings, *,
-                 batch_s: float = 0.002, budget_s: float = 0.12, sessions: int | None = None) -> float:
+                 batch_s: float = 0.002, budget_s: float = 0.12, pairs: int | None = None) -> float:
     """Seconds per run of `model` beyond those of `probe` (the trivial model whose run is the per-call overhead).
 
     Batches of the two alternate and the fastest batch of each counts: the minimum, not the median, because the table
     is filled at different times on a shared machine and the fastest batch is the least disturbed; alternating, so that
     both minima come from the same stretch of time (the end-to-end check measures interleaved, where this matters
-    less).  The time is split over `sessions` freshly built pairs of sessions and the fastest batch over all of them
-    counts: one session can stay slow for as long as it lives (a single Reshape of 4 KB timed 32.6 us in one table and
-    0.8-1.7 us when measured again), which no number of batches from that session corrects.  `sessions` defaults to
-    `SESSION_PAIRS`.  The result may be negative for a group cheaper than the probe's Identity nodes.
+    less).  That difference is taken for `pairs` freshly built pairs of sessions (default `SESSION_PAIRS`) and the
+    median counts: one session can stay slow for as long as it lives (a single Reshape of 4 KB timed 32.6 us in one
+    table and 0.8-1.7 us when measured again), which no number of batches from that session corrects, and one pair
+    whose probe caught the fast moments and whose group did not gives one difference far off.  The result may be
+    negative for a group cheaper than the probe's Identity nodes.
     """
     from rlflow.measure.timing import Runner
 
-    sessions = sessions or SESSION_PAIRS
-    best = [math.inf, math.inf]
-    for _ in range(sessions):
+    pairs = pairs or SESSION_PAIRS
+    differences = []
+    for _ in range(pairs):
         runners = [Runner(m, settings, random_inputs(m, 0)) for m in (model, probe)]
         for runner in runners:
             for _ in range(2):
                 runner.run()
         firsts = [max(runner.time(1), 1e-7) for runner in runners]
         runs = [max(1, math.ceil(batch_s / first)) for first in firsts]
-        batches = int(min(15, max(5, budget_s / sessions / sum(n * first for n, first in zip(runs, firsts)))))
+        batches = int(min(15, max(5, budget_s / pairs / sum(n * first for n, first in zip(runs, firsts)))))
+        best = [math.inf, math.inf]
         for _ in range(batches):
             for k, runner in enumerate(runners):
                 best[k] = min(best[k], runner.time(runs[k]))
-    return best[0] - best[1]
+        differences.append(best[0] - best[1])
+    return float(np.median(differences))
 
 
 def spearman(x: Iterable[float], y: Iterable[float]) -> float:

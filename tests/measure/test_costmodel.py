@@ -167,15 +167,18 @@ def test_significant_pairs():
 
 
 class _ScriptedRunner:
-    """Stands in for `rlflow.measure.timing.Runner`: a group takes 60 us a run and the overhead probe 50 us, but the
-    first `busy` timings (of any model) run 40 us slower: another process held the core while the first group was
-    measured."""
+    """Stands in for `rlflow.measure.timing.Runner`: each copy of a group takes 10 us a run beyond the overhead probe's
+    50 us, but the first `busy` timings (of any model) run 40 us slower: another process held the core while the
+    first group was measured."""
 
     busy = 60  # the timings one group's measurement takes (per session pair: a first run and 14 batches, of the
     # group and of the probe)
+    largest = 0  # most copies of a group one model held
 
     def __init__(self, model, settings, feeds):
-        self.seconds = 50e-6 if model.graph.name == "probe" else 60e-6
+        copies = 0 if model.graph.name == "probe" else len(model.graph.node)
+        _ScriptedRunner.largest = max(_ScriptedRunner.largest, copies)
+        self.seconds = 50e-6 + 10e-6 * copies
 
     def run(self) -> None:
         pass
@@ -186,17 +189,18 @@ class _ScriptedRunner:
 
 
 class _SlowSessionRunner(_ScriptedRunner):
-    """A group takes 10 us beyond the probe, but the first session built for a group stays 30 us slower for as long
-    as it lives (as one Reshape's session did: 32.6 us against 0.8-1.7 us when timed again)."""
+    """The first session built to time a group stays 30 us a copy slower for as long as it lives (as one Reshape's
+    session did: 32.6 us against 0.8-1.7 us when timed again)."""
 
     built = 0
 
     def __init__(self, model, settings, feeds):
         super().__init__(model, settings, feeds)
-        if model.graph.name != "probe":
+        copies = len(model.graph.node)
+        if model.graph.name != "probe" and copies > 1:  # not the one-copy session that counts the copies
             _SlowSessionRunner.built += 1
             if _SlowSessionRunner.built == 1:
-                self.seconds += 30e-6
+                self.seconds += 30e-6 * copies
 
     def time(self, runs: int) -> float:
         return self.seconds
@@ -208,7 +212,7 @@ def test_a_session_that_stays_slow_does_not_set_the_entry(tmp_path, monkeypatch)
 
     monkeypatch.setattr(timing, "Runner", _SlowSessionRunner)
     monkeypatch.setattr(_SlowSessionRunner, "built", 0)
-    assert CostModel(cache_dir=tmp_path / "two").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
+    assert CostModel(cache_dir=tmp_path / "three").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
     # with one session pair (cost table version 2) the slow session was the entry
     monkeypatch.setattr(_SlowSessionRunner, "built", 0)
     monkeypatch.setattr(costmodel, "SESSION_PAIRS", 1)
@@ -233,3 +237,46 @@ def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path,
                                                                      ("Tanh", [8, 8]))]
     assert model.stats.measured == 3
     assert costs == pytest.approx([0.010] * 3, abs=1e-9)
+
+
+def test_a_small_group_is_timed_as_copies_and_its_time_shared_among_them(tmp_path, monkeypatch):
+    """A group of 10 us behind 50 us of call overhead is timed as enough copies to take `REPLICA_TARGET_S`, and each
+    copy is charged its own share; a group long enough alone is timed alone."""
+    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.timing as timing
+
+    monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
+    monkeypatch.setattr(_ScriptedRunner, "busy", 0)
+    monkeypatch.setattr(_ScriptedRunner, "largest", 0)
+    assert CostModel(cache_dir=tmp_path / "a").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
+    assert _ScriptedRunner.largest == math.ceil(costmodel.REPLICA_TARGET_S / 60e-6)
+    monkeypatch.setattr(_ScriptedRunner, "largest", 0)
+    monkeypatch.setattr(costmodel, "REPLICA_TARGET_S", 50e-6)
+    assert CostModel(cache_dir=tmp_path / "b").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
+    assert _ScriptedRunner.largest == 1
+
+
+def test_replicated_copies_share_no_name_and_each_computes_the_group(tmp_path):
+    """The copies timed together must be independent (onnxruntime can merge nothing) and each the group itself."""
+    import onnxruntime as ort
+
+    from rlflow.measure.costmodel import _isolated_model, _replicated
+    from rlflow.measure.inputs import random_inputs
+
+    graph = _conv_bn_relu()
+    group = max(CostModel(cache_dir=tmp_path).groups(graph), key=lambda g: len(g.members))
+    single = _isolated_model(graph, group)
+    triple = _replicated(single, 3)
+    onnx.checker.check_model(triple)
+    names = [n for node in triple.graph.node for n in node.output] + [i.name for i in triple.graph.initializer]
+    assert len(names) == len(set(names)) == 3 * (len(names) // 3)
+    assert len(triple.graph.node) == 3 * len(single.graph.node)
+    feeds = random_inputs(single, 0)
+    expected = ort.InferenceSession(single.SerializeToString()).run(None, feeds)
+    session = ort.InferenceSession(triple.SerializeToString())
+    results = session.run(None, {f"{name}__r{copy}": value for name, value in feeds.items() for copy in range(3)})
+    assert len(results) == 3 * len(expected)
+    for copy in range(3):
+        outputs = [r for r, o in zip(results, session.get_outputs()) if o.name.endswith(f"__r{copy}")]
+        for got, want in zip(outputs, expected, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5)
