@@ -66,8 +66,10 @@ the model's estimate where end-to-end measurement puts the two graphs within a f
 median over three session pairs (version 3 timed one copy, whose few microseconds were the size of the noise of the
 per-call overhead subtracted from them: on nasrnn-tiny a Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh group was cached
 at 33.1 us against 2.6-13.3 us measured again, a phantom reward of -36.6% for one rewrite and +37.6% for the next
-(docs/results/costmodel-audit.md).  Four one-copy measurements of a group spread by 2.7-3.3 us (median over 30
-groups), replicated ones by 0.4-0.7 us)."""
+(docs/results/costmodel-audit-v3.md).  Four one-copy measurements of a group spread by 2.7-3.3 us (median over 30
+groups), replicated ones by 0.4-0.7 us); and each difference is scaled by the machine's slowdown at the time it was
+taken, read from a reference model timed beside it (`_Gauge`: in stretches when everything ran 1.6-2x slower, a
+group's difference doubled while its ratio to the probe held)."""
 
 SESSION_PAIRS = 3
 """Independently built (group, probe) session pairs per table entry; the median of their differences counts."""
@@ -190,6 +192,7 @@ class CostModel:
         self._new = 0
         self._failed: set[str] = set()  # groups that cannot be measured (kept in memory only: a fix may come)
         self._lock = threading.Lock()
+        self._gauge: _Gauge | None = None
         import onnxruntime as ort
 
         self.key = {
@@ -223,8 +226,11 @@ class CostModel:
             if self._table is None or not self._new:
                 return
             on_disk = self._read()
-            for section in ("groups", "costs", "ops"):
+            for section in ("groups", "costs", "ops", "scales"):
                 on_disk[section].update(self._table[section])
+            fastest = min(on_disk.get("reference_s", math.inf), self.gauge.fastest)
+            if math.isfinite(fastest):
+                on_disk["reference_s"] = fastest
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=self.path.name, suffix=".tmp", dir=self.cache_dir)
             try:
@@ -318,7 +324,7 @@ class CostModel:
         table = self.table
         canon = table["groups"].get(group.key)
         if canon is not None:
-            cost = table["costs"].get(canon)
+            cost = self.cached_cost(canon)
             if cost is not None:
                 self.stats.hits += 1
                 return cost
@@ -345,11 +351,11 @@ class CostModel:
         with self._lock:
             table["groups"][group.key] = canon
             self._new += 1
-        cost = table["costs"].get(canon)
+        cost = self.cached_cost(canon)
         if cost is None:
             cost = self._time_isolated(model, optimized)
             with self._lock:
-                table["costs"][canon] = cost
+                self._store(canon, cost)
                 table["ops"][canon] = "+".join(n.op for n in group.members)
             self.stats.measured += 1
         else:
@@ -371,7 +377,7 @@ class CostModel:
             copies = self._replicas(model)
         replicated = _replicated(model, copies)
         probe = _probe_model(max(len(replicated.graph.input), 1), max(len(replicated.graph.output), 1))
-        seconds = _time_beyond(replicated, probe, self.settings) / copies
+        seconds = _time_beyond(replicated, probe, self.settings, gauge=self.gauge) / copies
         boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
         return max(seconds * 1e3 - boundary, _FLOOR_MS)
 
@@ -387,6 +393,31 @@ class CostModel:
             runner.run()
         once = min(runner.time(1) for _ in range(3))
         return int(min(MAX_REPLICAS, max(1, math.ceil(REPLICA_TARGET_S / max(once, 1e-7)))))
+
+    @property
+    def gauge(self) -> "_Gauge":
+        """This table's slowdown gauge, starting from the fastest reference run any process filling it has seen."""
+        if self._gauge is None:
+            self._gauge = _Gauge(self.table.get("reference_s", math.inf))
+        return self._gauge
+
+    def cached_cost(self, key: str) -> float | None:
+        """The table's cost for a cost key in milliseconds, or None.
+
+        Each entry was scaled to the fastest reference run seen when it was measured (`_Gauge`); as faster ones are
+        seen, the entry is brought to the fastest now known, so that all entries share one baseline whenever they
+        were measured."""
+        cost = self.table["costs"].get(key)
+        if cost is None:
+            return None
+        then, now = self.table["scales"].get(key, math.inf), self.gauge.fastest
+        return cost * now / then if math.isfinite(then) and math.isfinite(now) else cost
+
+    def _store(self, key: str, cost: float) -> None:
+        """Records a cost just measured (under the lock), with the baseline it was scaled to."""
+        self.table["costs"][key] = cost
+        if math.isfinite(self.gauge.fastest):
+            self.table["scales"][key] = self.gauge.fastest
 
     def cached_key(self, graph: Graph, group: _Group) -> str | None:
         """The cost key the table holds for one group of `graph` (found through onnxruntime's optimised form where
@@ -425,12 +456,13 @@ class CostModel:
     def _reorder_cost(self, shape: tuple[int, ...]) -> float:
         """One NCHW<->NCHWc reorder of a tensor of this shape: half a ReorderInput+ReorderOutput round trip (cached)."""
         key = "reorder:" + "x".join(map(str, shape))
-        cost = self.table["costs"].get(key)
+        cost = self.cached_cost(key)
         if cost is None:
             basic = SessionSettings(self.settings.provider, self.settings.threads, "basic", self.settings.execution_mode)
-            cost = max(_time_beyond(_reorder_probe(shape), _probe_model(1, 1), basic) * 1e3, 0.0) / 2
+            seconds = _time_beyond(_reorder_probe(shape), _probe_model(1, 1), basic, gauge=self.gauge)
+            cost = max(seconds * 1e3, 0.0) / 2
             with self._lock:
-                self.table["costs"][key] = cost
+                self._store(key, cost)
                 self._new += 1
         return cost
 
@@ -453,14 +485,14 @@ class CostModel:
 
     # ---------------------------------------------------------------------------------------------- storage
     def _read(self) -> dict:
-        empty = {"key": self.key, "groups": {}, "costs": {}, "ops": {}}
+        empty = {"key": self.key, "groups": {}, "costs": {}, "ops": {}, "scales": {}}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return empty
         if data.get("key") != self.key:
             return empty
-        for section in ("groups", "costs", "ops"):
+        for section in ("groups", "costs", "ops", "scales"):
             data.setdefault(section, {})
         return data
 
@@ -804,8 +836,25 @@ def _reorder_probe(shape: tuple[int, ...]) -> onnx.ModelProto:
                              ir_version=max_ir_version())
 
 
+class _Gauge:
+    """How much slower than its best the machine runs right now, read from a reference model timed beside each pair.
+
+    The reference is the one-input Identity probe, whose run is nothing but the per-call overhead.  On these shared
+    machines the whole CPU runs 1.6-2x slower for stretches of seconds (a busy neighbour or sibling core): a group
+    and its probe then both slow down by about that factor, so their difference (a group's cost) does too, while
+    their ratio holds.  Dividing the difference by the reference's slowdown takes the factor out.  The fastest
+    reference seen by this process is the baseline (it settles within the first few measurements: 50.1-50.5 us on
+    three runs here), kept in the table, and every entry records the baseline it was scaled to
+(`CostModel.cached_cost`)."""
+
+    def __init__(self, fastest: float = math.inf):
+        self.fastest = fastest
+        self.model = _probe_model(1, 1)
+
+
 def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: SessionSettings, *,
-                 batch_s: float = 0.002, budget_s: float = 0.12, pairs: int | None = None) -> float:
+                 batch_s: float = 0.002, budget_s: float = 0.12, pairs: int | None = None,
+                 gauge: _Gauge | None = None) -> float:
     """Seconds per run of `model` beyond those of `probe` (the trivial model whose run is the per-call overhead).
 
     Batches of the two alternate and the fastest batch of each counts: the minimum, not the median, because the table
@@ -814,26 +863,32 @@ def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: Sessi
     less).  That difference is taken for `pairs` freshly built pairs of sessions (default `SESSION_PAIRS`) and the
     median counts: one session can stay slow for as long as it lives (a single Reshape of 4 KB timed 32.6 us in one
     table and 0.8-1.7 us when measured again), which no number of batches from that session corrects, and one pair
-    whose probe caught the fast moments and whose group did not gives one difference far off.  The result may be
-    negative for a group cheaper than the probe's Identity nodes.
+    whose probe caught the fast moments and whose group did not gives one difference far off.  With a `gauge`, its
+    reference model is timed in the same alternation and each difference is scaled by the machine's slowdown at the
+    time (see `_Gauge`).  The result may be negative for a group cheaper than the probe's Identity nodes.
     """
     from rlflow.measure.timing import Runner
 
     pairs = pairs or SESSION_PAIRS
-    differences = []
+    timed = [model, probe] + ([gauge.model] if gauge is not None else [])
+    differences, references = [], []
     for _ in range(pairs):
-        runners = [Runner(m, settings, random_inputs(m, 0)) for m in (model, probe)]
+        runners = [Runner(m, settings, random_inputs(m, 0)) for m in timed]
         for runner in runners:
             for _ in range(2):
                 runner.run()
         firsts = [max(runner.time(1), 1e-7) for runner in runners]
         runs = [max(1, math.ceil(batch_s / first)) for first in firsts]
         batches = int(min(15, max(5, budget_s / pairs / sum(n * first for n, first in zip(runs, firsts)))))
-        best = [math.inf, math.inf]
+        best = [math.inf] * len(runners)
         for _ in range(batches):
             for k, runner in enumerate(runners):
                 best[k] = min(best[k], runner.time(runs[k]))
         differences.append(best[0] - best[1])
+        references.append(best[2] if gauge is not None else 1.0)
+    if gauge is not None:
+        gauge.fastest = min(gauge.fastest, *references)
+        return float(np.median([d * gauge.fastest / r for d, r in zip(differences, references)]))
     return float(np.median(differences))
 
 

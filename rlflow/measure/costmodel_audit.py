@@ -91,7 +91,7 @@ def audit_graphs(cost_model: CostModel, graphs: list, *, repeats: int = 3, progr
             except Exception as exc:  # noqa: BLE001 - the cost model counts such a group as 0; so does the audit
                 log.warning("audit: cannot measure group at %s (%s); skipped", group.anchor, exc)
                 continue
-            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cost_model.table["costs"][key],
+            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cost_model.cached_cost(key),
                                      fresh)
         if progress is not None:
             progress.update(1)
