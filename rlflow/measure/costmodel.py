@@ -71,6 +71,9 @@ groups), replicated ones by 0.4-0.7 us); and each difference is scaled by the ma
 taken, read from a reference model timed beside it (`_Gauge`: in stretches when everything ran 1.6-2x slower, a
 group's difference doubled while its ratio to the probe held)."""
 
+CALIBRATION_S = 0.3
+"""Seconds a process times the slowdown gauge's reference before its first measurement (see `_Gauge`)."""
+
 SESSION_PAIRS = 3
 """Independently built (group, probe) session pairs per table entry; the median of their differences counts."""
 
@@ -226,11 +229,8 @@ class CostModel:
             if self._table is None or not self._new:
                 return
             on_disk = self._read()
-            for section in ("groups", "costs", "ops", "scales"):
+            for section in ("groups", "costs", "ops"):
                 on_disk[section].update(self._table[section])
-            fastest = min(on_disk.get("reference_s", math.inf), self.gauge.fastest)
-            if math.isfinite(fastest):
-                on_disk["reference_s"] = fastest
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=self.path.name, suffix=".tmp", dir=self.cache_dir)
             try:
@@ -324,7 +324,7 @@ class CostModel:
         table = self.table
         canon = table["groups"].get(group.key)
         if canon is not None:
-            cost = self.cached_cost(canon)
+            cost = table["costs"].get(canon)
             if cost is not None:
                 self.stats.hits += 1
                 return cost
@@ -351,11 +351,11 @@ class CostModel:
         with self._lock:
             table["groups"][group.key] = canon
             self._new += 1
-        cost = self.cached_cost(canon)
+        cost = table["costs"].get(canon)
         if cost is None:
             cost = self._time_isolated(model, optimized)
             with self._lock:
-                self._store(canon, cost)
+                table["costs"][canon] = cost
                 table["ops"][canon] = "+".join(n.op for n in group.members)
             self.stats.measured += 1
         else:
@@ -396,28 +396,11 @@ class CostModel:
 
     @property
     def gauge(self) -> "_Gauge":
-        """This table's slowdown gauge, starting from the fastest reference run any process filling it has seen."""
+        """The slowdown gauge of this process's measurements, calibrated before its first one."""
         if self._gauge is None:
-            self._gauge = _Gauge(self.table.get("reference_s", math.inf))
+            self._gauge = _Gauge()
+            self._gauge.calibrate(self.settings)
         return self._gauge
-
-    def cached_cost(self, key: str) -> float | None:
-        """The table's cost for a cost key in milliseconds, or None.
-
-        Each entry was scaled to the fastest reference run seen when it was measured (`_Gauge`); as faster ones are
-        seen, the entry is brought to the fastest now known, so that all entries share one baseline whenever they
-        were measured."""
-        cost = self.table["costs"].get(key)
-        if cost is None:
-            return None
-        then, now = self.table["scales"].get(key, math.inf), self.gauge.fastest
-        return cost * now / then if math.isfinite(then) and math.isfinite(now) else cost
-
-    def _store(self, key: str, cost: float) -> None:
-        """Records a cost just measured (under the lock), with the baseline it was scaled to."""
-        self.table["costs"][key] = cost
-        if math.isfinite(self.gauge.fastest):
-            self.table["scales"][key] = self.gauge.fastest
 
     def cached_key(self, graph: Graph, group: _Group) -> str | None:
         """The cost key the table holds for one group of `graph` (found through onnxruntime's optimised form where
@@ -456,13 +439,13 @@ class CostModel:
     def _reorder_cost(self, shape: tuple[int, ...]) -> float:
         """One NCHW<->NCHWc reorder of a tensor of this shape: half a ReorderInput+ReorderOutput round trip (cached)."""
         key = "reorder:" + "x".join(map(str, shape))
-        cost = self.cached_cost(key)
+        cost = self.table["costs"].get(key)
         if cost is None:
             basic = SessionSettings(self.settings.provider, self.settings.threads, "basic", self.settings.execution_mode)
             seconds = _time_beyond(_reorder_probe(shape), _probe_model(1, 1), basic, gauge=self.gauge)
             cost = max(seconds * 1e3, 0.0) / 2
             with self._lock:
-                self._store(key, cost)
+                self.table["costs"][key] = cost
                 self._new += 1
         return cost
 
@@ -485,14 +468,14 @@ class CostModel:
 
     # ---------------------------------------------------------------------------------------------- storage
     def _read(self) -> dict:
-        empty = {"key": self.key, "groups": {}, "costs": {}, "ops": {}, "scales": {}}
+        empty = {"key": self.key, "groups": {}, "costs": {}, "ops": {}}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return empty
         if data.get("key") != self.key:
             return empty
-        for section in ("groups", "costs", "ops", "scales"):
+        for section in ("groups", "costs", "ops"):
             data.setdefault(section, {})
         return data
 
@@ -842,14 +825,30 @@ class _Gauge:
     The reference is the one-input Identity probe, whose run is nothing but the per-call overhead.  On these shared
     machines the whole CPU runs 1.6-2x slower for stretches of seconds (a busy neighbour or sibling core): a group
     and its probe then both slow down by about that factor, so their difference (a group's cost) does too, while
-    their ratio holds.  Dividing the difference by the reference's slowdown takes the factor out.  The fastest
-    reference seen by this process is the baseline (it settles within the first few measurements: 50.1-50.5 us on
-    three runs here), kept in the table, and every entry records the baseline it was scaled to
-(`CostModel.cached_cost`)."""
+    their ratio holds.  Scaling each difference by fastest / reference takes the factor out.
+
+    The baseline (`fastest`) is the fastest reference run this process has seen, starting with `CALIBRATION_S` of
+    timing before its first measurement, so that it is settled before any entry is scaled by it (a process's first
+    reference runs are its slowest: 85 us against 51-56 us later).  Entries keep the scale they were measured with:
+    an entry that changed later would change the cost of graphs an environment has already cached, a phantom reward
+    of its own.  The baseline is the process's own, not the table's: processes differ by several percent in it
+    (51.5 and 55.5 us), and whether a group's time differs with it is not known."""
 
     def __init__(self, fastest: float = math.inf):
         self.fastest = fastest
         self.model = _probe_model(1, 1)
+
+    def calibrate(self, settings: SessionSettings) -> None:
+        """Times the reference alone for `CALIBRATION_S` (batches of about 2 ms) and keeps its fastest batch."""
+        from rlflow.measure.timing import Runner
+
+        runner = Runner(self.model, settings, random_inputs(self.model, 0))
+        for _ in range(10):
+            runner.run()
+        runs = max(1, math.ceil(0.002 / max(runner.time(1), 1e-7)))
+        deadline = time.perf_counter() + CALIBRATION_S
+        while time.perf_counter() < deadline:
+            self.fastest = min(self.fastest, runner.time(runs))
 
 
 def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: SessionSettings, *,

@@ -5,9 +5,11 @@ The table measures each group once, when it first meets it, and keeps that cost 
 fastest of several batches (`rlflow.measure.costmodel._time_beyond`), yet on the -tiny models a group costs a few
 to a few tens of microseconds, and one measurement of it scatters by about as much. On nasrnn-tiny,
 Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh is cached at 0.0331 ms and measures 0.0026, 0.0133 and 0.0109 ms in
-docs/results/costmodel-audit.md. That one entry makes matmul-add-to-gemm pay -36.6% and a later rewrite +37.6%
+docs/results/costmodel-audit-v3.md. That one entry makes matmul-add-to-gemm pay -36.6% and a later rewrite +37.6%
 on graphs whose end-to-end latencies differ by about 1%: a phantom reward, and the kind that decides the world
-model's held-out reward Pearson.
+model's held-out reward Pearson.  That was table version 3; version 4 (`rlflow.measure.costmodel.CACHE_VERSION`)
+times small groups as many copies at once and scales out the machine's slowdown, and this audit is how it was checked
+(docs/results/costmodel-audit.md).
 
 The graphs audited are the model itself and the graphs of random rewrite sequences from it, drawn as
 `rlflow.measure.costmodel_check` draws them.  The audit is read-only: the table stays as it is, because the rewards
@@ -91,7 +93,7 @@ def audit_graphs(cost_model: CostModel, graphs: list, *, repeats: int = 3, progr
             except Exception as exc:  # noqa: BLE001 - the cost model counts such a group as 0; so does the audit
                 log.warning("audit: cannot measure group at %s (%s); skipped", group.anchor, exc)
                 continue
-            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cost_model.cached_cost(key),
+            audits[key] = GroupAudit(key, "+".join(n.op for n in group.members), cost_model.table["costs"][key],
                                      fresh)
         if progress is not None:
             progress.update(1)

@@ -86,7 +86,7 @@ class Config:
         reward_bootstrap: each of M's reward heads learns from this share of the episodes, drawn once per episode
             (`reward_bootstrap`); 0: every head from every episode.  0.5 raised the held-out reward Pearson on three
             seeds of four (mean 0.740 against 0.589) but reached PPO's final on one seed where the default reaches
-            it on two (docs/results/worldmodel-options/b5s*), so it is off by default.
+            it on two (docs/results/worldmodel-v3/worldmodel-options/b5s*), so it is off by default.
         sample_latents: M learns from, and the dream starts at, latents sampled from V's posteriors; False: their
             means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
             than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
@@ -97,7 +97,7 @@ class Config:
             show after it (`rlflow.worldmodel.location.best_returns`); 0: the reward alone (checkpoints from before
             it).  Two matches of a rule can pay the same now and very differently later (on nasrnn-tiny one MatMul
             merge opens a Gemm fusion worth 8%, another of the same reward opens nothing); with 0.95 two seeds of
-            four reached PPO's final in time and without it none did (docs/results/worldmodel-options/).
+            four reached PPO's final in time and without it none did (docs/results/worldmodel-v3/worldmodel-options/).
         avoid_revisits: the greedy real evaluation never returns to a graph of its episode, as `rlflow optimize`
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the

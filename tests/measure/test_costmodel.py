@@ -211,6 +211,7 @@ def test_a_session_that_stays_slow_does_not_set_the_entry(tmp_path, monkeypatch)
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _SlowSessionRunner)
+    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.0)
     monkeypatch.setattr(_SlowSessionRunner, "built", 0)
     assert CostModel(cache_dir=tmp_path / "three").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
     # with one session pair (cost table version 2) the slow session was the entry
@@ -227,16 +228,38 @@ def _single(op: str, shape: list[int]) -> Graph:
 
 def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path, monkeypatch):
     """The per-call overhead is timed alongside every group: an overhead timed once during a slow stretch and reused
-    would floor every group measured after the stretch."""
+    would floor every group measured after the stretch.  And the stretch itself (everything 1.8x slower) is scaled
+    out by the gauge, calibrated before it began."""
+    import rlflow.measure.costmodel as costmodel
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
-    monkeypatch.setattr(_ScriptedRunner, "busy", 60)
+    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.01)
+    monkeypatch.setattr(_ScriptedRunner, "busy", 0)
     model = CostModel(cache_dir=tmp_path)
+    assert model.gauge.fastest == pytest.approx(50e-6)
+    monkeypatch.setattr(_ScriptedRunner, "busy", 60)
     costs = [model.graph_cost(_single(op, shape)) for op, shape in (("Relu", [4, 8]), ("Sigmoid", [2, 16]),
                                                                      ("Tanh", [8, 8]))]
     assert model.stats.measured == 3
     assert costs == pytest.approx([0.010] * 3, abs=1e-9)
+
+
+def test_an_entry_keeps_the_scale_it_was_measured_with(tmp_path, monkeypatch):
+    """A group timed wholly inside a slow stretch before the gauge ever saw full speed stays at 1.8x its cost when
+    faster reference runs come later: costs an environment has cached must not change under it."""
+    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.timing as timing
+
+    monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
+    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.0)
+    monkeypatch.setattr(_ScriptedRunner, "busy", 10**6)
+    model = CostModel(cache_dir=tmp_path)
+    assert model.graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.018, abs=1e-9)
+    monkeypatch.setattr(_ScriptedRunner, "busy", 0)
+    assert model.graph_cost(_single("Tanh", [8, 8])) == pytest.approx(0.010, abs=1e-9)
+    assert model.gauge.fastest == pytest.approx(50e-6)
+    assert model.graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.018, abs=1e-9)
 
 
 def test_a_small_group_is_timed_as_copies_and_its_time_shared_among_them(tmp_path, monkeypatch):
@@ -246,6 +269,7 @@ def test_a_small_group_is_timed_as_copies_and_its_time_shared_among_them(tmp_pat
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
+    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.0)
     monkeypatch.setattr(_ScriptedRunner, "busy", 0)
     monkeypatch.setattr(_ScriptedRunner, "largest", 0)
     assert CostModel(cache_dir=tmp_path / "a").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
@@ -280,21 +304,3 @@ def test_replicated_copies_share_no_name_and_each_computes_the_group(tmp_path):
         outputs = [r for r, o in zip(results, session.get_outputs()) if o.name.endswith(f"__r{copy}")]
         for got, want in zip(outputs, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5)
-
-
-def test_an_entry_measured_while_the_machine_ran_slow_is_brought_to_the_baseline_seen_later(tmp_path, monkeypatch):
-    """A group timed wholly inside a slow stretch (everything 1.8x slower, the gauge's reference too) is first stored
-    at 1.8x its cost; once a reference run at full speed is seen it reads 10 us like every other entry, also from
-    another process that loads the table."""
-    import rlflow.measure.timing as timing
-
-    monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
-    monkeypatch.setattr(_ScriptedRunner, "busy", 10**6)
-    model = CostModel(cache_dir=tmp_path)
-    slow = model.graph_cost(_single("Relu", [4, 8]))
-    assert slow == pytest.approx(0.018, abs=1e-9)
-    monkeypatch.setattr(_ScriptedRunner, "busy", 0)
-    assert model.graph_cost(_single("Tanh", [8, 8])) == pytest.approx(0.010, abs=1e-9)
-    assert model.graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
-    model.save()
-    assert CostModel(cache_dir=tmp_path).graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
