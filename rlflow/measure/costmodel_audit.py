@@ -63,6 +63,12 @@ class GroupAudit:
     def fresh_median_ms(self) -> float:
         return float(statistics.median(self.fresh_ms))
 
+    @property
+    def ratio(self) -> float:
+        """The larger of the cached cost and the new median over the smaller (1: they agree exactly)."""
+        low, high = sorted((self.cached_ms, self.fresh_median_ms))
+        return high / max(low, 1e-9)
+
     def disagrees(self, factor: float = FACTOR, floor_ms: float = FLOOR_MS) -> bool:
         """Whether the cached cost and the new median differ by more than `factor` and by more than `floor_ms`."""
         if self.cached_ms is None:
@@ -105,7 +111,10 @@ def summary(audits: list[GroupAudit], factor: float = FACTOR, floor_ms: float = 
     cached = [a for a in audits if a.cached_ms is not None]
     bad = sorted((a for a in cached if a.disagrees(factor, floor_ms)),
                  key=lambda a: -abs(a.cached_ms - a.fresh_median_ms))
+    ratios = [a.ratio for a in cached]
     return {"cached": len(cached), "disagreeing": len(bad),
+            "ratio_median": float(np.median(ratios)) if ratios else None,
+            "ratio_p90": float(np.percentile(ratios, 90)) if ratios else None,
             "factor": factor, "floor_ms": floor_ms,
             "disagreeing_entries": [{**asdict(a), "fresh_median_ms": a.fresh_median_ms} for a in bad]}
 
@@ -114,9 +123,12 @@ def markdown(report: dict) -> str:
     """The report as a short markdown page: per model the counts, then its largest disagreements."""
     lines = ["# Cost-table audit", "", f"Command: `{report['command']}`", "",
              f"Table: `{report['cost_table']}`; settings: {report['settings']}", "",
-             "| model | graphs | cached entries | disagreeing | seconds |", "|---|---|---|---|---|"]
+             "Ratio: the larger of an entry's cached cost and the median of its new measurements over the smaller.", "",
+             "| model | graphs | cached entries | disagreeing | ratio median | ratio 90th percentile | seconds |",
+             "|---|---|---|---|---|---|---|"]
     for name, result in report["models"].items():
-        lines.append(f"| {name} | {result['graphs']} | {result['cached']} | {result['disagreeing']} | "
+        ratios = " | ".join("-" if result.get(k) is None else f"{result[k]:.2f}" for k in ("ratio_median", "ratio_p90"))
+        lines.append(f"| {name} | {result['graphs']} | {result['cached']} | {result['disagreeing']} | {ratios} | "
                      f"{result['seconds']:.0f} |")
     for name, result in report["models"].items():
         if result["disagreeing_entries"]:
@@ -162,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                       "seconds": time.monotonic() - start}
             report["models"][name] = result
             print(f"{name}: {result['disagreeing']} of {result['cached']} cached entries disagree with "
-                  f"{args.repeats} new measurements (over {len(graphs)} graphs, {result['seconds']:.0f} s)",
-                  flush=True)
+                  f"{args.repeats} new measurements (over {len(graphs)} graphs, {result['seconds']:.0f} s); "
+                  f"cached/new ratio median {result['ratio_median'] or 0:.2f}, 90th percentile "
+                  f"{result['ratio_p90'] or 0:.2f}", flush=True)
             for row in result["disagreeing_entries"][:10]:
                 print(f"  cached {row['cached_ms']:.4f} ms, now {row['fresh_median_ms']:.4f} ms  {row['ops'][:80]}")
     except (OSError, RlflowError, ValueError) as exc:

@@ -45,6 +45,14 @@ def test_disagreement_needs_both_the_factor_and_the_floor():
     assert not GroupAudit("k", "Relu", None, [0.02]).disagrees()  # never cached
 
 
+def test_the_summary_gives_how_far_cached_and_new_costs_are_apart():
+    audits = [GroupAudit("a", "Relu", 0.010, [0.010]), GroupAudit("b", "Relu", 0.010, [0.020, 0.020]),
+              GroupAudit("c", "Relu", 0.040, [0.010]), GroupAudit("d", "Relu", None, [0.5])]
+    result = summary(audits)
+    assert result["cached"] == 3 and result["ratio_median"] == 2.0
+    assert 2.0 < result["ratio_p90"] <= 4.0
+
+
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):
     code = main([str(tmp_path / "missing.onnx"), "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
