@@ -11,7 +11,8 @@ once, and per state (the whole mask right).  Transitions whose (state, rule) pai
 episodes are counted too (the environment is deterministic and starts from the same graphs, so many do): the
 correlation is also given over the unseen ones, and separately over the transitions whose rule went where the agent's
 location scorer chose (what the dream plays) and those that went to a random match (exploration: which match was
-drawn is not in M's input, so their rewards are partly unpredictable by design).
+drawn is not in M's input, so their rewards are partly unpredictable by design), and per kind of episode
+(`Episode.source`: the first random walks, the controller's collection, its greedy evaluation).
 """
 from __future__ import annotations
 
@@ -107,6 +108,9 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
     seen = np.array([flags[k] for k in order], bool) if order else np.zeros(0, bool)
     unseen = ~seen
     rules = seq["actions"][valid].numpy()
+    sources = np.array([episodes[col].source for _, col in order])
+    by_source = {source: pearson(predicted[sources == source], real[sources == source])
+                 for source in sorted(set(sources.tolist()))}
     return {
         "heldout_episodes": len(episodes),
         "heldout_states": len(ids),
@@ -123,6 +127,7 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
         "reward_pearson_agent_location": pearson(predicted[~at_random], real[~at_random]),
         "agent_location_transitions": int((~at_random).sum()),
         "reward_pearson_random_location": pearson(predicted[at_random], real[at_random]),
+        "reward_pearson_by_source": by_source,
         "random_location_transitions": int(at_random.sum()),
         "done_accuracy": float(np.mean(done_pred == done_real)) if len(real) else float("nan"),
         "mask_accuracy": float(np.mean(mask_pred == mask_real)),

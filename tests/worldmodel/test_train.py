@@ -31,6 +31,8 @@ def test_one_training_run_end_to_end(run):
     assert result["real_steps_worldmodel"] >= 60 and result["real_steps_ppo"] is None
     assert len(result["curve"]) == 2 and result["curve"][-1]["real_steps"] == result["real_steps_worldmodel"]
     assert "best return" in result["definitions"]["location_pearson"]  # the scorer's target with location_gamma
+    by_source = result["quality"]["reward_pearson_by_source"]  # held-out episodes: random walks, collection, greedy
+    assert by_source and set(by_source) <= {"random", "controller", "eval"}
     out = Path(config.out)
     assert json.loads((out / "worldmodel.json").read_text())["algo"] == "worldmodel"
     assert (out / "worldmodel-quality.png").stat().st_size > 0 and (out / "sample-efficiency.png").stat().st_size > 0
