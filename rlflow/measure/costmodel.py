@@ -396,7 +396,7 @@ class CostModel:
 
     @property
     def gauge(self) -> "_Gauge":
-        """The slowdown gauge of this process's measurements, calibrated before its first one."""
+        """The slowdown gauge of this cost model's measurements, calibrated before its first one."""
         if self._gauge is None:
             self._gauge = _Gauge()
             self._gauge.calibrate(self.settings)
@@ -827,15 +827,15 @@ class _Gauge:
     and its probe then both slow down by about that factor, so their difference (a group's cost) does too, while
     their ratio holds.  Scaling each difference by fastest / reference takes the factor out.
 
-    The baseline (`fastest`) is the fastest reference run this process has seen, starting with `CALIBRATION_S` of
+    The baseline (`fastest`) is the fastest reference run its cost model has seen, starting with `CALIBRATION_S` of
     timing before its first measurement, so that it is settled before any entry is scaled by it (a process's first
     reference runs are its slowest: 85 us against 51-56 us later).  Entries keep the scale they were measured with:
     an entry that changed later would change the cost of graphs an environment has already cached, a phantom reward
-    of its own.  The baseline is the process's own, not the table's: processes differ by several percent in it
-    (51.5 and 55.5 us), and whether a group's time differs with it is not known."""
+    of its own.  The baseline is not kept in the table: processes differ by several percent in it (51.5 and 55.5
+    us), and whether a group's time differs with it is not known."""
 
-    def __init__(self, fastest: float = math.inf):
-        self.fastest = fastest
+    def __init__(self):
+        self.fastest = math.inf
         self.model = _probe_model(1, 1)
 
     def calibrate(self, settings: SessionSettings) -> None:

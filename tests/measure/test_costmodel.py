@@ -171,8 +171,7 @@ class _ScriptedRunner:
     50 us, but the first `busy` timings (of any model) run 1.8x slower: another process held the core while the
     first group was measured."""
 
-    busy = 60  # the timings one group's measurement takes (per session pair: a first run and 14 batches, of the
-    # group and of the probe)
+    busy = 60  # timings left in the slow stretch (one group's measurement takes about 100)
     largest = 0  # most copies of a group one model held
 
     def __init__(self, model, settings, feeds):
