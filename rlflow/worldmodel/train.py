@@ -86,7 +86,11 @@ class Config:
         reward_bootstrap: each of M's reward heads learns from this share of the episodes, drawn once per episode
             (`reward_bootstrap`); 0: every head from every episode.  0.5 raised the held-out reward Pearson on three
             seeds of four (mean 0.740 against 0.589) but reached PPO's final on one seed where the default reaches
-            it on two (docs/results/worldmodel-v3/worldmodel-options/b5s*), so it is off by default.
+            it on two (docs/results/worldmodel-v3/worldmodel-options/b5s*, cost table version 3); on version 4,
+            seeds 1 and 2: 0.693 and 0.821 against 0.696 and 0.791, PPO's final reached on seed 1 only, where the
+            default reaches it on both (docs/results/worldmodel-v4/).  On seed 2 its controller stops after the
+            attention fusions of bert-base-tiny and vit-b-16-tiny (+10 against +17 to +21); with half the dream's
+            uncertainty penalty it goes on (+15 to +17) and the Pearson falls to 0.666.  So it is off by default.
         sample_latents: M learns from, and the dream starts at, latents sampled from V's posteriors; False: their
             means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
             than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
