@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -112,9 +113,12 @@ def summary(audits: list[GroupAudit], factor: float = FACTOR, floor_ms: float = 
     bad = sorted((a for a in cached if a.disagrees(factor, floor_ms)),
                  key=lambda a: -abs(a.cached_ms - a.fresh_median_ms))
     ratios = [a.ratio for a in cached]
+    logs = [math.log(a.cached_ms / max(a.fresh_median_ms, 1e-9)) for a in cached]
     return {"cached": len(cached), "disagreeing": len(bad),
             "ratio_median": float(np.median(ratios)) if ratios else None,
             "ratio_p90": float(np.percentile(ratios, 90)) if ratios else None,
+            "cached_over_new_geomean": math.exp(sum(logs) / len(logs)) if logs else None,
+            "cached_above_new": (float(np.mean([a.cached_ms > a.fresh_median_ms for a in cached])) if cached else None),
             "factor": factor, "floor_ms": floor_ms,
             "disagreeing_entries": [{**asdict(a), "fresh_median_ms": a.fresh_median_ms} for a in bad]}
 
@@ -123,11 +127,13 @@ def markdown(report: dict) -> str:
     """The report as a short markdown page: per model the counts, then its largest disagreements."""
     lines = ["# Cost-table audit", "", f"Command: `{report['command']}`", "",
              f"Table: `{report['cost_table']}`; settings: {report['settings']}", "",
-             "Ratio: the larger of an entry's cached cost and the median of its new measurements over the smaller.", "",
-             "| model | graphs | cached entries | disagreeing | ratio median | ratio 90th percentile | seconds |",
-             "|---|---|---|---|---|---|---|"]
+             "Ratio: the larger of an entry's cached cost and the median of its new measurements over the smaller; "
+             "cached/new: the geometric mean of cached over new, and the share of entries cached higher.", "",
+             "| model | graphs | cached entries | disagreeing | ratio median | ratio 90th percentile | cached/new | "
+             "cached higher | seconds |", "|---|---|---|---|---|---|---|---|---|"]
     for name, result in report["models"].items():
-        ratios = " | ".join("-" if result.get(k) is None else f"{result[k]:.2f}" for k in ("ratio_median", "ratio_p90"))
+        ratios = " | ".join("-" if result.get(k) is None else f"{result[k]:.2f}"
+                            for k in ("ratio_median", "ratio_p90", "cached_over_new_geomean", "cached_above_new"))
         lines.append(f"| {name} | {result['graphs']} | {result['cached']} | {result['disagreeing']} | {ratios} | "
                      f"{result['seconds']:.0f} |")
     for name, result in report["models"].items():
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {result['disagreeing']} of {result['cached']} cached entries disagree with "
                   f"{args.repeats} new measurements (over {len(graphs)} graphs, {result['seconds']:.0f} s); "
                   f"cached/new ratio median {result['ratio_median'] or 0:.2f}, 90th percentile "
-                  f"{result['ratio_p90'] or 0:.2f}", flush=True)
+                  f"{result['ratio_p90'] or 0:.2f}; cached over new {result['cached_over_new_geomean'] or 0:.2f}x "
+                  f"(geometric mean), {result['cached_above_new'] or 0:.0%} of the entries higher", flush=True)
             for row in result["disagreeing_entries"][:10]:
                 print(f"  cached {row['cached_ms']:.4f} ms, now {row['fresh_median_ms']:.4f} ms  {row['ops'][:80]}")
     except (OSError, RlflowError, ValueError) as exc:

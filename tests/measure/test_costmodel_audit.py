@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
@@ -51,6 +52,8 @@ def test_the_summary_gives_how_far_cached_and_new_costs_are_apart():
     result = summary(audits)
     assert result["cached"] == 3 and result["ratio_median"] == 2.0
     assert 2.0 < result["ratio_p90"] <= 4.0
+    assert result["cached_over_new_geomean"] == pytest.approx(2 ** (1 / 3))  # (1 * 0.5 * 4) ** (1 / 3)
+    assert result["cached_above_new"] == pytest.approx(1 / 3)
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):
