@@ -832,9 +832,9 @@ class _Gauge:
     reference runs are its slowest: 85 us against 51-56 us later).  Entries keep the scale they were measured with:
     an entry that changed later would change the cost of graphs an environment has already cached, a phantom reward
     of its own.  The baseline is not kept in the table, yet processes differ in it (47.0 to 55.5 us seen), and the
-    entries that training processes wrote read 1.2-1.4x what an idle process measures for them now, though its own
-    three measurements agree within 5% (docs/results/costmodel-audit.md): keeping the baseline in the table, so that
-    every process scales to one reference, is the next thing to try."""
+    entries that training processes wrote read 1.2-1.8x what a process alone on the machine measures for them now,
+    though its own three measurements agree within 5% (docs/results/costmodel-audit.md): a reference with compute in
+    it, and its baseline kept in the table so that every process scales to one reference, is the next thing to try."""
 
     def __init__(self):
         self.fastest = math.inf
