@@ -364,20 +364,18 @@ class CostModel:
             self.save()
         return cost
 
-    def _time_isolated(self, model: onnx.ModelProto, optimized: onnx.ModelProto | None,
-                       copies: int | None = None) -> float:
+    def _time_isolated(self, model: onnx.ModelProto, optimized: onnx.ModelProto | None) -> float:
         """Milliseconds of an isolated group (`_isolated_model`) beyond the call overhead and its boundary reorders:
         what the table stores for it (`optimized`: `_optimized(model)`).
 
-        A group that runs in less than `REPLICA_TARGET_S` is timed as `copies` independent replicas in one model
-        (default: as many as bring one run to that time, at most `MAX_REPLICAS`), and the time is divided among
-        them: the per-call overhead and its noise are then paid once for all the copies.
+        A group that runs in less than `REPLICA_TARGET_S` is timed as independent copies in one model (as many as
+        bring one run to that time, at most `MAX_REPLICAS`), and the time is divided among them: the per-call
+        overhead and its noise are then paid once for all the copies.
         """
-        if copies is None:
-            copies = self._replicas(model)
+        copies = self._replicas(model)
         replicated = _replicated(model, copies)
         probe = _probe_model(max(len(replicated.graph.input), 1), max(len(replicated.graph.output), 1))
-        seconds = _time_beyond(replicated, probe, self.settings, gauge=self.gauge) / copies
+        seconds = _time_beyond(replicated, probe, self.settings, self.gauge) / copies
         boundary = self._boundary_reorders(optimized) if optimized is not None else 0.0
         return max(seconds * 1e3 - boundary, _FLOOR_MS)
 
@@ -442,7 +440,7 @@ class CostModel:
         cost = self.table["costs"].get(key)
         if cost is None:
             basic = SessionSettings(self.settings.provider, self.settings.threads, "basic", self.settings.execution_mode)
-            seconds = _time_beyond(_reorder_probe(shape), _probe_model(1, 1), basic, gauge=self.gauge)
+            seconds = _time_beyond(_reorder_probe(shape), _probe_model(1, 1), basic, self.gauge)
             cost = max(seconds * 1e3, 0.0) / 2
             with self._lock:
                 self.table["costs"][key] = cost
@@ -853,9 +851,8 @@ class _Gauge:
             self.fastest = min(self.fastest, runner.time(runs))
 
 
-def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: SessionSettings, *,
-                 batch_s: float = 0.002, budget_s: float = 0.12, pairs: int | None = None,
-                 gauge: _Gauge | None = None) -> float:
+def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: SessionSettings, gauge: _Gauge, *,
+                 batch_s: float = 0.002, budget_s: float = 0.12, pairs: int | None = None) -> float:
     """Seconds per run of `model` beyond those of `probe` (the trivial model whose run is the per-call overhead).
 
     Batches of the two alternate and the fastest batch of each counts: the minimum, not the median, because the table
@@ -864,14 +861,14 @@ def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: Sessi
     less).  That difference is taken for `pairs` freshly built pairs of sessions (default `SESSION_PAIRS`) and the
     median counts: one session can stay slow for as long as it lives (a single Reshape of 4 KB timed 32.6 us in one
     table and 0.8-1.7 us when measured again), which no number of batches from that session corrects, and one pair
-    whose probe caught the fast moments and whose group did not gives one difference far off.  With a `gauge`, its
+    whose probe caught the fast moments and whose group did not gives one difference far off.  The `gauge`'s
     reference model is timed in the same alternation and each difference is scaled by the machine's slowdown at the
     time (see `_Gauge`).  The result may be negative for a group cheaper than the probe's Identity nodes.
     """
     from rlflow.measure.timing import Runner
 
     pairs = pairs or SESSION_PAIRS
-    timed = [model, probe] + ([gauge.model] if gauge is not None else [])
+    timed = [model, probe, gauge.model]
     differences, references = [], []
     for _ in range(pairs):
         runners = [Runner(m, settings, random_inputs(m, 0)) for m in timed]
@@ -886,11 +883,9 @@ def _time_beyond(model: onnx.ModelProto, probe: onnx.ModelProto, settings: Sessi
             for k, runner in enumerate(runners):
                 best[k] = min(best[k], runner.time(runs[k]))
         differences.append(best[0] - best[1])
-        references.append(best[2] if gauge is not None else 1.0)
-    if gauge is not None:
-        gauge.fastest = min(gauge.fastest, *references)
-        return float(np.median([d * gauge.fastest / r for d, r in zip(differences, references)]))
-    return float(np.median(differences))
+        references.append(best[2])
+    gauge.fastest = min(gauge.fastest, *references)
+    return float(np.median([d * gauge.fastest / r for d, r in zip(differences, references)]))
 
 
 def spearman(x: Iterable[float], y: Iterable[float]) -> float:

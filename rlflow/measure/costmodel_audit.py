@@ -64,12 +64,6 @@ class GroupAudit:
     def fresh_median_ms(self) -> float:
         return float(statistics.median(self.fresh_ms))
 
-    @property
-    def ratio(self) -> float:
-        """The larger of the cached cost and the new median over the smaller (1: they agree exactly)."""
-        low, high = sorted((self.cached_ms, self.fresh_median_ms))
-        return high / max(low, 1e-9)
-
     def disagrees(self, factor: float = FACTOR, floor_ms: float = FLOOR_MS) -> bool:
         """Whether the cached cost and the new median differ by more than `factor` and by more than `floor_ms`."""
         if self.cached_ms is None:
@@ -112,13 +106,14 @@ def summary(audits: list[GroupAudit], factor: float = FACTOR, floor_ms: float = 
     cached = [a for a in audits if a.cached_ms is not None]
     bad = sorted((a for a in cached if a.disagrees(factor, floor_ms)),
                  key=lambda a: -abs(a.cached_ms - a.fresh_median_ms))
-    ratios = [a.ratio for a in cached]
-    logs = [math.log(a.cached_ms / max(a.fresh_median_ms, 1e-9)) for a in cached]
+    # log(cached / new): its sign says which is higher, its size how far apart (ratio: the larger over the smaller)
+    logs = np.array([math.log(a.cached_ms / max(a.fresh_median_ms, 1e-9)) for a in cached])
+    ratios = np.exp(np.abs(logs))
     return {"cached": len(cached), "disagreeing": len(bad),
-            "ratio_median": float(np.median(ratios)) if ratios else None,
-            "ratio_p90": float(np.percentile(ratios, 90)) if ratios else None,
-            "cached_over_new_geomean": math.exp(sum(logs) / len(logs)) if logs else None,
-            "cached_above_new": (float(np.mean([a.cached_ms > a.fresh_median_ms for a in cached])) if cached else None),
+            "ratio_median": float(np.median(ratios)) if len(logs) else None,
+            "ratio_p90": float(np.percentile(ratios, 90)) if len(logs) else None,
+            "cached_over_new_geomean": float(np.exp(logs.mean())) if len(logs) else None,
+            "cached_above_new": float(np.mean(logs > 0)) if len(logs) else None,
             "factor": factor, "floor_ms": floor_ms,
             "disagreeing_entries": [{**asdict(a), "fresh_median_ms": a.fresh_median_ms} for a in bad]}
 
