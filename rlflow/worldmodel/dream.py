@@ -241,7 +241,8 @@ class DreamEnv(gym.Env):
 
 
 @torch.no_grad()
-def real_starts(mdrnn: MDRNN, episodes: list, mu: torch.Tensor, logvar: torch.Tensor) -> dict[str, torch.Tensor]:
+def real_starts(mdrnn: MDRNN, episodes: list, mu: torch.Tensor, logvar: torch.Tensor,
+                descriptors: dict | None = None) -> dict[str, torch.Tensor]:
     """Dream starts at every state of real `episodes` where an action was chosen: the state's posterior, the
     MDN-RNN's state there (M run over the episode with the posterior means, as in a real rollout) and the step.
 
@@ -249,6 +250,8 @@ def real_starts(mdrnn: MDRNN, episodes: list, mu: torch.Tensor, logvar: torch.Te
         mdrnn: the trained world model.
         episodes: `rlflow.worldmodel.replay.Episode`s.
         mu, logvar: (S, Z) posteriors of every replay state.
+        descriptors: id(episode) -> (steps, F) descriptions of its random matches
+            (`rlflow.worldmodel.location.match_descriptors`), for an M that reads them; None: none.
 
     Returns:
         `mu`, `logvar` (N, Z), `h`, `c` (N, H), `steps` (N,) long, `first` (N,) bool (a starting graph),
@@ -273,6 +276,8 @@ def real_starts(mdrnn: MDRNN, episodes: list, mu: torch.Tensor, logvar: torch.Te
         actions = torch.as_tensor([min(episodes[i].actions[t], mdrnn.n_actions - 1) for i in live])
         flags = torch.as_tensor([float(episodes[i].random_locations[t]) if episodes[i].random_locations else 0.0
                                  for i in live])
+        if descriptors is not None:
+            flags = torch.cat([flags.unsqueeze(-1), torch.stack([descriptors[id(episodes[i])][t] for i in live])], -1)
         _, (h_new, c_new) = cell(actions, mu[states], (h[live], c[live]), flags)
         h[live], c[live] = h_new, c_new
     states = torch.cat(rows["state"])

@@ -61,12 +61,18 @@ class LocationScorer(nn.Module):
         Returns:
             (K,) predicted rewards (reward units / reward scale).
         """
+        return self.describe(obs, graph_index, rules, nodes)[:, 0]
+
+    def describe(self, obs: Mapping[str, torch.Tensor], graph_index: torch.Tensor, rules: torch.Tensor,
+                 nodes: torch.Tensor) -> torch.Tensor:
+        """(K, 1 + hidden): each match's predicted reward (as `forward`) followed by the mean of its nodes'
+        embeddings (what the prediction is read from; arguments as `forward`)."""
         node_emb, graph_emb = self.encoder(trim(obs))
         real = (nodes >= 0).float().unsqueeze(-1)
         picked = node_emb[graph_index.unsqueeze(-1), nodes.clamp(0, node_emb.shape[1] - 1)]  # (K, M, H)
         local = (picked * real).sum(1) / real.sum(1).clamp_min(1.0)
         x = torch.cat([local, graph_emb[graph_index], self.rule_embed(rules)], -1)
-        return self.head(x).squeeze(-1)
+        return torch.cat([self.head(x), local], -1)
 
 
 @torch.no_grad()
@@ -136,16 +142,62 @@ def location_transitions(episodes: list, n_rules: int, gamma: float = 0.0,
     return rows
 
 
-def score_transitions(scorer: LocationScorer, replay, rows: list) -> torch.Tensor:
-    """(len(rows),) predicted rewards (scaled) of `location_transitions` rows."""
+def score_transitions(scorer: LocationScorer, replay, rows: list, describe: bool = False) -> torch.Tensor:
+    """(len(rows),) predicted rewards (scaled) of `location_transitions` rows; with `describe`, (len(rows),
+    1 + hidden) descriptions (`LocationScorer.describe`)."""
     ids = sorted({s for s, *_ in rows})
     where = {s: i for i, s in enumerate(ids)}
     width = max(len(nodes) for _, _, nodes, _ in rows)
     nodes = torch.full((len(rows), width), -1, dtype=torch.long)
     for k, (_, _, match, _) in enumerate(rows):
         nodes[k, : len(match)] = torch.as_tensor(match)
-    return scorer(replay.batch(ids), torch.as_tensor([where[s] for s, *_ in rows]),
-                  torch.as_tensor([a for _, a, _, _ in rows]), nodes)
+    call = scorer.describe if describe else scorer
+    return call(replay.batch(ids), torch.as_tensor([where[s] for s, *_ in rows]),
+                torch.as_tensor([a for _, a, _, _ in rows]), nodes)
+
+
+MATCH_INPUTS = {"none": 0, "score": 1, "embedding": None}
+"""What M reads about a random match (`Config.match_input`) -> how many numbers (None: 1 + the scorer's width)."""
+
+
+def match_width(match_input: str, hidden: int) -> int:
+    """How many numbers describe a random match to M for `match_input` ("none", "score" or "embedding")."""
+    if match_input not in MATCH_INPUTS:
+        raise ValueError(f"match_input must be one of {', '.join(MATCH_INPUTS)}, not {match_input!r}")
+    width = MATCH_INPUTS[match_input]
+    return 1 + hidden if width is None else width
+
+
+@torch.no_grad()
+def match_descriptors(scorer: LocationScorer, replay, episodes: list, width: int,
+                      chunk: int = 256) -> dict[int, torch.Tensor]:
+    """id(episode) -> (steps, width): what M reads about the match of each step that went to a random one (the
+    first `width` numbers of `LocationScorer.describe`: its rating, then its embedding of the matched nodes); zeros
+    on every other step.  Recomputed whenever the scorer changes, as the latents are whenever V does."""
+    out = {id(e): torch.zeros(len(e.actions), width) for e in episodes}
+    steps = [(e, t) for e in episodes for t, random in enumerate(e.random_locations) if random and e.locations[t]]
+    if not width or not steps:
+        return out
+    scorer.eval()
+    for begin in range(0, len(steps), chunk):
+        part = steps[begin: begin + chunk]
+        rows = [(e.states[t], e.actions[t], e.locations[t], 0.0) for e, t in part]
+        described = score_transitions(scorer, replay, rows, describe=True)[:, :width]
+        for (e, t), row in zip(part, described):
+            out[id(e)][t] = row
+    return out
+
+
+@torch.no_grad()
+def describe_match(scorer: LocationScorer, obs: Mapping[str, np.ndarray], rule: int, match: list[int],
+                   width: int) -> torch.Tensor:
+    """(width,) what M reads about one random match of a real observation (as `match_descriptors`)."""
+    from rlflow.controller.policy import obs_to_torch
+
+    scorer.eval()
+    described = scorer.describe(obs_to_torch(obs), torch.zeros(1, dtype=torch.long), torch.tensor([rule]),
+                                torch.as_tensor([match], dtype=torch.long))
+    return described[0, :width]
 
 
 def train_location(scorer: LocationScorer, optimizer: torch.optim.Optimizer, replay, episodes: list, epochs: int,
@@ -196,5 +248,6 @@ def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scal
             "location_transitions": len(rows)}
 
 
-__all__ = ["LocationScorer", "best_returns", "candidate_scores", "choose_location", "location_transitions",
-           "score_transitions", "train_location", "location_quality"]
+__all__ = ["LocationScorer", "MATCH_INPUTS", "best_returns", "candidate_scores", "choose_location", "describe_match",
+           "location_transitions", "match_descriptors", "match_width", "score_transitions", "train_location",
+           "location_quality"]

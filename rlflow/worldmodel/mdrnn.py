@@ -9,9 +9,12 @@ Actions are rule ids (`0..R-1`: apply one match of that rule) and `R` (terminate
 over rule types, so it needs no candidate list from a real graph.  With `location_flag` the action also carries one
 bit: the rule was applied at a random match (exploration) rather than where the agent's location scorer chose
 (`rlflow.worldmodel.location`); where a rule goes changes what it earns, and the dream always plays the agent's own
-choice (bit 0), so M learns both kinds of real transition without mistaking one for the other.  What a real
-candidate list would say is
-predicted too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the graph have a match of rule r?) of
+choice (bit 0), so M learns both kinds of real transition without mistaking one for the other.  With
+`match_features` > 0 a random match is also described: that many numbers from the location scorer
+(`rlflow.worldmodel.location.match_descriptors`: its rating of the match, and optionally its embedding of the
+matched nodes), zeros on the agent's own steps.  Which match a random step took decides much of what it earned (on
+mobilenet-v2-tiny one group-convolution merge pays and another costs), and without the description M can only
+predict the average over matches.  What a real candidate list would say is predicted too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the graph have a match of rule r?) of
 the state (z_t, h_t), which is the action mask the dream hands to the controller.  The heads read the LSTM output
 together with z_t and the action (a skip connection: reward is mostly a function of the graph and the rule, which
 the LSTM need not relay).
@@ -81,17 +84,23 @@ class MDRNN(nn.Module):
         location_flag: the action carries the random-location bit (see the module docstring).
         markov_reward: the reward heads read z_t and the action only, not the LSTM's history (see the module
             docstring).
+        match_features: numbers describing a random match, after the bit (needs `location_flag`; see the module
+            docstring).
     """
 
     def __init__(self, latent_size: int, n_actions: int, n_rules: int, hidden: int = 128, gaussians: int = 5,
-                 reward_ensemble: int = 5, location_flag: bool = False, markov_reward: bool = False):
+                 reward_ensemble: int = 5, location_flag: bool = False, markov_reward: bool = False,
+                 match_features: int = 0):
         super().__init__()
         if reward_ensemble < 1:
             raise ValueError("reward_ensemble must be >= 1")
+        if match_features and not location_flag:
+            raise ValueError("match_features needs location_flag")
         self.latent_size, self.n_actions, self.n_rules = latent_size, n_actions, n_rules
         self.hidden, self.gaussians, self.reward_ensemble = hidden, gaussians, reward_ensemble
         self.location_flag, self.markov_reward = bool(location_flag), bool(markov_reward)
-        action_size = n_actions + int(self.location_flag)
+        self.match_features = int(match_features)
+        action_size = n_actions + (1 + self.match_features if self.location_flag else 0)
         self.rnn = nn.LSTM(latent_size + action_size, hidden)
         head_in = hidden + latent_size + action_size
         self.gmm_linear = nn.Linear(head_in, (2 * latent_size + 1) * gaussians)
@@ -105,7 +114,8 @@ class MDRNN(nn.Module):
         """Constructor arguments (stored in checkpoints)."""
         return {"latent_size": self.latent_size, "n_actions": self.n_actions, "n_rules": self.n_rules,
                 "hidden": self.hidden, "gaussians": self.gaussians, "reward_ensemble": self.reward_ensemble,
-                "location_flag": self.location_flag, "markov_reward": self.markov_reward}
+                "location_flag": self.location_flag, "markov_reward": self.markov_reward,
+                "match_features": self.match_features}
 
     def initial_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Zero (h, c), each (B, H)."""
@@ -113,12 +123,25 @@ class MDRNN(nn.Module):
         return zeros, zeros.clone()
 
     def encode_action(self, actions: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
-        """(*L,) action ids and (*L,) random-location bits (zeros when None) -> (*L, A) or (*L, A + 1) inputs."""
+        """(*L,) action ids and the location of each step -> (*L, A) inputs, or (*L, A + 1 + F) with
+        `location_flag` (F = `match_features`).
+
+        `flags`: None (the agent's own location everywhere, as in the dream), (*L,) random-location bits (no match
+        described: zeros) or (*L, 1 + F) bits followed by the match descriptions."""
         onehot = F.one_hot(actions.long(), self.n_actions).float()
         if not self.location_flag:
             return onehot
-        flags = torch.zeros(actions.shape) if flags is None else flags.float()
-        return torch.cat([onehot, flags.unsqueeze(-1)], -1)
+        width = 1 + self.match_features
+        where = torch.zeros(*actions.shape, width)
+        if flags is not None:
+            flags = flags.float()
+            if flags.dim() == actions.dim():
+                where[..., 0] = flags
+            elif flags.shape[-1] == width:
+                where = flags
+            else:
+                raise ValueError(f"location input has {flags.shape[-1]} numbers, this model reads {width}")
+        return torch.cat([onehot, where], -1)
 
     def mask_logits(self, latents: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Per-rule availability logits (*L, R) of the state (z, h): latents (*L, Z), h (*L, H)."""
@@ -151,7 +174,8 @@ class MDRNN(nn.Module):
             actions: (T, B) long action ids.
             latents: (T, B, Z) z_t.
             state: initial (h, c), each (B, H); zeros when None.
-            flags: (T, B) random-location bits (zeros when None; ignored without `location_flag`).
+            flags: (T, B) random-location bits or (T, B, 1 + F) bits and match descriptions (`encode_action`;
+                zeros when None; ignored without `location_flag`).
 
         Returns:
             `MDRNNOutput` with leading dims (T, B); `mask_logits[t]` is the availability of state t, read from z_t
@@ -179,8 +203,8 @@ class MDRNNCell(nn.Module):
 
     def forward(self, action: torch.Tensor, latent: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
                 flag: torch.Tensor | None = None):
-        """One step: action (B,) long, latent (B, Z), state (h, c) each (B, H), flag (B,) random-location bits
-        (zeros when None: the agent's own location, as in the dream) ->
+        """One step: action (B,) long, latent (B, Z), state (h, c) each (B, H), flag (B,) random-location bits or
+        (B, 1 + F) bits and match descriptions (zeros when None: the agent's own location, as in the dream) ->
         (`MDRNNOutput` with leading dim B, next state (h, c))."""
         m = self.mdrnn
         onehot = m.encode_action(action, flag)

@@ -138,7 +138,8 @@ class Replay:
 
 
 def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, masks: torch.Tensor,
-              terminate: int, sample: bool, reward_scale: float) -> dict[str, torch.Tensor]:
+              terminate: int, sample: bool, reward_scale: float,
+              descriptors: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Padded training sequences for the MDN-RNN (T = longest episode + 1, B = episodes).
 
     Step t of an episode holds state s_t, action a_t and the transition's targets; one extra step holds the last
@@ -152,10 +153,13 @@ def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, m
         terminate: the terminate action id.
         sample: sample z from the posteriors (training) or take the means (evaluation).
         reward_scale: rewards are divided by it.
+        descriptors: id(episode) -> (steps, F) descriptions of the random matches
+            (`rlflow.worldmodel.location.match_descriptors`); None: no description.
 
     Returns:
         `actions` (T, B) long, `latents` and `next_latents` (T, B, Z), `rewards`, `dones`, `valid` (transition
-        targets), `state_valid` and `flags` (T, B; 1 where the rule went to a random match), `masks` (T, B, R).
+        targets), `state_valid` (T, B), `flags` (T, B; 1 where the rule went to a random match; with
+        `descriptors`, (T, B, 1 + F): the bit, then the description), `masks` (T, B, R).
     """
     t_max = max(len(e.states) for e in episodes)
     b, z, r = len(episodes), mu.shape[1], masks.shape[1]
@@ -177,10 +181,17 @@ def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, m
             out["rewards"][:steps, col] = torch.as_tensor(ep.rewards, dtype=torch.float32) / reward_scale
             if ep.random_locations:
                 out["flags"][:steps, col] = torch.as_tensor(ep.random_locations, dtype=torch.float32)
+            if descriptors is not None:
+                out.setdefault("described", torch.zeros(t_max, b, descriptors[id(ep)].shape[-1]))
+                out["described"][:steps, col] = descriptors[id(ep)]
             acts = torch.as_tensor(ep.actions)
             out["valid"][:steps, col] = (acts != terminate).float()
             if ep.ended_empty and ep.actions[-1] != terminate:
                 out["dones"][steps - 1, col] = 1.0
+    if descriptors is not None:
+        width = next(iter(descriptors.values())).shape[-1] if descriptors else 0
+        described = out.pop("described", torch.zeros(t_max, b, width))
+        out["flags"] = torch.cat([out["flags"].unsqueeze(-1), described], -1)
     return out
 
 

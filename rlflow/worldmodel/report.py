@@ -64,8 +64,10 @@ def encode_all(vision, replay: Replay, batch: int = 128) -> tuple[torch.Tensor, 
 
 @torch.no_grad()
 def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episodes: list[Episode],
-            mu: torch.Tensor, logvar: torch.Tensor, reward_scale: float) -> dict:
-    """World-model figures on `episodes` (held out); see the module docstring."""
+            mu: torch.Tensor, logvar: torch.Tensor, reward_scale: float,
+            descriptors: dict | None = None) -> dict:
+    """World-model figures on `episodes` (held out; random matches described by `descriptors`, see
+    `rlflow.worldmodel.replay.sequences`); see the module docstring."""
     from rlflow.worldmodel.vae import kl_divergence
 
     if not episodes:
@@ -81,7 +83,8 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
     recon, kl = torch.cat(recon), torch.cat(kl)
     masks = torch.as_tensor(np.stack(replay.rule_masks))
     terminate = mdrnn.n_rules
-    seq = sequences(episodes, mu, logvar, masks, terminate, sample=False, reward_scale=reward_scale)
+    seq = sequences(episodes, mu, logvar, masks, terminate, sample=False, reward_scale=reward_scale,
+                    descriptors=descriptors)
     out = mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
     from rlflow.worldmodel.mdrnn import gmm_loss
 
@@ -89,7 +92,8 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
     nll = gmm_loss(seq["next_latents"], out.mus, out.sigmas, out.logpi, reduce=False)[valid]
     predicted = (out.reward[valid] * reward_scale).numpy()
     real = (seq["rewards"][valid] * reward_scale).numpy()
-    at_random = seq["flags"][valid].bool().numpy()  # the rule went to a random match (exploration)
+    bits = seq["flags"] if seq["flags"].dim() == 2 else seq["flags"][..., 0]
+    at_random = bits[valid].bool().numpy()  # the rule went to a random match (exploration)
     done_pred = (out.done_logit[valid] > 0).numpy()
     done_real = seq["dones"][valid].bool().numpy()
     state_valid = seq["state_valid"].bool()

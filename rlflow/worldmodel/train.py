@@ -106,6 +106,10 @@ class Config:
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
             step (`RewriteEnv.peek`, no reward read), which counts as no real step.
+        match_input: what M reads about a rule's match when it went to a random one (exploration), besides the bit
+            that says so: "none"; "score", the location scorer's rating of the match; "embedding", the rating and
+            the scorer's embedding of the matched nodes (`rlflow.worldmodel.location.match_descriptors`).  The
+            agent's own steps, and so the dream's, read zeros.
         location_epochs: epochs of the location scorer per iteration.
         location_lr: the location scorer's Adam learning rate.
         mask_weight: weight of M's availability loss.
@@ -167,6 +171,7 @@ class Config:
     learn_location: bool = True
     location_gamma: float = 0.95
     avoid_revisits: bool = True
+    match_input: str = "none"
     location_epochs: int = 30
     location_lr: float = 1e-3
     mask_weight: float = 10.0
@@ -206,7 +211,7 @@ class Agent:
         import torch
 
         from rlflow.controller.dream_ppo import LatentPolicy
-        from rlflow.worldmodel.location import LocationScorer
+        from rlflow.worldmodel.location import LocationScorer, match_width
         from rlflow.worldmodel.mdrnn import MDRNN
         from rlflow.worldmodel.vae import GraphVAE
 
@@ -214,7 +219,9 @@ class Agent:
         self.vision = GraphVAE(n_rules, config.hidden, config.rounds, config.latent_size)
         self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians,
                            config.reward_ensemble, location_flag=config.learn_location,
-                           markov_reward=config.markov_reward)
+                           markov_reward=config.markov_reward,
+                           match_features=match_width(config.match_input, config.hidden) if config.learn_location
+                           else 0)
         self.policy = LatentPolicy(config.latent_size + config.rnn_hidden, n_rules + 1, config.controller_hidden)
         self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=config.vae_lr)
         self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=config.mdrnn_lr)
@@ -315,7 +322,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     from rlflow.controller.policy import obs_to_torch
     from rlflow.controller.unvisited import choose_unvisited
     from rlflow.controller.wm_actor import candidate_logits
-    from rlflow.worldmodel.location import choose_location
+    from rlflow.worldmodel.location import choose_location, describe_match
     from rlflow.worldmodel.mdrnn import MDRNNCell
     from rlflow.worldmodel.replay import Episode
 
@@ -360,6 +367,11 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
             else:
                 env_action = first_candidate(obs, action)
         match = ([int(n) for n in np.asarray(obs["cand_nodes"])[env_action] if n >= 0] if action != n_rules else [])
+        if agent is not None and action != n_rules:
+            where = torch.zeros(1 + agent.mdrnn.match_features)
+            where[0] = float(random_location)
+            if random_location and agent.mdrnn.match_features:
+                where[1:] = describe_match(scorer, obs, action, match, agent.mdrnn.match_features)
         obs, reward, terminated, truncated, info = env.step(env_action)
         episode.actions.append(int(action))
         episode.locations.append(match)
@@ -371,7 +383,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
             tried[(episode.states[-1], int(action))] = tried.get((episode.states[-1], int(action)), 0) + 1
         if agent is not None and action != n_rules:
             with torch.no_grad():
-                _, state = cell(torch.tensor([action]), z, state, torch.tensor([float(random_location)]))
+                _, state = cell(torch.tensor([action]), z, state, where.unsqueeze(0))
         done = terminated or truncated or (max_steps is not None and len(episode.actions) >= max_steps)
         if done:
             episode.states.append(replay.add_state(obs, rule_mask_from_obs(obs, n_rules)))
@@ -447,9 +459,10 @@ def train_vision(agent: Agent, replay, ids: list[int], episodes: list, config: C
 
 
 def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config, rng: np.random.Generator,
-                progress=None) -> dict:
-    """Epochs of M over the training episodes (z sampled from V's posteriors each epoch, or their means); returns the
-    last epoch's mean losses.
+                progress=None, descriptors: dict | None = None) -> dict:
+    """Epochs of M over the training episodes (z sampled from V's posteriors each epoch, or their means; random
+    matches described by `descriptors`, see `rlflow.worldmodel.replay.sequences`); returns the last epoch's mean
+    losses.
 
     With `config.mdrnn_validation`, that share of the episodes (drawn afresh each call, so every episode trains M
     in most iterations) is set aside, and M keeps the weights of the epoch with the lowest loss on them: M fits its
@@ -469,7 +482,8 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
     members = reward_bootstrap(replay, config.reward_ensemble, config.reward_bootstrap, config.seed)
 
     def losses_of(chunk: list, sample: bool) -> dict:
-        seq = sequences(chunk, mu, logvar, masks, terminate, sample=sample, reward_scale=config.reward_scale)
+        seq = sequences(chunk, mu, logvar, masks, terminate, sample=sample, reward_scale=config.reward_scale,
+                        descriptors=descriptors)
         out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
         weights = torch.stack([members[id(e)] for e in chunk]) if members else None
         return mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
@@ -547,7 +561,8 @@ def dream_reward_range(episodes: list, n_rules: int):
     return torch.full((n_rules,), float(low.min())), high
 
 
-def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: int):
+def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: int,
+               descriptors: dict | None = None):
     """The controller's `DreamBatch`: starts at the states of `episodes` (a `first_start_share` of the dreams at
     starting graphs), pessimistic rewards clipped per rule to the range of the real rewards the rule earned in
     `episodes` (a rule never seen earning more than nothing earns nothing in the dream either) and, with
@@ -557,7 +572,7 @@ def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: i
 
     from rlflow.worldmodel.dream import DreamBatch, real_starts
 
-    starts = real_starts(agent.mdrnn, episodes, mu, logvar)
+    starts = real_starts(agent.mdrnn, episodes, mu, logvar, descriptors)
     first = starts["first"]
     share = config.first_start_share if bool((~first).any()) else 1.0
     weights = torch.where(first, share / first.sum().clamp_min(1), (1 - share) / (~first).sum().clamp_min(1))
@@ -610,7 +625,7 @@ def main(config: Config) -> dict:
     from rlflow.controller.ppo import CsvWriter, make_env, resolve_models
     from rlflow.measure.costmodel import CostModel
     from rlflow.rewrites import REGISTRY_VERSION, RULES
-    from rlflow.worldmodel.location import best_returns, location_quality, train_location
+    from rlflow.worldmodel.location import best_returns, location_quality, match_descriptors, train_location
     from rlflow.worldmodel.replay import Replay
     from rlflow.worldmodel.report import encode_all, quality
 
@@ -676,10 +691,13 @@ def main(config: Config) -> dict:
                 l_losses = train_location(agent.location, agent.location_opt, replay, train_eps,
                                           config.location_epochs, config.vae_batch, config.reward_scale, rng, bar,
                                           gamma=config.location_gamma)
+        descriptors = (match_descriptors(agent.location, replay, replay.episodes, agent.mdrnn.match_features)
+                       if agent.mdrnn.match_features else None)
         # 3. M
         with tqdm(total=config.mdrnn_epochs, desc=f"[{iteration}] M", leave=False, file=sys.stderr) as bar:
-            m_losses = train_mdrnn(agent, replay, train_eps, mu, logvar, config, rng, bar)
-        quality_now = quality(agent.vision, agent.mdrnn, replay, held_eps, train_eps, mu, logvar, config.reward_scale)
+            m_losses = train_mdrnn(agent, replay, train_eps, mu, logvar, config, rng, bar, descriptors)
+        quality_now = quality(agent.vision, agent.mdrnn, replay, held_eps, train_eps, mu, logvar, config.reward_scale,
+                              descriptors)
         if agent.location is not None:
             # held-out targets: the best returns every real episode shows (the scorer trained on its own episodes')
             values = (best_returns(replay.episodes, n_rules, config.location_gamma) if config.location_gamma > 0
@@ -689,7 +707,8 @@ def main(config: Config) -> dict:
         quality_now["iteration"] = iteration
         history.append(quality_now)
         # 4. controller in the dream (starts: real states of the training episodes, encoded once)
-        dream = make_dream(agent, train_eps, mu, logvar, config, seed=config.seed + iteration)
+        dream = make_dream(agent, train_eps, mu, logvar, config, seed=config.seed + iteration,
+                           descriptors=descriptors)
         with tqdm(total=config.dream_steps, desc=f"[{iteration}] dream PPO", leave=False, file=sys.stderr) as bar:
             d_stats = train_in_dream(agent.policy, agent.policy_opt, dream, dream_config, bar)
         # 5. real evaluation

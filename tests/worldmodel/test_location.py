@@ -103,3 +103,36 @@ def test_best_returns_follow_the_best_continuation_seen_and_stop_at_nothing():
     assert targets[(1, (4,))] == pytest.approx(5.0)  # -3 now, then the +3 back and the 5 from state 1
     plain = {(s, tuple(nodes)): target for s, _, nodes, target in location_transitions(episodes, 9)}
     assert plain[(0, (1,))] == 1.0 and plain[(1, (4,))] == -3.0  # gamma 0: the reward alone
+
+
+def test_m_reads_the_scorers_description_of_random_matches_and_zeros_elsewhere(graph_with_a_repeated_rule):
+    """`match_descriptors` gives, for each step that went to a random match, the scorer's rating of that match (then
+    its node embedding), the same as describing the match from the live observation (`describe_match`, which real
+    rollouts use); the agent's own steps read zeros; `sequences` puts the bit before them."""
+    from rlflow.worldmodel.location import describe_match, match_descriptors, match_width, score_transitions
+    from rlflow.worldmodel.replay import Episode, sequences
+
+    obs, rule, candidates = graph_with_a_repeated_rule
+    good = int(candidates[-1])
+    scorer, replay, episodes = _trained_scorer(obs, rule, candidates, good)
+    for e in episodes:
+        e.random_locations = [True]
+    own = Episode(model="m", states=list(episodes[0].states), actions=[rule], rewards=[20.0],
+                  locations=[_match(obs, good)], random_locations=[False])
+    width = match_width("embedding", scorer.hidden)
+    described = match_descriptors(scorer, replay, episodes + [own], width)
+    assert width == 1 + scorer.hidden and torch.equal(described[id(own)], torch.zeros(1, width))
+    ratings = torch.stack([described[id(e)][0, 0] for e in episodes])
+    rows = [(e.states[0], e.actions[0], e.locations[0], 0.0) for e in episodes]
+    assert torch.allclose(ratings, score_transitions(scorer, replay, rows), atol=1e-5)
+    best = [c for c, e in zip(candidates, episodes) if e.rewards[0] > 0]
+    assert int(candidates[int(torch.argmax(ratings))]) == good and best == [good]
+    live = describe_match(scorer, obs, rule, _match(obs, good), width)
+    assert torch.allclose(live, described[id(episodes[-1])][0], atol=1e-4)
+    assert match_width("score", scorer.hidden) == 1 and match_width("none", scorer.hidden) == 0
+    n = replay.n_rules
+    seq = sequences(episodes + [own], torch.zeros(1, 3), torch.zeros(1, 3), torch.zeros(1, n, dtype=torch.bool),
+                    terminate=n, sample=False, reward_scale=10.0, descriptors=described)
+    assert seq["flags"].shape == (2, len(episodes) + 1, 1 + width)
+    assert seq["flags"][0, :-1, 0].eq(1).all() and seq["flags"][0, -1].eq(0).all()
+    assert torch.equal(seq["flags"][0, 0, 1:], described[id(episodes[0])][0])

@@ -161,3 +161,36 @@ def test_bootstrapped_reward_members_each_learn_their_own_episodes():
         opt.step()
     members = model(actions, z).reward_members[0, 0].detach()
     assert float(members[0]) == pytest.approx(1.0, abs=0.1) and float(members[1]) == pytest.approx(-1.0, abs=0.1)
+
+
+def test_a_description_of_the_random_match_lets_m_tell_apart_what_two_matches_earn():
+    """At random matches one (z, rule) earns +1 where the match is described by +1 and -1 where by -1: an M that
+    reads the description learns both, one that reads only the bit learns their mean; the dream's step (no
+    description, bit 0) reads zeros, and a description of the wrong width is refused."""
+    torch.manual_seed(0)
+    t, b = 1, 64
+    actions, latents = torch.ones(t, b, dtype=torch.long), torch.zeros(t, b, 4)
+    sign = 1.0 - 2.0 * (torch.arange(b) % 2).float()
+    described = torch.stack([torch.ones(b), sign], -1).expand(t, b, 2)  # bit 1, then the description
+    predictions = {}
+    for width in (0, 1):
+        model = MDRNN(latent_size=4, n_actions=3, n_rules=2, hidden=16, gaussians=1, location_flag=True,
+                      match_features=width)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        flags = described if width else described[..., 0]
+        for _ in range(200):
+            out = model(actions, latents, flags=flags)
+            loss = mdrnn_loss(out, latents, sign.expand(t, b), torch.zeros(t, b), torch.ones(t, b, 2),
+                              torch.ones(t, b))["loss"]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            predictions[width] = model(actions, latents, flags=flags).reward[0]
+    assert torch.allclose(predictions[1], sign, atol=0.15)
+    assert predictions[0].abs().max() < 0.2
+    assert model.encode_action(torch.ones(2, dtype=torch.long)).shape == (2, 3 + 2)
+    with pytest.raises(ValueError, match="reads 2"):
+        model(actions, latents, flags=torch.zeros(t, b, 3))
+    with pytest.raises(ValueError, match="needs location_flag"):
+        MDRNN(4, 3, 2, match_features=1)

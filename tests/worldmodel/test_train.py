@@ -316,3 +316,23 @@ def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
     other = reward_bootstrap(replay, 5, 0.4, seed=4)
     assert not torch.equal(rows, torch.stack([other[id(e)] for e in replay.episodes]))
     assert reward_bootstrap(replay, 5, 0.0, seed=3) == {} == reward_bootstrap(replay, 5, 1.0, seed=3)
+
+
+def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
+    """With match_input "embedding", M reads the bit and the scorer's rating and embedding of each random match:
+    its input grows by 1 + the scorer's width, the held-out figures come out, and the checkpoint resumes."""
+    import dataclasses
+
+    from rlflow.worldmodel.train import load_checkpoint, main
+
+    config, _ = run
+    described = dataclasses.replace(config, match_input="embedding", iterations=1, out=str(tmp_path / "results"),
+                                    run_dir=str(tmp_path / "run"))
+    result = main(described)
+    assert result["quality"]["random_location_transitions"] > 0
+    assert result["config"]["match_input"] == "embedding" and "--match-input embedding" in result["command"]
+    agent, _ = load_checkpoint(tmp_path / "run" / "worldmodel.pt")
+    assert agent.mdrnn.match_features == 1 + config.hidden
+    assert agent.mdrnn.rnn.input_size == config.latent_size + agent.n_rules + 1 + 1 + 1 + config.hidden
+    with pytest.raises(ValueError, match="match_input must be one of"):
+        main(dataclasses.replace(described, match_input="everything"))
