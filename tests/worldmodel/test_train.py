@@ -136,6 +136,24 @@ def test_exploration_tries_every_rule_of_a_state_before_repeating_one():
     assert explore_action(rules, 0, tried, rng, 1.0, 9) == 9
 
 
+def test_exploration_by_match_draws_rules_as_often_as_their_matches_and_still_tries_each_first():
+    """With per-rule match counts a rule with 17 matches beside two of one match each is drawn about 17 times in
+    19 (uniformly it would be one in three), and a state still has every rule tried before any twice."""
+    import numpy as np
+
+    from rlflow.worldmodel.train import explore_action
+
+    rng = np.random.default_rng(0)
+    rules, matches = np.array([0, 1, 2]), np.array([17, 1, 1, 0])
+    draws = [explore_action(rules, 0, None, rng, 0.0, 3, matches) for _ in range(2000)]
+    assert np.mean(np.array(draws) == 0) == pytest.approx(17 / 19, abs=0.03)
+    tried: dict = {}
+    for _ in range(3):
+        a = explore_action(rules, 0, tried, rng, 0.0, 3, matches)
+        tried[(0, a)] = tried.get((0, a), 0) + 1
+    assert sorted(tried) == [(0, 0), (0, 1), (0, 2)]
+
+
 def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_dream(run, tmp_path):
     """The trained world model as `rlflow optimize`'s agent: shipped without its replay, loaded by `--agent`, its
     rule choice mapped onto the real candidates, h advanced by M, and `--finetune` spent in the dream."""
