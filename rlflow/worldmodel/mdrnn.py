@@ -12,9 +12,14 @@ bit: the rule was applied at a random match (exploration) rather than where the 
 choice (bit 0), so M learns both kinds of real transition without mistaking one for the other.  With
 `match_features` > 0 a random match is also described: that many numbers from the location scorer
 (`rlflow.worldmodel.location.match_descriptors`: its rating of the match, and optionally its embedding of the
-matched nodes), zeros on the agent's own steps.  Which match a random step took decides much of what it earned (on
-mobilenet-v2-tiny one group-convolution merge pays and another costs), and without the description M can only
-predict the average over matches.  What a real candidate list would say is predicted too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the graph have a match of rule r?) of
+matched nodes).  Which match a random step took decides much of what it earned (on mobilenet-v2-tiny one
+group-convolution merge pays and another costs), and without the description M can only predict the average over
+matches.  The description reaches the reward alone, as a correction that only random steps get (`match_heads`,
+times the bit): everything else, and the reward of the agent's own steps (the dream's), reads what it reads without
+one.  Fed to the whole model instead, the description made the agent's own steps (described by zeros, a point the
+random steps never visit) a far extrapolation: on seed 2, M predicted -2.0 for bert-base-tiny's first attention
+fusion (real +2.8) and the controller learned to stop at once.  What a real candidate list would say is predicted
+too: `mask_logits(z_t, h_t)` gives the per-rule availability (does the graph have a match of rule r?) of
 the state (z_t, h_t), which is the action mask the dream hands to the controller.  The heads read the LSTM output
 together with z_t and the action (a skip connection: reward is mostly a function of the graph and the rule, which
 the LSTM need not relay).
@@ -100,13 +105,16 @@ class MDRNN(nn.Module):
         self.hidden, self.gaussians, self.reward_ensemble = hidden, gaussians, reward_ensemble
         self.location_flag, self.markov_reward = bool(location_flag), bool(markov_reward)
         self.match_features = int(match_features)
-        action_size = n_actions + (1 + self.match_features if self.location_flag else 0)
+        action_size = n_actions + int(self.location_flag)
         self.rnn = nn.LSTM(latent_size + action_size, hidden)
         head_in = hidden + latent_size + action_size
         self.gmm_linear = nn.Linear(head_in, (2 * latent_size + 1) * gaussians)
         reward_in = latent_size + action_size if self.markov_reward else head_in
         self.reward_heads = nn.ModuleList(nn.Sequential(nn.Linear(reward_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
                                           for _ in range(reward_ensemble))
+        self.match_heads = nn.ModuleList(
+            nn.Sequential(nn.Linear(reward_in + self.match_features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+            for _ in range(reward_ensemble if self.match_features else 0))
         self.done_head = nn.Sequential(nn.Linear(head_in, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.mask_head = nn.Sequential(nn.Linear(latent_size + hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_rules))
 
@@ -123,14 +131,19 @@ class MDRNN(nn.Module):
         return zeros, zeros.clone()
 
     def encode_action(self, actions: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
-        """(*L,) action ids and the location of each step -> (*L, A) inputs, or (*L, A + 1 + F) with
-        `location_flag` (F = `match_features`).
-
-        `flags`: None (the agent's own location everywhere, as in the dream), (*L,) random-location bits (no match
-        described: zeros) or (*L, 1 + F) bits followed by the match descriptions."""
+        """(*L,) action ids and random-location bits (`location`) -> (*L, A) inputs, or (*L, A + 1) with
+        `location_flag`."""
         onehot = F.one_hot(actions.long(), self.n_actions).float()
         if not self.location_flag:
             return onehot
+        return torch.cat([onehot, self.location(actions, flags)[..., :1]], -1)
+
+    def location(self, actions: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
+        """(*L, 1 + F): each step's random-location bit, then the description of its match (F =
+        `match_features`).
+
+        `flags`: None (the agent's own location everywhere, as in the dream), (*L,) random-location bits (no match
+        described: zeros) or (*L, 1 + F) bits followed by the match descriptions."""
         width = 1 + self.match_features
         where = torch.zeros(*actions.shape, width)
         if flags is not None:
@@ -141,14 +154,15 @@ class MDRNN(nn.Module):
                 where = flags
             else:
                 raise ValueError(f"location input has {flags.shape[-1]} numbers, this model reads {width}")
-        return torch.cat([onehot, where], -1)
+        return where
 
     def mask_logits(self, latents: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Per-rule availability logits (*L, R) of the state (z, h): latents (*L, Z), h (*L, H)."""
         return self.mask_head(torch.cat([latents, h], -1))
 
-    def _heads(self, outs: torch.Tensor, latents: torch.Tensor, onehot: torch.Tensor):
-        """outs (*L, H), latents (*L, Z), onehot (*L, A) -> mus, sigmas, logpi, done_logit, reward members (*L, E)."""
+    def _heads(self, outs: torch.Tensor, latents: torch.Tensor, onehot: torch.Tensor, where: torch.Tensor):
+        """outs (*L, H), latents (*L, Z), onehot (*L, A), where (*L, 1 + F) (`location`) -> mus, sigmas, logpi,
+        done_logit, reward members (*L, E)."""
         x = torch.cat([outs, latents, onehot], -1)
         gmm = self.gmm_linear(x)
         k, z = self.gaussians, self.latent_size
@@ -158,6 +172,9 @@ class MDRNN(nn.Module):
         logpi = F.log_softmax(gmm[..., 2 * k * z:], dim=-1)
         reward_x = torch.cat([latents, onehot], -1) if self.markov_reward else x
         members = torch.cat([head(reward_x) for head in self.reward_heads], -1)
+        if self.match_features:
+            described = torch.cat([reward_x, where[..., 1:]], -1)
+            members = members + where[..., :1] * torch.cat([head(described) for head in self.match_heads], -1)
         return mus, sigmas, logpi, self.done_head(x).squeeze(-1), members
 
     def _output(self, heads, mask_logits: torch.Tensor) -> MDRNNOutput:
@@ -184,10 +201,10 @@ class MDRNN(nn.Module):
         t, b = actions.shape
         if state is None:
             state = self.initial_state(b, latents.device)
-        onehot = self.encode_action(actions, flags)
+        onehot, where = self.encode_action(actions, flags), self.location(actions, flags)
         outs, _ = self.rnn(torch.cat([latents, onehot], -1), (state[0].unsqueeze(0), state[1].unsqueeze(0)))
         before = torch.cat([state[0].unsqueeze(0), outs[:-1]], 0)  # h_t for each t
-        return self._output(self._heads(outs, latents, onehot), self.mask_logits(latents, before))
+        return self._output(self._heads(outs, latents, onehot, where), self.mask_logits(latents, before))
 
 
 class MDRNNCell(nn.Module):
@@ -207,11 +224,12 @@ class MDRNNCell(nn.Module):
         (B, 1 + F) bits and match descriptions (zeros when None: the agent's own location, as in the dream) ->
         (`MDRNNOutput` with leading dim B, next state (h, c))."""
         m = self.mdrnn
-        onehot = m.encode_action(action, flag)
+        onehot, where = m.encode_action(action, flag), m.location(action, flag)
         out, (h, c) = m.rnn(torch.cat([latent, onehot], -1).unsqueeze(0), (state[0].unsqueeze(0),
                                                                             state[1].unsqueeze(0)))
         out = out.squeeze(0)
-        return m._output(m._heads(out, latent, onehot), m.mask_logits(latent, state[0])), (h.squeeze(0), c.squeeze(0))
+        return (m._output(m._heads(out, latent, onehot, where), m.mask_logits(latent, state[0])),
+                (h.squeeze(0), c.squeeze(0)))
 
 
 def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor,

@@ -165,8 +165,8 @@ def test_bootstrapped_reward_members_each_learn_their_own_episodes():
 
 def test_a_description_of_the_random_match_lets_m_tell_apart_what_two_matches_earn():
     """At random matches one (z, rule) earns +1 where the match is described by +1 and -1 where by -1: an M that
-    reads the description learns both, one that reads only the bit learns their mean; the dream's step (no
-    description, bit 0) reads zeros, and a description of the wrong width is refused."""
+    reads the description learns both, one that reads only the bit learns their mean; an own step (bit 0, the
+    dream's kind) ignores any description, and a description of the wrong width is refused."""
     torch.manual_seed(0)
     t, b = 1, 64
     actions, latents = torch.ones(t, b, dtype=torch.long), torch.zeros(t, b, 4)
@@ -189,7 +189,11 @@ def test_a_description_of_the_random_match_lets_m_tell_apart_what_two_matches_ea
             predictions[width] = model(actions, latents, flags=flags).reward[0]
     assert torch.allclose(predictions[1], sign, atol=0.15)
     assert predictions[0].abs().max() < 0.2
-    assert model.encode_action(torch.ones(2, dtype=torch.long)).shape == (2, 3 + 2)
+    assert model.encode_action(torch.ones(2, dtype=torch.long)).shape == (2, 3 + 1)  # the bit; the rest: reward only
+    with torch.no_grad():  # an own step (bit 0) reads no description: whatever is passed, the same prediction
+        own = model(actions, latents, flags=torch.zeros(t, b, 2)).reward
+        described_own = model(actions, latents, flags=torch.cat([torch.zeros(t, b, 1), described[..., 1:]], -1))
+    assert torch.equal(own, described_own.reward)
     with pytest.raises(ValueError, match="reads 2"):
         model(actions, latents, flags=torch.zeros(t, b, 3))
     with pytest.raises(ValueError, match="needs location_flag"):

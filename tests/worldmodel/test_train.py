@@ -337,8 +337,9 @@ def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
 
 
 def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
-    """With match_input "embedding", M reads the bit and the scorer's rating and embedding of each random match:
-    its input grows by 1 + the scorer's width, the held-out figures come out, and the checkpoint resumes."""
+    """With match_input "embedding", M's reward reads the scorer's rating and embedding of each random match (1 +
+    the scorer's width more numbers; the LSTM reads only the bit), the held-out figures come out, and the checkpoint
+    loads."""
     import dataclasses
 
     from rlflow.worldmodel.train import load_checkpoint, main
@@ -351,6 +352,8 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
     assert result["config"]["match_input"] == "embedding" and "--match-input embedding" in result["command"]
     agent, _ = load_checkpoint(tmp_path / "run" / "worldmodel.pt")
     assert agent.mdrnn.match_features == 1 + config.hidden
-    assert agent.mdrnn.rnn.input_size == config.latent_size + agent.n_rules + 1 + 1 + 1 + config.hidden
+    assert agent.mdrnn.rnn.input_size == config.latent_size + agent.n_rules + 1 + 1
+    assert len(agent.mdrnn.match_heads) == config.reward_ensemble
+    assert agent.mdrnn.match_heads[0][0].in_features == agent.mdrnn.reward_heads[0][0].in_features + 1 + config.hidden
     with pytest.raises(ValueError, match="match_input must be one of"):
         main(dataclasses.replace(described, match_input="everything"))
