@@ -112,10 +112,11 @@ class Config:
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
             step (`RewriteEnv.peek`, no reward read), which counts as no real step.
-        match_input: what M reads about a rule's match when it went to a random one (exploration), besides the bit
-            that says so: "none"; "score", the location scorer's rating of the match; "embedding", the rating and
-            the scorer's embedding of the matched nodes (`rlflow.worldmodel.location.match_descriptors`).  The
-            agent's own steps, and so the dream's, read zeros.
+        match_input: what M's reward reads about a rule's match when it went to a random one (exploration),
+            besides the bit that says so: "none"; "score", the location scorer's rating of the match; "embedding",
+            the rating and the scorer's embedding of the matched nodes (`rlflow.worldmodel.location
+            .match_descriptors`; a correction only random steps get, `rlflow.worldmodel.mdrnn.MDRNN`).  The agent's
+            own steps, and so the dream's, are predicted as without it.
         location_epochs: epochs of the location scorer per iteration.
         location_lr: the location scorer's Adam learning rate.
         mask_weight: weight of M's availability loss.
@@ -319,8 +320,9 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
                  random_locations: bool = False, avoid_revisits: bool = False, explore_by_match: bool = False):
     """One real episode with rule-level actions (random when `agent` is None, see `explore_action`), recorded in
     `replay`; `tried` counts the (state, rule) pairs applied and is updated.  A rule goes where the agent's location
-    scorer rates best; random and exploratory actions go to a random match when `random_locations` is set, and
-    everything goes to the first listed match when there is no scorer.  With `avoid_revisits` the controller's
+    scorer rates best; random and exploratory actions go to a random match when `random_locations` is set (marked
+    as such where the rule had more than one), and everything goes to the first listed match when there is no
+    scorer.  With `avoid_revisits` the controller's
     choices never lead back to a graph of the episode (`rlflow.controller.unvisited`): where its rule at that match
     would, it takes its next choice, as `rlflow optimize` plays the agent.  `explore_by_match`: random rules are
     drawn in proportion to their listed matches (`explore_action`).
@@ -330,7 +332,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     """
     import torch
 
-    from rlflow.controller.dream_ppo import first_candidate, rule_mask_from_obs
+    from rlflow.controller.dream_ppo import first_candidate, rule_candidates, rule_mask_from_obs
     from rlflow.controller.policy import obs_to_torch
     from rlflow.controller.unvisited import choose_unvisited
     from rlflow.controller.wm_actor import candidate_logits
@@ -372,7 +374,10 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
                     action = (n_rules if env_action == env.terminate_action
                               else int(np.asarray(obs["cand_rule"])[env_action]))
         scorer = agent.location if agent is not None else None
-        random_location = bool(action != n_rules and explored and random_locations)
+        # a rule with one match leaves no choice: its step is the agent's kind too (bit 0), which grounds the
+        # dream's kind of step from the first, all-random iteration on
+        random_location = bool(action != n_rules and explored and random_locations
+                               and len(rule_candidates(obs, action)) > 1)
         if env_action is None:  # not yet placed by the choice that avoids revisits
             if action == n_rules:
                 env_action = env.terminate_action

@@ -50,6 +50,10 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     agent, payload = load_checkpoint(path)
     assert payload["iteration"] == 1 and payload["real_steps"] == result["real_steps_worldmodel"]
     assert payload["agent"]["vision_opt"]["state"] and payload["replay"]["episodes"]
+    # random walks mark a step random-located only where its rule had a choice of matches: both kinds occur
+    walked = [(a, at_random) for e in payload["replay"]["episodes"] if e["source"] == "random"
+              for a, at_random in zip(e["actions"], e["random_locations"]) if a < agent.n_rules]
+    assert {at_random for _, at_random in walked} == {True, False}
     again = tmp_path / "again.pt"
     save_checkpoint(again, agent, config)
     reloaded, _ = load_checkpoint(again)
