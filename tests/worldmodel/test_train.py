@@ -72,6 +72,13 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     torch.save(old, tmp_path / "old.pt")
     before, _ = load_checkpoint(tmp_path / "old.pt")
     assert before.location is None and not before.mdrnn.location_flag
+    # one from before match_input (M read no description of a random match) loads as it was trained too
+    old = torch.load(again, weights_only=False)
+    del old["config"]["match_input"]
+    old["agent"] = Agent(dataclasses.replace(config, match_input="none"), agent.n_rules).state_dict()
+    torch.save(old, tmp_path / "old.pt")
+    before, _ = load_checkpoint(tmp_path / "old.pt")
+    assert before.location is not None and before.mdrnn.match_features == 0
     with pytest.raises(RlflowError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
     # resuming a finished run trains no more iterations and keeps its figures
@@ -341,23 +348,21 @@ def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
 
 
 def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
-    """With match_input "embedding", M's reward reads the scorer's rating and embedding of each random match (1 +
-    the scorer's width more numbers; the LSTM reads only the bit), the held-out figures come out, and the checkpoint
-    loads."""
+    """By default (match_input "embedding") M's reward reads the scorer's rating and embedding of each random match
+    (1 + the scorer's width more numbers; the LSTM reads only the bit), the held-out figures count random-located
+    steps, and an unknown match_input is refused."""
     import dataclasses
+    from pathlib import Path
 
     from rlflow.worldmodel.train import load_checkpoint, main
 
-    config, _ = run
-    described = dataclasses.replace(config, match_input="embedding", iterations=1, out=str(tmp_path / "results"),
-                                    run_dir=str(tmp_path / "run"))
-    result = main(described)
-    assert result["quality"]["random_location_transitions"] > 0
-    assert result["config"]["match_input"] == "embedding" and "--match-input embedding" in result["command"]
-    agent, _ = load_checkpoint(tmp_path / "run" / "worldmodel.pt")
+    config, result = run
+    assert config.match_input == "embedding" and result["quality"]["random_location_transitions"] > 0
+    agent, _ = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")
     assert agent.mdrnn.match_features == 1 + config.hidden
     assert agent.mdrnn.rnn.input_size == config.latent_size + agent.n_rules + 1 + 1
     assert len(agent.mdrnn.match_heads) == config.reward_ensemble
     assert agent.mdrnn.match_heads[0][0].in_features == agent.mdrnn.reward_heads[0][0].in_features + 1 + config.hidden
     with pytest.raises(ValueError, match="match_input must be one of"):
-        main(dataclasses.replace(described, match_input="everything"))
+        main(dataclasses.replace(config, match_input="everything", out=str(tmp_path / "results"),
+                                 run_dir=str(tmp_path / "run")))
