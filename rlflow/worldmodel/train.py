@@ -70,7 +70,8 @@ class Config:
             candidate would (PPO's start); False: uniformly among the rules.  A rewrite that only a few rewrites
             of a common rule open is otherwise almost never seen: resnet-50-tiny starts with 17 conv-bn-fold
             matches beside two other rules, and conv-add-merge (+7.2 on cost table version 4, PPO's whole return
-            there) needs the two folds of one residual block.
+            there) needs the two folds of one residual block.  Off: in two seeds it found that merge on
+            resnext-50-32x4d-tiny once and never on resnet-50-tiny (docs/results/worldmodel-v4-session24/).
         heldout_fraction: share of collected episodes held out of V and M training (for the quality figures).
         latent_size: size of z.
         hidden: graph-encoder width (embedding size).
