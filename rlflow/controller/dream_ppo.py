@@ -93,13 +93,15 @@ class LatentPolicy(nn.Module):
         return action, dist.log_prob(action), entropy, self.get_value(obs)
 
 
+def rule_match_counts(obs: Mapping[str, np.ndarray], n_rules: int) -> np.ndarray:
+    """(n_rules,) how many listed candidates each rule has in a real observation."""
+    rules = np.asarray(obs["cand_rule"])[np.asarray(obs["cand_mask"]).astype(bool)]
+    return np.bincount(rules[rules < n_rules], minlength=n_rules)
+
+
 def rule_mask_from_obs(obs: Mapping[str, np.ndarray], n_rules: int) -> np.ndarray:
     """(n_rules + 1,) bool: the rules with a listed candidate in a real observation, and terminate."""
-    mask = np.zeros(n_rules + 1, bool)
-    rules = np.asarray(obs["cand_rule"])[np.asarray(obs["cand_mask"]).astype(bool)]
-    mask[rules[rules < n_rules]] = True
-    mask[n_rules] = True
-    return mask
+    return np.append(rule_match_counts(obs, n_rules) > 0, True)
 
 
 def rule_candidates(obs: Mapping[str, np.ndarray], rule: int) -> np.ndarray:
@@ -202,5 +204,5 @@ def train_in_dream(policy: LatentPolicy, optimizer: torch.optim.Optimizer, dream
     return stats
 
 
-__all__ = ["DreamPPOConfig", "LatentPolicy", "rule_mask_from_obs", "rule_candidates", "first_candidate",
+__all__ = ["DreamPPOConfig", "LatentPolicy", "rule_match_counts", "rule_mask_from_obs", "rule_candidates", "first_candidate",
            "train_in_dream"]

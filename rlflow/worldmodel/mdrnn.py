@@ -133,10 +133,12 @@ class MDRNN(nn.Module):
     def encode_action(self, actions: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
         """(*L,) action ids and random-location bits (`location`) -> (*L, A) inputs, or (*L, A + 1) with
         `location_flag`."""
+        return self._action_input(actions, self.location(actions, flags))
+
+    def _action_input(self, actions: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """`encode_action` from the steps' `location` (computed once for the LSTM and the reward)."""
         onehot = F.one_hot(actions.long(), self.n_actions).float()
-        if not self.location_flag:
-            return onehot
-        return torch.cat([onehot, self.location(actions, flags)[..., :1]], -1)
+        return torch.cat([onehot, where[..., :1]], -1) if self.location_flag else onehot
 
     def location(self, actions: torch.Tensor, flags: torch.Tensor | None) -> torch.Tensor:
         """(*L, 1 + F): each step's random-location bit, then the description of its match (F =
@@ -201,7 +203,8 @@ class MDRNN(nn.Module):
         t, b = actions.shape
         if state is None:
             state = self.initial_state(b, latents.device)
-        onehot, where = self.encode_action(actions, flags), self.location(actions, flags)
+        where = self.location(actions, flags)
+        onehot = self._action_input(actions, where)
         outs, _ = self.rnn(torch.cat([latents, onehot], -1), (state[0].unsqueeze(0), state[1].unsqueeze(0)))
         before = torch.cat([state[0].unsqueeze(0), outs[:-1]], 0)  # h_t for each t
         return self._output(self._heads(outs, latents, onehot, where), self.mask_logits(latents, before))
@@ -224,7 +227,8 @@ class MDRNNCell(nn.Module):
         (B, 1 + F) bits and match descriptions (zeros when None: the agent's own location, as in the dream) ->
         (`MDRNNOutput` with leading dim B, next state (h, c))."""
         m = self.mdrnn
-        onehot, where = m.encode_action(action, flag), m.location(action, flag)
+        where = m.location(action, flag)
+        onehot = m._action_input(action, where)
         out, (h, c) = m.rnn(torch.cat([latent, onehot], -1).unsqueeze(0), (state[0].unsqueeze(0),
                                                                             state[1].unsqueeze(0)))
         out = out.squeeze(0)

@@ -167,6 +167,8 @@ def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, m
            "next_latents": torch.zeros(t_max, b, z), "rewards": torch.zeros(t_max, b), "dones": torch.zeros(t_max, b),
            "valid": torch.zeros(t_max, b), "state_valid": torch.zeros(t_max, b), "masks": torch.zeros(t_max, b, r),
            "flags": torch.zeros(t_max, b)}
+    width = next(iter(descriptors.values())).shape[-1] if descriptors else 0
+    described = torch.zeros(t_max, b, width)
     for col, ep in enumerate(episodes):
         ids = torch.as_tensor(ep.states)
         lat = mu[ids] + (0.5 * logvar[ids]).exp() * torch.randn(len(ids), z) if sample else mu[ids]
@@ -182,15 +184,12 @@ def sequences(episodes: list[Episode], mu: torch.Tensor, logvar: torch.Tensor, m
             if ep.random_locations:
                 out["flags"][:steps, col] = torch.as_tensor(ep.random_locations, dtype=torch.float32)
             if descriptors is not None:
-                out.setdefault("described", torch.zeros(t_max, b, descriptors[id(ep)].shape[-1]))
-                out["described"][:steps, col] = descriptors[id(ep)]
+                described[:steps, col] = descriptors[id(ep)]
             acts = torch.as_tensor(ep.actions)
             out["valid"][:steps, col] = (acts != terminate).float()
             if ep.ended_empty and ep.actions[-1] != terminate:
                 out["dones"][steps - 1, col] = 1.0
     if descriptors is not None:
-        width = next(iter(descriptors.values())).shape[-1] if descriptors else 0
-        described = out.pop("described", torch.zeros(t_max, b, width))
         out["flags"] = torch.cat([out["flags"].unsqueeze(-1), described], -1)
     return out
 

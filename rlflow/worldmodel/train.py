@@ -336,7 +336,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     """
     import torch
 
-    from rlflow.controller.dream_ppo import first_candidate, rule_candidates, rule_mask_from_obs
+    from rlflow.controller.dream_ppo import first_candidate, rule_mask_from_obs, rule_match_counts
     from rlflow.controller.policy import obs_to_torch
     from rlflow.controller.unvisited import choose_unvisited
     from rlflow.controller.wm_actor import candidate_logits
@@ -353,7 +353,8 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     seen = {env.fingerprint} if avoid_revisits else None
     done = False
     while not done:
-        mask = rule_mask_from_obs(obs, n_rules)
+        counts = rule_match_counts(obs, n_rules)
+        mask = np.append(counts > 0, True)
         episode.states.append(replay.add_state(obs, mask))
         rules = np.flatnonzero(mask[:n_rules])
         if agent is not None:
@@ -362,9 +363,8 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         explored = agent is None or (epsilon > 0 and rng.random() < epsilon)
         env_action = None
         if explored:
-            listed = np.asarray(obs["cand_rule"])[np.asarray(obs["cand_mask"]).astype(bool)]
-            matches = np.bincount(listed[listed < n_rules], minlength=n_rules) if explore_by_match else None
-            action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules, matches)
+            action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules,
+                                    counts if explore_by_match else None)
         else:
             with torch.no_grad():
                 latent_state, rule_mask = torch.cat([z, state[0]], -1), torch.as_tensor(mask).unsqueeze(0)
@@ -381,7 +381,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         # a rule with one match leaves no choice: its step is the agent's kind too (bit 0), which grounds the
         # dream's kind of step from the first, all-random iteration on
         random_location = bool(action != n_rules and explored and random_locations
-                               and len(rule_candidates(obs, action)) > 1)
+                               and counts[action] > 1)
         if env_action is None:  # not yet placed by the choice that avoids revisits
             if action == n_rules:
                 env_action = env.terminate_action
