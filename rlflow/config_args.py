@@ -7,7 +7,8 @@ import typing
 
 
 def config_from_args(config_cls, argv: typing.Sequence[str] | None, prog: str, description: str):
-    """A `config_cls` instance from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
+    """A `config_cls` instance from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag,
+    `typing.Literal` fields as a choice among their values)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     defaults = config_cls()
     hints = typing.get_type_hints(config_cls)
@@ -17,6 +18,8 @@ def config_from_args(config_cls, argv: typing.Sequence[str] | None, prog: str, d
         default = getattr(defaults, f.name)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif typing.get_origin(kind) is typing.Literal:
+            parser.add_argument(flag, choices=typing.get_args(kind), default=default, help=f"default: {default}")
         elif typing.get_origin(kind) is tuple:
             parser.add_argument(flag, default=",".join(default), help=f"comma-separated (default: {','.join(default)})")
         else:

@@ -182,7 +182,7 @@ class Config:
     learn_location: bool = True
     location_gamma: float = 0.95
     avoid_revisits: bool = True
-    match_input: str = "embedding"
+    match_input: typing.Literal["none", "score", "embedding"] = "embedding"
     location_epochs: int = 30
     location_lr: float = 1e-3
     mask_weight: float = 10.0

@@ -366,3 +366,15 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
     with pytest.raises(ValueError, match="match_input must be one of"):
         main(dataclasses.replace(config, match_input="everything", out=str(tmp_path / "results"),
                                  run_dir=str(tmp_path / "run")))
+
+
+def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
+    """The command line offers match_input's values as choices: a wrong one exits 2 with one error line, before any
+    work; a right one reaches the Config."""
+    from rlflow.worldmodel.train import parse_args
+
+    assert parse_args(["--match-input", "score"]).match_input == "score"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--match-input", "everything"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'everything'" in capsys.readouterr().err
