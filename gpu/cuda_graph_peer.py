@@ -1,0 +1,127 @@
+"""onnxruntime's CUDA graph capture as a peer configuration: the same model, replayed as one captured CUDA graph.
+
+At batch 1 a GPU spends much of a model's time launching kernels; `enable_cuda_graph` captures the whole run once and
+replays it with one launch.  It is not a graph rewrite but a session setting every onnxruntime user can turn on, so it
+is the configuration rlflow's rewrites must be weighed against on CUDA.  It applies only when every node runs on the
+CUDA provider and inputs and outputs stay at fixed device addresses (IOBinding with preallocated buffers).
+
+Each model is measured interleaved against the plain CUDA session (ORT_ENABLE_ALL, IOBinding), sessions rebuilt per
+block, and the outputs of the captured replay are compared with the plain session's.
+
+    python gpu/cuda_graph_peer.py models/*.onnx --out build/cuda-graph.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from rlflow.files import write_text_atomic
+from rlflow.graph import load
+from rlflow.measure.inputs import random_inputs
+from rlflow.measure.session import SessionSettings, inference_session, session_options
+from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner, bootstrap_ratio
+
+PROVIDER = "CUDAExecutionProvider"
+
+
+class GraphRunner:
+    """A CUDA session with graph capture, inputs and outputs preallocated on the device."""
+
+    def __init__(self, model, settings: SessionSettings, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
+        import onnxruntime as ort
+
+        providers = [(PROVIDER, {"enable_cuda_graph": "1"})]
+        self.session = inference_session(model, session_options(settings), providers)
+        self.binding = self.session.io_binding()
+        self.outputs = {}
+        names = {i.name for i in self.session.get_inputs()}
+        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", 0)
+                       for k, v in feeds.items() if k in names}
+        for name, value in self.inputs.items():
+            self.binding.bind_ortvalue_input(name, value)
+        for name, like in outputs.items():
+            self.outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(like.shape), like.dtype, "cuda", 0)
+            self.binding.bind_ortvalue_output(name, self.outputs[name])
+
+    def run(self) -> None:
+        self.session.run_with_iobinding(self.binding)
+        self.binding.synchronize_outputs()
+
+    def time(self, runs: int) -> float:
+        start = time.perf_counter()
+        for _ in range(runs):
+            self.run()
+        return (time.perf_counter() - start) / runs
+
+
+def measure(path: Path, rounds: int, blocks: int, seed: int) -> dict:
+    """The captured configuration's speedup over the plain CUDA session, with its largest relative output error."""
+    settings = SessionSettings(provider=PROVIDER)
+    model = load(path).to_model(static=True)
+    feeds = random_inputs(model, seed)
+    plain = inference_session(model, session_options(settings), [PROVIDER])
+    names = [o.name for o in plain.get_outputs()]
+    expected = dict(zip(names, plain.run(names, feeds)))
+    del plain
+    rng = np.random.default_rng(seed)
+    times: list[list[float]] = [[], []]
+    block_of_round: list[int] = []
+    error = 0.0
+    runs = None
+    for block in range(blocks):
+        runners = [Runner(model, settings, feeds), GraphRunner(model, settings, feeds, expected)]
+        for runner in runners:
+            for _ in range(5):
+                runner.run()
+        for name, value in runners[1].outputs.items():
+            got, want = value.numpy(), expected[name]
+            if np.issubdtype(want.dtype, np.floating):
+                scale = max(float(np.linalg.norm(want)), 1e-12)
+                error = max(error, float(np.linalg.norm(got.astype(np.float64) - want)) / scale)
+            elif not np.array_equal(got, want):
+                error = math.inf
+        if runs is None:
+            runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(max(r.time(1) for r in runners), 1e-9)))
+        for _ in range(max(1, rounds // blocks)):
+            for i in rng.permutation(2):
+                times[i].append(runners[i].time(runs))
+            block_of_round.append(block)
+        del runners
+    ratio = bootstrap_ratio(np.asarray(times[0]), np.asarray(times[1]), rng=rng, groups=np.asarray(block_of_round))
+    return {"model": path.stem, "status": "ok", "plain_ms": float(np.median(times[0]) * 1e3),
+            "cuda_graph_ms": float(np.median(times[1]) * 1e3), "speedup": ratio.median, "speedup_low": ratio.low,
+            "speedup_high": ratio.high, "max_rel_error": error, "rounds": len(times[0]), "runs_per_round": runs,
+            "blocks": blocks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python gpu/cuda_graph_peer.py", description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="JSON results, rewritten after every model")
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = []
+    for path in args.models:
+        start = time.monotonic()
+        try:
+            row = measure(path, args.rounds, args.blocks, args.seed)
+        except Exception as exc:  # noqa: BLE001 - a model the capture cannot take is a row, not the end of the run
+            row = {"model": path.stem, "status": "not applicable",
+                   "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}
+        row["seconds"] = time.monotonic() - start
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        write_text_atomic(args.out, json.dumps({"provider": PROVIDER, "opt_level": "all", "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
