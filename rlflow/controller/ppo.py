@@ -15,6 +15,7 @@ never trained on, against `rlflow.search.random_walk` with the same measurement 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -70,6 +71,9 @@ class Config:
         measure_every: steps between measurements with reward="measure".
         seed: seeds torch, numpy, random and the environment.
         threads: torch threads (1: polite on shared machines).
+        provider: the execution provider the agent is trained for.  `cuda` on a machine without CUDA trains against
+            the shipped H100 cost table and its fitted estimate (`rlflow.measure.estimate`); nothing can be measured
+            there, so the end-to-end evaluation is skipped and reward="measure" is refused.
         out: folder of ppo.json and the learning-curve PNG.
         run_dir: folder of metrics CSVs and checkpoints.
         zoo_dir: where zoo models are built (default: the zoo cache).
@@ -109,6 +113,7 @@ class Config:
     measure_every: int = 5
     seed: int = 0
     threads: int = 1
+    provider: typing.Literal["cpu", "cuda"] = "cpu"
     out: str = "docs/results"
     run_dir: str = "build/ppo"
     zoo_dir: str | None = None
@@ -155,7 +160,7 @@ def make_env(paths: typing.Sequence[Path], config: Config, cost_model):
     """The training (or evaluation) environment over `paths`."""
     from rlflow.env import RewriteEnv
 
-    return RewriteEnv([str(p) for p in paths], reward=config.reward, cost_model=cost_model,
+    return RewriteEnv([str(p) for p in paths], reward=config.reward, cost_model=cost_model, settings=cost_model.settings,
                       measure_every=config.measure_every, max_episode_steps=config.max_episode_steps,
                       max_nodes=config.max_nodes, max_edges=config.max_edges, max_candidates=config.max_candidates)
 
@@ -338,17 +343,19 @@ class Learner:
 def main(config: Config) -> dict:
     """Trains, evaluates and writes the results; returns what ppo.json holds."""
     from rlflow.controller.policy import CandidatePolicy, save_checkpoint
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.estimate import cost_model_for, estimated_only
     from rlflow.rewrites import REGISTRY_VERSION, RULES
 
     wall_start = time.monotonic()
+    cost_model = cost_model_for(config.provider)
+    if estimated_only(cost_model, measuring=config.reward == "measure"):
+        config = dataclasses.replace(config, evaluate=False)
     seed_everything(config.seed, config.threads)
     out, run_dir = Path(config.out), Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     writer = CsvWriter(run_dir / "metrics.csv")
 
     paths = resolve_models(config.models, config.zoo_dir)
-    cost_model = CostModel()
     env = make_env(paths, config, cost_model)
     rng = np.random.default_rng(config.seed)
     baseline_returns = random_episodes(env, config.baseline_episodes, rng) if config.baseline_episodes else []

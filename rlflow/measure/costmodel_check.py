@@ -71,6 +71,27 @@ def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator) 
     return found
 
 
+def runnable(graphs: list[tuple[list[str], object]], settings: SessionSettings) -> tuple[list, list[dict]]:
+    """The graphs onnxruntime can build and run on the settings' provider, and the sequences of those it refuses.
+
+    A rewrite can produce a graph a provider cannot take although the input runs (on CUDA, onnxruntime 1.31 fuses a
+    Conv and a Clip into a kernel that then refuses "Clip"); such a graph cannot be measured, so it is left out of the
+    check and listed.  The original (first) must run.
+    """
+    from rlflow.errors import ProviderError
+    from rlflow.measure.timing import Pace, probe
+
+    kept, refused = [graphs[0]], []
+    for sequence, graph in graphs[1:]:
+        try:
+            probe(graph.to_model(static=True), settings, Pace())
+        except ProviderError as exc:
+            refused.append({"sequence": sequence, "error": str(exc)})
+            continue
+        kept.append((sequence, graph))
+    return kept, refused
+
+
 def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, sequences: int, length: int,
                 seed: int, rounds: int, repeats: int = 2) -> dict:
     """Estimates and measures the random-rewrite graphs of one model; returns its result record."""
@@ -81,7 +102,7 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     name, path = resolve_model(spec)
     graph = rlflow.load(path)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    graphs = random_graphs(graph, sequences, length, rng)
+    graphs, refused = runnable(random_graphs(graph, sequences, length, rng), settings)
 
     before = cost_model.stats.as_dict()
     cold = time.perf_counter()
@@ -137,6 +158,7 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
         "path": str(path),
         "nodes": len(graph),
         "graphs": len(graphs),
+        "refused": refused,
         "spearman": None if math.isnan(rho) else rho,
         "retest_spearman": None if math.isnan(retest) else retest,
         "significant_pairs": pairs,
@@ -198,11 +220,12 @@ def markdown(report: dict) -> str:
         "with few of them the measured ranking is mostly noise and the correlation says little. *Significant pairs*",
         "are pairs of graphs whose measured intervals are disjoint; the share the estimates order the same way",
         "(ties count one half) is the noise-free part of the check. *Retest Spearman* ranks the graphs by two",
-        "independent measurement repeats against each other: the ceiling that any estimate can reach.",
+        "independent measurement repeats against each other: the ceiling that any estimate can reach. *Refused*: rewritten",
+        "graphs onnxruntime would not build or run on the provider, left out of the check.",
         "",
-        "| model | graphs | Spearman | retest Spearman | distinct estimates | significant | significant pairs ordered right | "
+        "| model | graphs | refused | Spearman | retest Spearman | distinct estimates | significant | significant pairs ordered right | "
         "measured speedup range | estimate / measured ms (original) | warm graph_cost (ms) | time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name in sorted(report["models"]):
         r = report["models"][name]
@@ -212,7 +235,7 @@ def markdown(report: dict) -> str:
         agree = "n/a" if r["significant_pair_agreement"] is None else \
             f"{r['significant_pair_agreement']:.2f} of {r['significant_pairs']}"
         lines.append(
-            f"| {name} | {r['graphs']} | {rho} | {retest} | {r['distinct_estimates']} | {r['significant_differences']} | {agree} | "
+            f"| {name} | {r['graphs']} | {len(r.get('refused', []))} | {rho} | {retest} | {r['distinct_estimates']} | {r['significant_differences']} | {agree} | "
             f"{low:.3f}-{high:.3f} | {r['original_estimate_ms']:.3f} / {r['original_measured_ms']:.3f} | "
             f"{r['graph_cost_ms_warm']:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"

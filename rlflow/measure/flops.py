@@ -41,7 +41,7 @@ from collections import Counter
 import onnx
 from onnx import TensorProto, shape_inference
 
-__all__ = ["count_params", "count_flops", "flops_by_op"]
+__all__ = ["count_params", "count_flops", "flops_by_op", "node_flops"]
 
 _FLOAT_TYPES = frozenset(
     t
@@ -102,7 +102,7 @@ def flops_by_op(model: onnx.ModelProto) -> dict[str, int]:
     shapes = _infer_shapes(model)
     per_op: Counter[str] = Counter()
     for node in model.graph.node:
-        flops = _node_flops(node, shapes)
+        flops = node_flops(node, shapes)
         if flops:
             per_op[node.op_type] += flops
     return dict(per_op)
@@ -149,7 +149,8 @@ def _elements(shape: tuple[int, ...] | None) -> int:
     return math.prod(shape) if shape is not None else 0
 
 
-def _node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int:
+def node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int:
+    """FLOPs of one node, given the shapes of its tensors by name (the module's convention; 0 where unknown)."""
     op = node.op_type
     out = shapes.get(node.output[0]) if node.output else None
     if op in _ELEMENTWISE or op in _POOL_NORM_REDUCE:

@@ -148,6 +148,8 @@ class Config:
         run_dir: folder of metrics and the checkpoint.
         zoo_dir: where zoo models are built (default: the zoo cache).
         cost_cache: the cost model's cache folder (default: the shared one).
+        provider: the execution provider the agent is trained for.  `cuda` on a machine without CUDA trains against
+            the shipped H100 cost table and its fitted estimate (`rlflow.measure.estimate`).
         ppo_results: the model-free baseline's results (`rlflow.controller.ppo`) to compare with.
         resume: continue from `<run_dir>/worldmodel.pt` when it exists.
         report: write worldmodel.json and the plots to `out` at the end.
@@ -209,6 +211,7 @@ class Config:
     run_dir: str = "build/worldmodel"
     zoo_dir: str | None = None
     cost_cache: str | None = None
+    provider: typing.Literal["cpu", "cuda"] = "cpu"
     ppo_results: str = "docs/results/ppo.json"
     resume: bool = False
     report: bool = True
@@ -646,7 +649,7 @@ def main(config: Config) -> dict:
 
     from rlflow.controller.dream_ppo import DreamPPOConfig, train_in_dream
     from rlflow.controller.ppo import CsvWriter, make_env, resolve_models
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.estimate import cost_model_for, estimated_only
     from rlflow.rewrites import REGISTRY_VERSION, RULES
     from rlflow.worldmodel.location import best_returns, location_quality, match_descriptors, train_location
     from rlflow.worldmodel.replay import Replay
@@ -677,7 +680,8 @@ def main(config: Config) -> dict:
     writer = CsvWriter(run_dir / "metrics.csv")
 
     paths = resolve_models(config.models, config.zoo_dir)
-    cost_model = CostModel(cache_dir=config.cost_cache)
+    cost_model = cost_model_for(config.provider, cache_dir=config.cost_cache)
+    estimated_only(cost_model, measuring=False)
     env_config = dataclasses.make_dataclass("EnvConfig", [("reward", str, "cost"), ("measure_every", int, 5),
                                                           ("max_episode_steps", int, config.max_episode_steps),
                                                           ("max_nodes", int, config.max_nodes),

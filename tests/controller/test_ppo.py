@@ -75,3 +75,18 @@ def test_parse_args():
                              "--target-kl", "0.02", "--out", "x"])
     assert config.models == ("a-tiny", "b.onnx") and config.total_steps == 64 and not config.evaluate
     assert config.target_kl == 0.02 and config.out == "x" and config.holdout == ppo.Config().holdout
+
+
+def test_trains_for_cuda_on_a_machine_without_it_against_the_shipped_table(tmp_path, zoo_paths, monkeypatch):
+    import onnxruntime as ort
+    import pytest
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine runs CUDA: its cost model measures")
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    config = tiny_config(tmp_path, [zoo_paths["resnet-18-tiny"]], provider="cuda", evaluate=True)
+    result = ppo.main(config)
+    assert result["train"]["real_steps"] == 16 and "eval" not in result  # nothing can be measured: no evaluation
+    _, payload = load_checkpoint(tmp_path / "run" / "ppo.pt")
+    assert payload["config"]["provider"] == "cuda"
+    assert not (tmp_path / "cache" / "costmodel").exists()  # the device's table is read; no local table is written

@@ -303,3 +303,20 @@ def test_replicated_copies_share_no_name_and_each_computes_the_group(tmp_path):
         outputs = [r for r, o in zip(results, session.get_outputs()) if o.name.endswith(f"__r{copy}")]
         for got, want in zip(outputs, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_check_leaves_out_graphs_the_provider_refuses_and_lists_them():
+    from rlflow.measure.costmodel_check import runnable
+
+    class Refused:
+        """A rewritten graph onnxruntime will not build (as CUDA refused a Conv+Clip fusion on the H100)."""
+
+        def to_model(self, static=True):
+            x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+            return _model([helper.make_node("NoSuchOperator", ["x"], ["y"])], [x],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+
+    good = _matmuls(1)
+    kept, refused = runnable([([], good), (["a"], good), (["b"], Refused())], SessionSettings())
+    assert [sequence for sequence, _ in kept] == [[], ["a"]]
+    assert [r["sequence"] for r in refused] == [["b"]] and "cannot run" in refused[0]["error"]
