@@ -98,26 +98,38 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def split(archive: Path, part_bytes: int) -> list[Path]:
-    """Splits the archive into `.gpukit/part-NN` files of at most `part_bytes`."""
-    for old in KIT_DIR.glob("part-*"):
+def split(archive: Path, part_bytes: int, dest: Path = KIT_DIR) -> list[Path]:
+    """Splits the archive into `dest/part-NN` files of at most `part_bytes` (old parts there are removed first)."""
+    for old in dest.glob("part-*"):
         old.unlink()
     parts = []
     with open(archive, "rb") as f:
         while block := f.read(part_bytes):
-            part = KIT_DIR / f"part-{len(parts) + 1:02d}"
+            part = dest / f"part-{len(parts) + 1:02d}"
             part.write_bytes(block)
             parts.append(part)
     return parts
 
 
-def commands(parts: list[Path]) -> str:
-    """The device calls, in order, as markdown: each carries one part; the last also installs and starts measuring."""
+def reassemble(parts: list[Path], joined: Path, digest: str) -> None:
+    """Joins the parts into `joined` and checks its SHA-256 against `digest`, as `gpu/remote.sh install` does."""
+    with open(joined, "wb") as out:
+        for part in parts:
+            out.write(part.read_bytes())
+    if sha256(joined) != digest:
+        raise SystemExit("gpu kit: reassembled archive does not match its SHA-256")
+
+
+def commands(parts: list[Path], root: Path = ROOT) -> str:
+    """The device calls, in order, as markdown: each carries one part; the last also installs and starts measuring.
+
+    Part paths are written relative to `root`, the repository root the calls run in.
+    """
     lines = ["# GPU kit: the device calls, in order", "",
              "Each call must follow the last within 30 s (the machine is given back when idle longer, and the parts",
              "already sent are lost with it). `carry` names the part the call takes along.", ""]
     for i, part in enumerate(parts, 1):
-        rel = part.relative_to(ROOT)
+        rel = part.relative_to(root)
         carry = [str(rel)]
         command = f"bash gpu/remote.sh receive {rel}"
         if i == len(parts):
@@ -132,11 +144,7 @@ def commands(parts: list[Path]) -> str:
 def rehearse(parts: list[Path], digest: str, work: Path) -> None:
     """Reassembles the parts and unpacks the archive here, as gpu/remote.sh does there."""
     joined = work / "rehearsal.tar.xz"
-    with open(joined, "wb") as out:
-        for part in parts:
-            out.write(part.read_bytes())
-    if sha256(joined) != digest:
-        raise SystemExit("gpu kit rehearsal: reassembled archive does not match its SHA-256")
+    reassemble(parts, joined, digest)
     target = work / "rehearsal-site"
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir()

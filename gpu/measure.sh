@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
 # The GPU measurement, started detached by `gpu/remote.sh measure`; each step writes its results as it goes, and
 # `gpu/remote.sh collect` bundles whatever is there.  Order: what the acceptance needs first.
+# Settings (environment): GPU_PROVIDER (cuda; with another, e.g. cpu, the CUDA graph step is skipped, so that the
+# script can be rehearsed without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT, GPU_ROUNDS,
+# GPU_SEQUENCES.  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
+#   mkdir -p /tmp/k/site /tmp/k/src      # what `remote.sh install` copies: the files a device call carries
+#   git ls-files -z --cached --others --exclude-standard rlflow gpu models | xargs -0 cp --parents -t /tmp/k/src
+#   RLFLOW_KIT=/tmp/k PYTHON=$PWD/.venv/bin/python GPU_PROVIDER=cpu GPU_ZOO="squeezenet-1.1-tiny resnet-18-tiny" \
+#     GPU_TIME_LIMIT=3 bash gpu/measure.sh
 set -uo pipefail
 KIT=${RLFLOW_KIT:-/tmp/rlflow-kit}
 R=$KIT/results
 PY=${PYTHON:-python3}
+PROVIDER=${GPU_PROVIDER:-cuda}
+# what `gpu/remote.sh measure` sets already; the defaults let the script run on its own, as in a rehearsal
+export PYTHONPATH=${PYTHONPATH:-$KIT/site:$KIT/src} RLFLOW_CACHE=${RLFLOW_CACHE:-$KIT/cache} PYTHONUNBUFFERED=1
+mkdir -p "$R"
 cd "$KIT/src"
 step() { echo "== $(date -u +%FT%TZ) $*"; }
 # smallest models first, so that a run cut short still covers most of the zoo
-ZOO="squeezenet-1.1 mobilenet-v2 resnet-18 nasrnn resnet-50 resnext-50-32x4d inception-v3 densenet-121 nasnet-a-mobile gpt2-small vit-b-16 bert-base"
+ZOO=${GPU_ZOO:-"squeezenet-1.1 mobilenet-v2 resnet-18 nasrnn resnet-50 resnext-50-32x4d inception-v3 densenet-121 nasnet-a-mobile gpt2-small vit-b-16 bert-base"}
 MODELS=$(for m in $ZOO; do echo "$KIT/models/$m.onnx"; done)
 
 step environment
@@ -17,15 +28,20 @@ step environment
 step "zoo build with the machine's own torch"
 "$PY" -m rlflow.cli zoo build $ZOO --out "$KIT/models" 2>&1 | tee "$R/zoo-build.txt"
 
-step "bench: greedy and TASO-style search, 10 s each, and the peers, CUDA with IOBinding"
-"$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider cuda --threads 1 \
+if [[ $PROVIDER == cuda ]]; then binding=", CUDA with IOBinding"; else binding=", provider $PROVIDER"; fi
+step "bench: greedy and TASO-style search, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
+"$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" --threads 1 \
   --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} --out "$R/bench"
 
-step "CUDA graph capture as a peer configuration"
-"$PY" gpu/cuda_graph_peer.py $MODELS --out "$R/cuda-graph.json"
+if [[ $PROVIDER == cuda ]]; then
+  step "CUDA graph capture as a peer configuration"
+  "$PY" gpu/cuda_graph_peer.py $MODELS --out "$R/cuda-graph.json"
+else
+  step "CUDA graph capture skipped (provider $PROVIDER)"
+fi
 
 step "cost table: random rewrite sequences, estimates against end-to-end measurement"
-"$PY" -m rlflow.measure.costmodel_check $MODELS --provider cuda --sequences ${GPU_SEQUENCES:-6} --length 4 \
+"$PY" -m rlflow.measure.costmodel_check $MODELS --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} --length 4 \
   --rounds 10 --repeats 2 --out "$R/costmodel-check.json"
 
 step done

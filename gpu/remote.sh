@@ -29,7 +29,9 @@ case "${1:-}" in
   install)
     want=$(cut -d' ' -f1 .gpukit/SHA256)
     got=$(cat "$KIT"/parts/part-* | sha256sum | cut -d' ' -f1)
-    if [[ "$want" != "$got" ]]; then echo "kit: reassembled archive does not match its SHA-256 (parts missing?)"; exit 1; fi
+    if [[ "$want" != "$got" ]]; then
+      echo "kit: reassembled archive does not match its SHA-256 (parts missing?)" >&2; exit 1
+    fi
     cat "$KIT"/parts/part-* | tar -xJ -C "$KIT"
     rm -rf "$KIT/src"; mkdir -p "$KIT/src"; cp -r rlflow gpu models "$KIT/src/"
     kit_env

@@ -33,7 +33,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
 from rlflow.graph import Graph
-from rlflow.measure.costmodel import CostModel, spearman
+from rlflow.measure.costmodel import TABLES, CostModel, spearman
 from rlflow.measure.flops import node_flops
 from rlflow.measure.session import PROVIDERS, SessionSettings
 
@@ -44,9 +44,6 @@ VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Dr
 
 CONV_OPS = frozenset({"Conv", "ConvTranspose", "FusedConv", "ConvInteger", "QLinearConv"})
 MATMUL_OPS = frozenset({"MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulInteger", "QLinearMatMul", "Einsum"})
-
-TABLES = Path(__file__).resolve().parent / "tables"
-"""Tables measured on devices, shipped with the package, and the estimates fitted to them."""
 
 SHIPPED = {"cuda": (TABLES / "cuda-h100.json", TABLES / "cuda-h100.estimate.json")}
 """Provider -> (cost table, fitted estimate) used where the provider cannot run here."""

@@ -110,14 +110,19 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     providers = [settings.provider] + (["CPUExecutionProvider"] if settings.provider != "CPUExecutionProvider" else [])
     try:
         if isinstance(model, onnx.ModelProto):
-            return inference_session(model, options, providers)
-        if isinstance(model, (str, os.PathLike)):
-            model = str(model)
-        return ort.InferenceSession(model, sess_options=options, providers=providers)
+            session = inference_session(model, options, providers)
+        else:
+            session = ort.InferenceSession(str(model) if isinstance(model, (str, os.PathLike)) else model,
+                                           sess_options=options, providers=providers)
     except ProviderError:
         raise
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
         raise cannot_run(settings, exc) from None
+    if session.get_providers()[0] != settings.provider:
+        # onnxruntime-gpu whose CUDA libraries do not load logs it and runs on the CPU: a timing would be mislabelled
+        raise ProviderError(f"onnxruntime could not start the {settings.provider} (it fell back to "
+                            f"{session.get_providers()[0]}); check the CUDA and cuDNN libraries it needs")
+    return session
 
 
 def inference_session(model: onnx.ModelProto, options, providers: Sequence[str]):

@@ -320,3 +320,17 @@ def test_check_leaves_out_graphs_the_provider_refuses_and_lists_them():
     kept, refused = runnable([([], good), (["a"], good), (["b"], Refused())], SessionSettings())
     assert [sequence for sequence, _ in kept] == [[], ["a"]]
     assert [r["sequence"] for r in refused] == [["b"]] and "cannot run" in refused[0]["error"]
+
+
+def test_a_machine_the_project_has_measured_starts_from_its_shipped_table(tmp_path, monkeypatch):
+    from rlflow.measure import costmodel
+
+    model = CostModel(cache_dir=tmp_path / "cache")
+    shipped = {"key": model.key, "groups": {"g": "o:1"}, "costs": {"o:1": 0.5}, "ops": {"o:1": "Relu"}}
+    (tmp_path / "tables").mkdir()
+    (tmp_path / "tables" / "this-machine.json").write_text(json.dumps(shipped))
+    (tmp_path / "tables" / "other.json").write_text(json.dumps({**shipped, "key": {**model.key, "machine": "x"}}))
+    monkeypatch.setattr(costmodel, "TABLES", tmp_path / "tables")
+    assert len(CostModel(cache_dir=tmp_path / "cache")) == 1
+    other = CostModel(SessionSettings(threads=2), cache_dir=tmp_path / "cache")  # another key: starts empty
+    assert len(other) == 0

@@ -104,3 +104,20 @@ def test_profile_nodes(mlp):
     assert nodes and all(n.mean_us >= 0 and n.calls == 3 for n in nodes)
     assert {n.op for n in nodes} == {"MatMul", "Relu"}
     assert len(nodes) == 8 and nodes == sorted(nodes, key=lambda n: -n.mean_us)
+
+
+def test_a_session_that_falls_back_to_the_cpu_is_refused_not_mislabelled():
+    """onnxruntime-gpu without loadable CUDA libraries runs a CUDA session on the CPU; timings would then lie."""
+    import onnxruntime as ort
+
+    from rlflow.measure.session import create_session
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("CUDA may really run here")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(ProviderError, match="fell back to CPUExecutionProvider"):
+        create_session(model, SessionSettings(provider="CUDAExecutionProvider"))
+    assert create_session(model, SessionSettings()).get_providers() == ["CPUExecutionProvider"]
