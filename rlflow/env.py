@@ -21,7 +21,7 @@ from gymnasium import spaces
 from rlflow.errors import InputError
 from rlflow.features import (EDGE_FEATURES, MAX_TOUCHED, NODE_FEATURES, OP_TYPES, candidate_arrays, graph_arrays,
                              order_candidates)
-from rlflow.graph import Graph
+from rlflow.graph import Graph, load
 from rlflow.rewrites import RULES, Match, Rule, apply, find_matches
 
 GLOBAL_FEATURES = ("cost_ratio", "log_initial_cost_us", "step_fraction", "log_nodes", "log_candidates")
@@ -326,9 +326,7 @@ class RewriteEnv(gym.Env):
             if isinstance(model, Graph):
                 graph = model
             else:
-                import rlflow
-
-                graph = rlflow.load(model, self.input_shapes)
+                graph = load(model, self.input_shapes)
             self._graphs[index] = graph
         return graph
 

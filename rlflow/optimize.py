@@ -137,7 +137,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         agent: the policy checkpoint of method `agent` (default: the shipped one).
         finetune: method `agent` only: PPO steps that adapt the agent to this model first: a PPO policy against the
             cost model (`rlflow.controller.finetune`), a world-model agent in its dream
-            (`rlflow.controller.wm_actor.finetune_in_dream`); with a `time_limit`, they may use half of it.
+            (`rlflow.controller.finetune.finetune_in_dream`); with a `time_limit`, they may use half of it.
 
     Raises:
         InputError: the model cannot be loaded.
@@ -205,8 +205,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
 def _finetuned(graph: Graph, settings: SessionSettings, agent, steps: int, seed: int, rules: Sequence[Rule],
                deadline: float | None):
     """The agent adapted to this graph (`rlflow.controller.finetune`), and what adaptation did."""
-    from rlflow.controller.finetune import finetune
-    from rlflow.controller.wm_actor import WorldModelActor, finetune_in_dream
+    from rlflow.controller.finetune import finetune, finetune_in_dream  # the one way from optimize to a trainer
+    from rlflow.controller.wm_actor import WorldModelActor
     from rlflow.search.agent import load_agent
 
     loaded = load_agent(agent)

@@ -1,11 +1,22 @@
-"""What every trainer shares: deterministic seeding and atomic checkpoint writes."""
+"""What the trainers share, so that none imports another: seeding, checkpoint files, the CSV metrics writer, model
+lists, environment construction and the PPO results (`ppo.json` and its learning curve).
+
+The agents' own modules (`rlflow.controller.policy`, `rlflow.worldmodel.agent`) use only the checkpoint functions;
+nothing here imports a trainer, torch or the environment at import time.
+"""
 from __future__ import annotations
 
+import csv
+import json
 import os
 import random
+import time
+import typing
 from pathlib import Path
 
 import numpy as np
+
+from rlflow.files import write_text_atomic
 
 
 def seed_everything(seed: int, threads: int) -> None:
@@ -102,3 +113,87 @@ def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_versi
         raise RlflowError(f"{path}: trained on observation version {payload['obs_version']}, this rlflow has "
                           f"{OBS_VERSION}; {retrain}")
     return payload
+
+
+# ------------------------------------------------------------------------------------- shared by the trainers
+class CsvWriter:
+    """TensorBoard's `add_scalar` into a CSV file (tag, step, value, seconds): no TensorBoard dependency."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", newline="")
+        self._csv = csv.writer(self._file)
+        self._csv.writerow(["tag", "step", "value", "seconds"])
+        self._start = time.monotonic()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._csv.writerow([tag, step, f"{float(value):.6g}", f"{time.monotonic() - self._start:.1f}"])
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def resolve_models(names: typing.Sequence[str], zoo_dir: str | None) -> list[Path]:
+    """Paths of the models: .onnx paths as given, zoo names built (skipped when up to date) into `zoo_dir`."""
+    from rlflow import zoo
+
+    out = []
+    for name in names:
+        if name.endswith(".onnx") or os.sep in name:
+            out.append(Path(name))
+        else:
+            out.append(Path(zoo.build(name, zoo_dir or zoo.default_cache_dir()).path))
+    return out
+
+
+def make_env(paths: typing.Sequence[Path], config, cost_model):
+    """The training (or evaluation) environment over `paths` (`config`: a trainer's, with the environment fields)."""
+    from rlflow.env import RewriteEnv
+
+    return RewriteEnv([str(p) for p in paths], reward=config.reward, cost_model=cost_model, settings=cost_model.settings,
+                      measure_every=config.measure_every, max_episode_steps=config.max_episode_steps,
+                      max_nodes=config.max_nodes, max_edges=config.max_edges, max_candidates=config.max_candidates)
+
+
+def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: str) -> None:
+    """Mean episode return (rolling over one pass through the models) against real environment steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if episodes:
+        steps = np.array([e["real_steps"] for e in episodes])
+        returns = np.array([e["return"] for e in episodes])
+        window = max(1, min(len(returns), 3 * len({e["model"] for e in episodes})))
+        kernel = np.ones(window) / window
+        smooth = np.convolve(returns, kernel, mode="valid")
+        ax.plot(steps, returns, ".", alpha=0.15, color="tab:blue", label="episode return")
+        ax.plot(steps[window - 1:], smooth, color="tab:blue", label=f"mean of last {window} episodes")
+        low = min(float(smooth.min()), baseline if baseline is not None else 0.0)
+        clipped = int((returns < 1.5 * low - 5).sum())
+        ax.set_ylim(1.5 * low - 5, max(float(returns.max()), 1.0) + 2)
+        if clipped:
+            ax.text(0.01, 0.02, f"{clipped} episodes below the axis", transform=ax.transAxes, fontsize=7)
+    if baseline is not None:
+        ax.axhline(baseline, color="tab:red", ls="--", label="uniformly random policy")
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.set_xlabel("real environment steps")
+    ax.set_ylabel("episode return (% of initial estimated runtime saved)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_ppo_results(result: dict, out: Path) -> None:
+    """ppo.json and the learning curve (ppo-learning-curve.png) into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "ppo.json", json.dumps(result, indent=1, default=str) + "\n")
+    config = result["config"]
+    plot_curve(result["curve"], result["train"]["random_policy_mean_return"], out / "ppo-learning-curve.png",
+               f"masked PPO on {len(config['models'])} -tiny zoo models, cost-model reward ({result['rules']} rules)")
+    print(f"wrote {out / 'ppo.json'} and {out / 'ppo-learning-curve.png'}", flush=True)

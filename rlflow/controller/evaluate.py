@@ -44,7 +44,7 @@ def rollout_greedy(policy, env, index: int):
 def evaluate(policy, paths: typing.Sequence[Path], config, cost_model, writer=None, step: int = 0,
              heldout: typing.Sequence[bool] | None = None) -> list[dict]:
     """Agent search vs random walk on each model (see the module docstring); `config` is a PPO `Config`."""
-    from rlflow.controller.ppo import make_env
+    from rlflow.training import make_env
     from rlflow.measure.timing import compare
     from rlflow.search import RandomConfig, random_walk
     from rlflow.search.agent import AgentConfig, agent_search
@@ -136,7 +136,7 @@ def _geomean(values: typing.Sequence[float]) -> float:
 
 def evaluate_results(result: dict, policy, config, cost_model, writer=None) -> dict:
     """Adds `eval` and `summary` to a PPO results dictionary (its models, then its held-out ones)."""
-    from rlflow.controller.ppo import resolve_models
+    from rlflow.training import resolve_models
 
     print("evaluation: agent search vs random walk (same measurement budget), measured end to end", flush=True)
     paths = resolve_models(config.models, config.zoo_dir)
@@ -151,10 +151,11 @@ def evaluate_results(result: dict, policy, config, cost_model, writer=None) -> d
 
 def main(argv: typing.Sequence[str] | None = None) -> dict:
     """Evaluates a checkpoint into a copy of its training results; writes ppo.json and the learning curve."""
+    from types import SimpleNamespace
+
     from rlflow.controller.policy import load_checkpoint
-    from rlflow.controller.ppo import Config, write_results
     from rlflow.measure.costmodel import CostModel
-    from rlflow.training import seed_everything
+    from rlflow.training import seed_everything, write_ppo_results
 
     parser = argparse.ArgumentParser(prog="python -m rlflow.controller.evaluate", description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="the policy (ppo.pt)")
@@ -165,7 +166,7 @@ def main(argv: typing.Sequence[str] | None = None) -> dict:
     result = json.loads(Path(args.results).read_text())
     policy, payload = load_checkpoint(args.checkpoint)
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
-    config = Config(**fields)
+    config = SimpleNamespace(**fields)  # the training run's PPO Config, as ppo.json recorded it
     seed_everything(config.seed, config.threads)
     cost_model = CostModel()
     evaluate_results(result, policy, config, cost_model)
@@ -173,7 +174,7 @@ def main(argv: typing.Sequence[str] | None = None) -> dict:
     result["eval_wall_seconds"] = time.monotonic() - wall
     result["eval_command"] = "python -m rlflow.controller.evaluate " + " ".join(sys.argv[1:] if argv is None
                                                                                  else argv)
-    write_results(result, Path(args.out))
+    write_ppo_results(result, Path(args.out))
     return result
 
 

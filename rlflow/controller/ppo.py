@@ -14,11 +14,8 @@ never trained on, against `rlflow.search.random_walk` with the same measurement 
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
 import logging
-import os
 import sys
 import time
 import typing
@@ -27,8 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rlflow.files import write_text_atomic
-from rlflow.training import seed_everything
+from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything, write_ppo_results
 
 log = logging.getLogger("rlflow")
 
@@ -126,45 +122,6 @@ class Config:
     baseline_episodes: int = 3
 
 
-class CsvWriter:
-    """TensorBoard's `add_scalar` into a CSV file (tag, step, value, seconds): no TensorBoard dependency."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", newline="")
-        self._csv = csv.writer(self._file)
-        self._csv.writerow(["tag", "step", "value", "seconds"])
-        self._start = time.monotonic()
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        self._csv.writerow([tag, step, f"{float(value):.6g}", f"{time.monotonic() - self._start:.1f}"])
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def resolve_models(names: typing.Sequence[str], zoo_dir: str | None) -> list[Path]:
-    """Paths of the models: .onnx paths as given, zoo names built (skipped when up to date) into `zoo_dir`."""
-    from rlflow import zoo
-
-    out = []
-    for name in names:
-        if name.endswith(".onnx") or os.sep in name:
-            out.append(Path(name))
-        else:
-            out.append(Path(zoo.build(name, zoo_dir or zoo.default_cache_dir()).path))
-    return out
-
-
-def make_env(paths: typing.Sequence[Path], config: Config, cost_model):
-    """The training (or evaluation) environment over `paths`."""
-    from rlflow.env import RewriteEnv
-
-    return RewriteEnv([str(p) for p in paths], reward=config.reward, cost_model=cost_model, settings=cost_model.settings,
-                      measure_every=config.measure_every, max_episode_steps=config.max_episode_steps,
-                      max_nodes=config.max_nodes, max_edges=config.max_edges, max_candidates=config.max_candidates)
-
-
 def random_episodes(env, episodes: int, rng: np.random.Generator) -> list[float]:
     """Returns of uniformly random valid actions (terminate included), `episodes` per model of `env`."""
     returns = []
@@ -179,40 +136,6 @@ def random_episodes(env, episodes: int, rng: np.random.Generator) -> list[float]
                 done = terminated or truncated
             returns.append(total)
     return returns
-
-
-def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: str) -> None:
-    """Mean episode return (rolling over one pass through the models) against real environment steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if episodes:
-        steps = np.array([e["real_steps"] for e in episodes])
-        returns = np.array([e["return"] for e in episodes])
-        window = max(1, min(len(returns), 3 * len({e["model"] for e in episodes})))
-        kernel = np.ones(window) / window
-        smooth = np.convolve(returns, kernel, mode="valid")
-        ax.plot(steps, returns, ".", alpha=0.15, color="tab:blue", label="episode return")
-        ax.plot(steps[window - 1:], smooth, color="tab:blue", label=f"mean of last {window} episodes")
-        low = min(float(smooth.min()), baseline if baseline is not None else 0.0)
-        clipped = int((returns < 1.5 * low - 5).sum())
-        ax.set_ylim(1.5 * low - 5, max(float(returns.max()), 1.0) + 2)
-        if clipped:
-            ax.text(0.01, 0.02, f"{clipped} episodes below the axis", transform=ax.transAxes, fontsize=7)
-    if baseline is not None:
-        ax.axhline(baseline, color="tab:red", ls="--", label="uniformly random policy")
-    ax.axhline(0.0, color="grey", lw=0.5)
-    ax.set_xlabel("real environment steps")
-    ax.set_ylabel("episode return (% of initial estimated runtime saved)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 class Learner:
@@ -424,19 +347,9 @@ def main(config: Config) -> dict:
         evaluate_results(result, policy, config, cost_model, writer)
     cost_model.save()
     result["wall_seconds"] = time.monotonic() - wall_start
-    write_results(result, out)
+    write_ppo_results(result, out)
     writer.close()
     return result
-
-
-def write_results(result: dict, out: Path) -> None:
-    """ppo.json and the learning curve (ppo-learning-curve.png) into `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "ppo.json", json.dumps(result, indent=1, default=str) + "\n")
-    config = result["config"]
-    plot_curve(result["curve"], result["train"]["random_policy_mean_return"], out / "ppo-learning-curve.png",
-               f"masked PPO on {len(config['models'])} -tiny zoo models, cost-model reward ({result['rules']} rules)")
-    print(f"wrote {out / 'ppo.json'} and {out / 'ppo-learning-curve.png'}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------------- command line

@@ -19,8 +19,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-NEG = -1e8
-"""Logit of an action that cannot be taken."""
+from rlflow.controller.latent import NEG
 
 LOCATION_TEMPERATURE = 0.1
 """Spread of the location distribution, in the scorer's units (reward / reward scale): matches whose predicted
@@ -28,57 +27,46 @@ rewards differ by one percentage point (0.1 at the usual scale of 10) differ by 
 
 
 class WorldModelActor:
-    """A world-model agent (`rlflow.worldmodel.train.Agent`: V, M and the controller) as a candidate policy.
+    """A world-model agent (`rlflow.worldmodel.agent.Agent`: V, M and the controller) as a candidate policy.
 
     Use: `reset()` at the start of an episode, `logits(obs)` for the environment's action logits, `observe(action,
     obs)` after each step with the environment action taken and the observation it was taken from.
     """
 
     def __init__(self, agent, config: Mapping | None = None, reward_range: tuple | None = None):
-        from rlflow.worldmodel.mdrnn import MDRNNCell
+        from rlflow.worldmodel.agent import Memory
 
         self.agent = agent
-        self.config = dict(config or {})  # the training run's settings (the dream's, for `finetune_in_dream`)
+        self.config = dict(config or {})  # the training run's settings (the dream's, for fine-tuning)
         self.reward_range = reward_range  # (low, high) the dream's reward clip, from the training episodes
         self.n_rules = agent.n_rules
-        self.cell = MDRNNCell(agent.mdrnn)
         for module in (agent.vision, agent.mdrnn, agent.policy, getattr(agent, "location", None)):
             if module is not None:
                 module.eval()
-        self.reset()
+        self.memory = Memory(agent)
 
     def reset(self) -> None:
         """A new episode: h back to M's initial state."""
-        self.state = self.agent.mdrnn.initial_state(1)
-        self._encoded = (None, None)  # (observation, its z): `observe` reuses what `logits` just encoded
+        self.memory.reset()
 
-    @torch.no_grad()
-    def _latent(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
-        from rlflow.controller.policy import obs_to_torch
+    @property
+    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """M's (h, c) after the rewrites observed so far."""
+        return self.memory.state
 
-        if self._encoded[0] is not obs:
-            self._encoded = (obs, self.agent.vision.encode(obs_to_torch(obs))[0])
-        return self._encoded[1]
-
-    @torch.no_grad()
     def rule_logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
         """(R + 1,) the controller's masked logits over rules and terminate (the last) at this graph."""
-        from rlflow.controller.dream_ppo import rule_mask_from_obs
-
-        mask = torch.as_tensor(rule_mask_from_obs(obs, self.n_rules)).unsqueeze(0)
-        return self.agent.policy.logits(torch.cat([self._latent(obs), self.state[0]], -1), mask)[0]
+        return self.memory.rule_logits(obs)
 
     def logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
         """(C + 1,) logits over the observation's candidates and terminate (the last); see `candidate_logits`."""
         return candidate_logits(self.rule_logits(obs), obs, getattr(self.agent, "location", None))
 
-    @torch.no_grad()
     def observe(self, action: int, obs: Mapping[str, np.ndarray]) -> None:
         """Advances h by the rule of candidate `action` of `obs` (the observation it was chosen from)."""
         if action >= len(obs["cand_rule"]):  # terminate
             return
-        rule = int(np.asarray(obs["cand_rule"])[action])
-        _, self.state = self.cell(torch.tensor([rule]), self._latent(obs), self.state)
+        self.memory.step(int(np.asarray(obs["cand_rule"])[action]), obs)
 
 
 def candidate_logits(per_rule: torch.Tensor, obs: Mapping[str, np.ndarray], scorer=None) -> torch.Tensor:
@@ -114,70 +102,11 @@ def location_preference(obs: Mapping[str, np.ndarray], scorer=None) -> torch.Ten
 
 def load_actor(path) -> tuple[WorldModelActor, dict]:
     """The world-model checkpoint at `path` as an actor, and its payload (refused with one clear line if it is not
-    one, or is from another rule registry; see `rlflow.worldmodel.train.load_checkpoint`)."""
-    from rlflow.worldmodel.train import load_checkpoint
+    one, or is from another rule registry; see `rlflow.worldmodel.agent.load_checkpoint`)."""
+    from rlflow.worldmodel.agent import load_checkpoint
 
     agent, payload = load_checkpoint(path)
     return WorldModelActor(agent, payload.get("config"), payload.get("reward_range")), payload
 
 
-def finetune_in_dream(actor: WorldModelActor, graph, steps: int, *, settings=None, rules=None, cost_model=None,
-                      seed: int = 0, deadline: float | None = None):
-    """A copy of `actor` whose controller is adapted to `graph` by about `steps` PPO steps in the dream: dreams start
-    at V's encoding of this graph and step entirely inside M (no measurement, no real rewrite), with the training
-    run's dream settings and reward clip, one PPO update per `dream_envs` x `dream_rollout` steps (the deadline is
-    checked between updates).  The given actor is left unchanged.  The cost model only supplies the per-node cost
-    feature of the graph's observation, as it did in training.
-
-    Returns:
-        (adapted actor, `rlflow.controller.finetune.FinetuneReport`; its steps are dream steps)
-    """
-    import copy
-    import time
-
-    from rlflow.controller.dream_ppo import DreamPPOConfig, train_in_dream
-    from rlflow.controller.finetune import FinetuneReport
-    from rlflow.env import RewriteEnv
-    from rlflow.measure.costmodel import CostModel
-    from rlflow.rewrites import RULES
-    from rlflow.worldmodel.dream import DreamBatch
-
-    start = time.monotonic()
-    torch.manual_seed(seed)
-    agent = copy.deepcopy(actor.agent)
-    cfg = actor.config
-    obs, _ = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model or CostModel(settings),
-                        settings=settings).reset()
-    with torch.no_grad():
-        from rlflow.controller.policy import obs_to_torch
-
-        mu, logvar = agent.vision.encode(obs_to_torch(obs))
-    if not cfg.get("sample_latents", False):  # as training's dreams start: at the posterior mean
-        logvar = torch.full_like(logvar, -float("inf"))
-    envs, rollout = int(cfg.get("dream_envs", 64)), int(cfg.get("dream_rollout", 32))
-    low_high = None
-    if actor.reward_range is not None:
-        low_high = tuple(torch.as_tensor(bound, dtype=torch.float32) for bound in actor.reward_range)
-    dream = DreamBatch(agent.mdrnn, mu, logvar, envs, temperature=float(cfg.get("temperature", 1.0)),
-                       max_episode_steps=int(cfg.get("max_episode_steps", 25)),
-                       reward_scale=float(cfg.get("reward_scale", 10.0)),
-                       reward_penalty=float(cfg.get("reward_penalty", 1.0)), reward_range=low_high, seed=seed)
-    ppo = DreamPPOConfig(total_steps=envs * rollout, num_envs=envs, num_steps=rollout,
-                         learning_rate=float(cfg.get("controller_lr", 1e-3)),
-                         gamma=float(cfg.get("controller_gamma", 0.99)), ent_coef=float(cfg.get("ent_coef", 0.01)))
-    agent.policy.train()
-    optimizer = torch.optim.Adam(agent.policy.parameters(), lr=ppo.learning_rate, eps=1e-5)
-    returns, updates, stop = [], 0, "steps done"
-    while updates * envs * rollout < steps:
-        if deadline is not None and time.monotonic() > deadline:
-            stop = "time limit"
-            break
-        returns.append(float(train_in_dream(agent.policy, optimizer, dream, ppo)["dream_return"]))
-        updates += 1
-    finite = [r for r in returns if np.isfinite(r)]
-    report = FinetuneReport(updates * envs * rollout, updates, time.monotonic() - start,
-                            finite[0] if finite else None, finite[-1] if finite else None, stop, "dream")
-    return WorldModelActor(agent, cfg, actor.reward_range), report
-
-
-__all__ = ["WorldModelActor", "candidate_logits", "finetune_in_dream", "load_actor", "location_preference", "NEG"]
+__all__ = ["WorldModelActor", "candidate_logits", "load_actor", "location_preference", "NEG"]

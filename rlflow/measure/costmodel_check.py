@@ -95,12 +95,12 @@ def runnable(graphs: list[tuple[list[str], object]], settings: SessionSettings) 
 def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, sequences: int, length: int,
                 seed: int, rounds: int, repeats: int = 2) -> dict:
     """Estimates and measures the random-rewrite graphs of one model; returns its result record."""
-    import rlflow
+    from rlflow.graph import load
     from tqdm import tqdm
 
     started = time.perf_counter()
     name, path = resolve_model(spec)
-    graph = rlflow.load(path)
+    graph = load(path)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     graphs, refused = runnable(random_graphs(graph, sequences, length, rng), settings)
 

@@ -32,7 +32,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
-from rlflow.graph import Graph
+from rlflow.graph import Graph, load
 from rlflow.measure.costmodel import TABLES, CostModel, spearman
 from rlflow.measure.flops import node_flops
 from rlflow.measure.session import PROVIDERS, SessionSettings
@@ -248,14 +248,13 @@ def load_estimate(path: str | Path) -> Estimate:
 def table_entries(table: dict, specs: list[str], sequences: int, length: int, seed: int) -> dict[str, list]:
     """Model name -> [(canonical key, features, cost)] for the groups of its graph and of random rewrites of it that
     the table holds (groups are found again here: the table stores hashes, not shapes)."""
-    import rlflow
     from rlflow.measure.costmodel_check import random_graphs, resolve_model
 
     probe = CostModel(SessionSettings(provider=table["key"]["provider"]), cache_dir="/nonexistent")
     found: dict[str, list] = {}
     for spec in specs:
         name, path = resolve_model(spec)
-        graph = rlflow.load(path)
+        graph = load(path)
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         rows, keys = [], set()
         for _, variant in random_graphs(graph, sequences, length, rng):

@@ -94,7 +94,7 @@ def choose_location(obs: Mapping[str, np.ndarray], rule: int, scorer: LocationSc
     Raises:
         ValueError: the rule has no listed candidate.
     """
-    from rlflow.controller.dream_ppo import rule_candidates
+    from rlflow.controller.latent import rule_candidates
 
     candidates = rule_candidates(obs, rule)
     if not len(candidates):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import sys
 import time
 import typing
@@ -41,11 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic, seed_everything
+from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything
+from rlflow.worldmodel.agent import Agent, Memory, load_checkpoint, save_checkpoint
 
 log = logging.getLogger("rlflow")
-
-CHECKPOINT_FORMAT = 2
 
 DEFAULT_MODELS = ("squeezenet-1.1-tiny", "resnet-18-tiny", "resnet-50-tiny", "resnext-50-32x4d-tiny",
                   "inception-v3-tiny", "mobilenet-v2-tiny", "densenet-121-tiny", "nasrnn-tiny", "bert-base-tiny",
@@ -217,82 +215,6 @@ class Config:
     report: bool = True
 
 
-class Agent:
-    """V, M, the controller and the location scorer (None with `learn_location` off) with their optimisers (what a
-    checkpoint holds besides the replay and curves)."""
-
-    def __init__(self, config: Config, n_rules: int):
-        import torch
-
-        from rlflow.controller.dream_ppo import LatentPolicy
-        from rlflow.worldmodel.location import LocationScorer, match_width
-        from rlflow.worldmodel.mdrnn import MDRNN
-        from rlflow.worldmodel.vae import GraphVAE
-
-        self.n_rules = n_rules
-        self.vision = GraphVAE(n_rules, config.hidden, config.rounds, config.latent_size)
-        self.mdrnn = MDRNN(config.latent_size, n_rules + 1, n_rules, config.rnn_hidden, config.gaussians,
-                           config.reward_ensemble, location_flag=config.learn_location,
-                           markov_reward=config.markov_reward,
-                           match_features=match_width(config.match_input, config.hidden) if config.learn_location
-                           else 0)
-        self.policy = LatentPolicy(config.latent_size + config.rnn_hidden, n_rules + 1, config.controller_hidden)
-        self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=config.vae_lr)
-        self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=config.mdrnn_lr)
-        self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=config.controller_lr, eps=1e-5)
-        self.location = LocationScorer(n_rules, config.hidden, config.rounds) if config.learn_location else None
-        self.location_opt = (torch.optim.Adam(self.location.parameters(), lr=config.location_lr)
-                             if self.location is not None else None)
-
-    def _parts(self) -> tuple[str, ...]:
-        parts = ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt")
-        return parts + ("location", "location_opt") if self.location is not None else parts
-
-    def state_dict(self) -> dict:
-        data = {name: getattr(self, name).state_dict() for name in self._parts()}
-        data["specs"] = {name: getattr(self, name).spec() for name in ("vision", "mdrnn", "policy", "location")
-                         if getattr(self, name) is not None}
-        return data
-
-    def load_state_dict(self, data: dict) -> None:
-        for name in self._parts():
-            getattr(self, name).load_state_dict(data[name])
-
-
-# ----------------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path: str | os.PathLike, agent: Agent, config: Config | dict, **extra) -> Path:
-    """Writes weights, optimiser states, config, rule-registry and observation versions and `extra` (atomically)."""
-    from rlflow.features import OBS_VERSION
-    from rlflow.rewrites import REGISTRY_VERSION, RULES
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": CHECKPOINT_FORMAT, "algo": "worldmodel", "registry_version": REGISTRY_VERSION,
-               "rules": [r.name for r in RULES], "obs_version": OBS_VERSION,
-               "config": asdict(config) if dataclasses.is_dataclass(config) else dict(config),
-               "agent": agent.state_dict(), **extra}
-    return save_checkpoint_atomic(payload, path)
-
-
-def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[Agent, dict]:
-    """The agent stored at `path` and the whole checkpoint.
-
-    Raises:
-        RlflowError: missing file, not a world-model checkpoint, or another rule registry or observation version
-            (rule ids would mean other rules).
-    """
-    payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
-                                      algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
-    fields = {f.name for f in dataclasses.fields(Config)}
-    # checkpoints from before the learned location used the first match, from before location_gamma the reward,
-    # from before match_input no description
-    stored = {"learn_location": False, "location_gamma": 0.0, "match_input": "none", **payload["config"]}
-    config = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in stored.items() if k in fields})
-    agent = Agent(config, len(payload["rules"]))
-    agent.load_state_dict(payload["agent"])
-    return agent, payload
-
-
 # -------------------------------------------------------------------------------------------------- real rollouts
 def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.random.Generator,
                    random_terminate: float, terminate: int, matches: np.ndarray | None = None) -> int:
@@ -339,20 +261,16 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     """
     import torch
 
-    from rlflow.controller.dream_ppo import first_candidate, rule_mask_from_obs, rule_match_counts
-    from rlflow.controller.policy import obs_to_torch
+    from rlflow.controller.latent import first_candidate, rule_mask_from_obs, rule_match_counts
     from rlflow.controller.unvisited import choose_unvisited
     from rlflow.controller.wm_actor import candidate_logits
     from rlflow.worldmodel.location import choose_location, describe_match
-    from rlflow.worldmodel.mdrnn import MDRNNCell
     from rlflow.worldmodel.replay import Episode
 
     n_rules = replay.n_rules
     obs, info = env.reset(options={"model": model_index})
     episode = Episode(model=info["model"], heldout=heldout, source=source, iteration=iteration)
-    if agent is not None:
-        cell = MDRNNCell(agent.mdrnn)
-        state = agent.mdrnn.initial_state(1)
+    memory = Memory(agent) if agent is not None else None
     seen = {env.fingerprint} if avoid_revisits else None
     done = False
     while not done:
@@ -360,9 +278,6 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         mask = np.append(counts > 0, True)
         episode.states.append(replay.add_state(obs, mask))
         rules = np.flatnonzero(mask[:n_rules])
-        if agent is not None:
-            with torch.no_grad():
-                z, _ = agent.vision.encode(obs_to_torch(obs))
         explored = agent is None or (epsilon > 0 and rng.random() < epsilon)
         env_action = None
         if explored:
@@ -370,7 +285,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
                                     counts if explore_by_match else None)
         else:
             with torch.no_grad():
-                latent_state, rule_mask = torch.cat([z, state[0]], -1), torch.as_tensor(mask).unsqueeze(0)
+                latent_state, rule_mask = memory.controller_input(obs)
                 if seen is None:
                     chosen, *_ = agent.policy.get_action_and_value(latent_state, rule_mask, greedy=greedy)
                     action = int(chosen.item())
@@ -398,6 +313,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
             where[0] = float(random_location)
             if random_location and agent.mdrnn.match_features:
                 where[1:] = describe_match(scorer, obs, action, match, agent.mdrnn.match_features)
+        before = obs
         obs, reward, terminated, truncated, info = env.step(env_action)
         episode.actions.append(int(action))
         episode.locations.append(match)
@@ -408,8 +324,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         if tried is not None:
             tried[(episode.states[-1], int(action))] = tried.get((episode.states[-1], int(action)), 0) + 1
         if agent is not None and action != n_rules:
-            with torch.no_grad():
-                _, state = cell(torch.tensor([action]), z, state, where.unsqueeze(0))
+            memory.step(action, before, where.unsqueeze(0))
         done = terminated or truncated or (max_steps is not None and len(episode.actions) >= max_steps)
         if done:
             episode.states.append(replay.add_state(obs, rule_mask_from_obs(obs, n_rules)))
@@ -648,7 +563,6 @@ def main(config: Config) -> dict:
     from tqdm.auto import tqdm
 
     from rlflow.controller.dream_ppo import DreamPPOConfig, train_in_dream
-    from rlflow.controller.ppo import CsvWriter, make_env, resolve_models
     from rlflow.measure.estimate import cost_model_for, estimated_only
     from rlflow.rewrites import REGISTRY_VERSION, RULES
     from rlflow.worldmodel.location import best_returns, location_quality, match_descriptors, train_location

@@ -9,7 +9,7 @@ import torch
 @pytest.fixture(scope="module")
 def graph_with_a_repeated_rule(tiny_model, wm_cost_model):
     """A real observation of resnet-18-tiny and a rule with several listed matches there."""
-    from rlflow.controller.dream_ppo import rule_candidates
+    from rlflow.controller.latent import rule_candidates
     from rlflow.env import RewriteEnv
 
     obs, _ = RewriteEnv(tiny_model, cost_model=wm_cost_model, max_nodes=128, max_edges=256,

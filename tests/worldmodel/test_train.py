@@ -100,7 +100,8 @@ def test_quality_report_has_a_rank_correlation_that_ties_share():
 
 def test_controller_learns_in_a_dream_with_a_known_best_rule():
     """In a dream whose reward model pays +1 for rule 1 and -1 otherwise, PPO learns to prefer rule 1."""
-    from rlflow.controller.dream_ppo import DreamPPOConfig, LatentPolicy, train_in_dream
+    from rlflow.controller.dream_ppo import DreamPPOConfig, train_in_dream
+    from rlflow.controller.latent import LatentPolicy
     from rlflow.worldmodel.dream import DreamBatch
     from rlflow.worldmodel.mdrnn import MDRNN
 
@@ -220,7 +221,8 @@ def test_dream_finetune_stops_at_its_deadline_and_leaves_the_agent_alone(run):
     import time
     from pathlib import Path
 
-    from rlflow.controller.wm_actor import finetune_in_dream, load_actor
+    from rlflow.controller.finetune import finetune_in_dream
+    from rlflow.controller.wm_actor import load_actor
     from rlflow.measure.costmodel import CostModel
 
     config, _ = run
@@ -378,3 +380,15 @@ def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
         parse_args(["--match-input", "everything"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'everything'" in capsys.readouterr().err
+
+
+def test_the_agent_spec_keeps_the_trainer_config_defaults():
+    """The agent's own spec (what `optimize` builds a checkpoint's networks from) must not drift from training's."""
+    import dataclasses
+
+    from rlflow.worldmodel.agent import AgentSpec
+    from rlflow.worldmodel.train import Config
+
+    trained = {f.name: f.default for f in dataclasses.fields(Config)}
+    for field in dataclasses.fields(AgentSpec):
+        assert field.name in trained and field.default == trained[field.name], field.name

@@ -1,0 +1,167 @@
+"""The world-model agent as `rlflow optimize` runs it: its networks, its checkpoint, and the step it takes on a graph.
+
+V (`GraphVAE`), M (`MDRNN`), the controller (`rlflow.controller.latent.LatentPolicy`) and the location scorer
+(`rlflow.worldmodel.location.LocationScorer`), built from an `AgentSpec`; `save_checkpoint` / `load_checkpoint`; and
+`Memory`, the state the agent carries through a real episode (V's encoding of the graph, M's memory of the rewrites
+applied), which both the actor (`rlflow.controller.wm_actor`) and training's real episodes (`rlflow.worldmodel.train`)
+step.  Nothing here trains: importing this module pulls in no trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic
+
+CHECKPOINT_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """What shapes the agent's networks and optimisers: the fields of the world-model trainer's `Config` that the
+    agent reads, with the same defaults (a test keeps them equal).  See that Config for what each one means."""
+
+    latent_size: int = 32
+    hidden: int = 64
+    rounds: int = 3
+    vae_lr: float = 3e-3
+    rnn_hidden: int = 128
+    gaussians: int = 5
+    reward_ensemble: int = 5
+    mdrnn_lr: float = 1e-3
+    markov_reward: bool = False
+    learn_location: bool = True
+    match_input: str = "embedding"
+    location_lr: float = 1e-3
+    controller_hidden: int = 128
+    controller_lr: float = 1e-3
+
+    @classmethod
+    def of(cls, config) -> "AgentSpec":
+        """The spec of a trainer Config (or any object or mapping with these fields; missing ones take defaults)."""
+        get = config.get if isinstance(config, Mapping) else lambda name, default: getattr(config, name, default)
+        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls)})
+
+
+class Agent:
+    """V, M, the controller and the location scorer (None with `learn_location` off) with their optimisers (what a
+    checkpoint holds besides the replay and curves)."""
+
+    def __init__(self, spec: AgentSpec, n_rules: int):
+        from rlflow.controller.latent import LatentPolicy
+        from rlflow.worldmodel.location import LocationScorer, match_width
+        from rlflow.worldmodel.mdrnn import MDRNN
+        from rlflow.worldmodel.vae import GraphVAE
+
+        spec = spec if isinstance(spec, AgentSpec) else AgentSpec.of(spec)
+        self.n_rules = n_rules
+        self.vision = GraphVAE(n_rules, spec.hidden, spec.rounds, spec.latent_size)
+        self.mdrnn = MDRNN(spec.latent_size, n_rules + 1, n_rules, spec.rnn_hidden, spec.gaussians,
+                           spec.reward_ensemble, location_flag=spec.learn_location, markov_reward=spec.markov_reward,
+                           match_features=match_width(spec.match_input, spec.hidden) if spec.learn_location else 0)
+        self.policy = LatentPolicy(spec.latent_size + spec.rnn_hidden, n_rules + 1, spec.controller_hidden)
+        self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=spec.vae_lr)
+        self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=spec.mdrnn_lr)
+        self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=spec.controller_lr, eps=1e-5)
+        self.location = LocationScorer(n_rules, spec.hidden, spec.rounds) if spec.learn_location else None
+        self.location_opt = (torch.optim.Adam(self.location.parameters(), lr=spec.location_lr)
+                             if self.location is not None else None)
+
+    def _parts(self) -> tuple[str, ...]:
+        parts = ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt")
+        return parts + ("location", "location_opt") if self.location is not None else parts
+
+    def state_dict(self) -> dict:
+        data = {name: getattr(self, name).state_dict() for name in self._parts()}
+        data["specs"] = {name: getattr(self, name).spec() for name in ("vision", "mdrnn", "policy", "location")
+                         if getattr(self, name) is not None}
+        return data
+
+    def load_state_dict(self, data: dict) -> None:
+        for name in self._parts():
+            getattr(self, name).load_state_dict(data[name])
+
+
+# ----------------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path: str | os.PathLike, agent: Agent, config, **extra) -> Path:
+    """Writes weights, optimiser states, the run's config (a dataclass or dict), rule-registry and observation
+    versions and `extra` (atomically)."""
+    from rlflow.features import OBS_VERSION
+    from rlflow.rewrites import REGISTRY_VERSION, RULES
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": CHECKPOINT_FORMAT, "algo": "worldmodel", "registry_version": REGISTRY_VERSION,
+               "rules": [r.name for r in RULES], "obs_version": OBS_VERSION,
+               "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config),
+               "agent": agent.state_dict(), **extra}
+    return save_checkpoint_atomic(payload, path)
+
+
+def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[Agent, dict]:
+    """The agent stored at `path` and the whole checkpoint.
+
+    Raises:
+        RlflowError: missing file, not a world-model checkpoint, or another rule registry or observation version
+            (rule ids would mean other rules).
+    """
+    payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
+                                      algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
+    # checkpoints from before the learned location used the first match, from before match_input no description
+    stored = {"learn_location": False, "match_input": "none", **payload["config"]}
+    agent = Agent(AgentSpec.of(stored), len(payload["rules"]))
+    agent.load_state_dict(payload["agent"])
+    return agent, payload
+
+
+# ------------------------------------------------------------------------------------------------ on a real graph
+class Memory:
+    """What the agent carries through one real episode: V's encoding z of the current graph and M's memory h of the
+    rewrites applied so far.  The controller acts on (z, h) masked by the rules that really have a match; after a
+    rewrite, M's one-step cell advances h.  The actor and training's real episodes both step it.
+    """
+
+    def __init__(self, agent: Agent):
+        from rlflow.worldmodel.mdrnn import MDRNNCell
+
+        self.agent = agent
+        self.cell = MDRNNCell(agent.mdrnn)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new episode: h back to M's initial state."""
+        self.state = self.agent.mdrnn.initial_state(1)
+        self._encoded = (None, None)  # (observation, its z): stepping after acting reuses what acting encoded
+
+    @torch.no_grad()
+    def latent(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
+        """(1, Z) V's encoding (the posterior mean) of a real observation."""
+        from rlflow.controller.policy import obs_to_torch
+
+        if self._encoded[0] is not obs:
+            self._encoded = (obs, self.agent.vision.encode(obs_to_torch(obs))[0])
+        return self._encoded[1]
+
+    def controller_input(self, obs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """((1, Z + H) state, (1, R + 1) bool mask: the rules with a listed match, and terminate)."""
+        from rlflow.controller.latent import rule_mask_from_obs
+
+        mask = torch.as_tensor(rule_mask_from_obs(obs, self.agent.n_rules)).unsqueeze(0)
+        return torch.cat([self.latent(obs), self.state[0]], -1), mask
+
+    @torch.no_grad()
+    def rule_logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
+        """(R + 1,) the controller's masked logits over rules and terminate (the last) at this graph."""
+        return self.agent.policy.logits(*self.controller_input(obs))[0]
+
+    @torch.no_grad()
+    def step(self, rule: int, obs: Mapping[str, np.ndarray], where: torch.Tensor | None = None) -> None:
+        """Advances h by `rule` applied to the graph of `obs` (`where`: M's location input, (1, 1 + F); None for the
+        agent's own choice of location, as in the dream)."""
+        _, self.state = self.cell(torch.tensor([rule]), self.latent(obs), self.state, where)
