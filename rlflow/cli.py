@@ -160,6 +160,16 @@ def zoo_build(names, out, force, tiny) -> None:
         click.echo(f"{result.path}  {state}  ({result.nodes} nodes, {result.params:,} params)")
 
 
+def _interrupted() -> int:
+    """Ctrl-C: one line and exit 130.  Further presses are ignored from here on: exiting still saves the cost table
+    (atexit), and a second press during that used to end the process by the signal instead (exit -2)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo("interrupted; nothing was written", err=True)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: runs the click group and turns errors into one line and an exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -174,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.main(args=argv, prog_name="rlflow", standalone_mode=False)
         return 0
     except click.exceptions.Abort:
-        click.echo("interrupted; nothing was written", err=True)
-        return 130
+        return _interrupted()
     except click.exceptions.ClickException as exc:
         exc.show()
         return exc.exit_code
@@ -187,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(f"error: {exc}", err=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        click.echo("interrupted; nothing was written", err=True)
-        return 130
+        return _interrupted()
     except Exception as exc:  # noqa: BLE001 - no traceback without --debug
         if debug:
             raise

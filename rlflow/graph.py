@@ -246,8 +246,17 @@ class Graph:
         """Refreshes the shape and element type of every tensor with onnx shape inference at the fixed input shapes.
 
         Large constants travel as typed graph inputs instead of initializers, so inference never copies weights.
+        Where onnx leaves a shape open, onnxruntime's symbolic shape inference completes it: exporters compute
+        positions, masks and reshape targets from `Shape` of the inputs, which onnx's data propagation does not follow
+        through a `Slice` of a constant (a BERT export left 110 tensors without a shape, and every fusion that checks
+        shapes refused the model), while the symbolic pass resolves them all at the fixed input shapes.
         """
-        self._apply_inferred(self._skeleton(), self.gs.tensors())
+        tensors = self.gs.tensors()
+        skeleton = self._skeleton()
+        self._apply_inferred(skeleton, tensors)
+        if any(not isinstance(t, gs.Constant) and (t.dtype is None or self.shape(t) is None)
+               for t in tensors.values()):
+            self._apply_inferred(skeleton, tensors, symbolic=True)
 
     def _infer_locally(self, nodes: list[gs.Node]) -> bool:
         """Shapes for the outputs of `nodes` alone, from the known shapes of their inputs; False when that is not enough.
@@ -279,12 +288,19 @@ class Graph:
         return all(t.dtype is not None and self.shape(t) is not None for t in produced.values())
 
     @staticmethod
-    def _apply_inferred(skeleton: onnx.ModelProto, tensors: Mapping[str, gs.Tensor]) -> None:
-        """Runs onnx shape inference on `skeleton` and copies the element types and static shapes found to `tensors`."""
+    def _apply_inferred(skeleton: onnx.ModelProto, tensors: Mapping[str, gs.Tensor], symbolic: bool = False) -> None:
+        """Runs shape inference on `skeleton` (onnx's, or onnxruntime's symbolic one) and copies the element types and
+        static shapes found to `tensors`.  A shape inference leaves open does not erase one already known: rewrites
+        preserve values, so a tensor that survives one keeps its shape."""
         try:
-            inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
+            if symbolic:
+                from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+                inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True, verbose=0)
+            else:
+                inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
         except Exception as exc:  # noqa: BLE001 - inference errors are reported, not fatal: ORT checks later
-            log.debug("shape inference failed: %s", exc)
+            log.debug("%sshape inference failed: %s", "symbolic " if symbolic else "", exc)
             return
         for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
             tensor = tensors.get(vi.name)
@@ -296,7 +312,10 @@ class Graph:
             tensor.dtype = helper.tensor_dtype_to_np_dtype(ttype.elem_type)
             if ttype.HasField("shape"):
                 dims = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
-                tensor.shape = None if None in dims else dims
+                if None not in dims:
+                    tensor.shape = dims
+                elif tensor.shape is None or any(not isinstance(d, (int, np.integer)) for d in tensor.shape):
+                    tensor.shape = None
 
     def _skeleton(self) -> onnx.ModelProto:
         nodes = [OnnxExporter.export_node(n) for n in self.gs.nodes]

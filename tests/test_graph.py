@@ -164,3 +164,26 @@ def test_directory_is_rejected(tmp_path):
 def test_public_api():
     assert callable(rlflow.optimize) and callable(rlflow.load)
     assert max_ir_version() >= 7
+
+
+def test_shapes_computed_from_the_inputs_shape_are_known_at_the_fixed_shape():
+    """Exporters slice position tables by `Shape` of the inputs; onnx's inference loses that, the symbolic pass not."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s"])
+    weights = [numpy_helper.from_array(np.arange(512, dtype=np.int64).reshape(1, 512), "positions"),
+               numpy_helper.from_array(np.array(1, dtype=np.int64), "one"),
+               numpy_helper.from_array(np.array([0], dtype=np.int64), "zero"),
+               numpy_helper.from_array(np.array([1], dtype=np.int64), "axis")]
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Gather", ["shape", "one"], ["s"]),
+             helper.make_node("Unsqueeze", ["s", "zero"], ["end"]),
+             helper.make_node("Slice", ["positions", "zero", "end", "axis"], ["pos"]),
+             helper.make_node("Cast", ["pos"], ["posf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["x", "posf"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "positions", [x], [y], initializer=weights),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    graph = Graph.from_model(model, {"x": (1, 16)})
+    tensors = graph.gs.tensors()
+    assert [graph.shape(tensors[n]) for n in ("pos", "posf", "y")] == [(1, 16)] * 3
+    assert graph.to_model(static=False).graph.output[0].type.tensor_type.shape.dim[1].dim_param == "s"  # still dynamic
