@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -22,10 +23,10 @@ from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic
 CHECKPOINT_FORMAT = 2
 
 
-@dataclass(frozen=True)
+@dataclass
 class AgentSpec:
-    """What shapes the agent's networks and optimisers: the fields of the world-model trainer's `Config` that the
-    agent reads, with the same defaults (a test keeps them equal).  See that Config for what each one means."""
+    """What shapes the agent's networks and optimisers.  The world-model trainer's `Config` extends it (its docstring
+    says what each field means), so a checkpoint's config always holds a spec."""
 
     latent_size: int = 32
     hidden: int = 64
@@ -37,7 +38,7 @@ class AgentSpec:
     mdrnn_lr: float = 1e-3
     markov_reward: bool = False
     learn_location: bool = True
-    match_input: str = "embedding"
+    match_input: typing.Literal["none", "score", "embedding"] = "embedding"
     location_lr: float = 1e-3
     controller_hidden: int = 128
     controller_lr: float = 1e-3
@@ -59,7 +60,7 @@ class Agent:
         from rlflow.worldmodel.mdrnn import MDRNN
         from rlflow.worldmodel.vae import GraphVAE
 
-        spec = spec if isinstance(spec, AgentSpec) else AgentSpec.of(spec)
+        spec = spec if isinstance(spec, AgentSpec) else AgentSpec.of(spec)  # a trainer's Config is a spec
         self.n_rules = n_rules
         self.vision = GraphVAE(n_rules, spec.hidden, spec.rounds, spec.latent_size)
         self.mdrnn = MDRNN(spec.latent_size, n_rules + 1, n_rules, spec.rnn_hidden, spec.gaussians,

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything
-from rlflow.worldmodel.agent import Agent, Memory, load_checkpoint, save_checkpoint
+from rlflow.worldmodel.agent import Agent, AgentSpec, Memory, load_checkpoint, save_checkpoint
 
 log = logging.getLogger("rlflow")
 
@@ -52,7 +52,7 @@ DEFAULT_MODELS = ("squeezenet-1.1-tiny", "resnet-18-tiny", "resnet-50-tiny", "re
 
 
 @dataclass
-class Config:
+class Config(AgentSpec):
     """Settings of a world-model run.
 
     Attributes:
@@ -162,29 +162,17 @@ class Config:
     explore_untried: bool = True
     explore_by_match: bool = False
     heldout_fraction: float = 0.2
-    latent_size: int = 32
-    hidden: int = 64
-    rounds: int = 3
     vae_epochs: int = 50
-    vae_lr: float = 3e-3
     vae_batch: int = 64
     beta: float = 0.01
-    rnn_hidden: int = 128
-    gaussians: int = 5
-    reward_ensemble: int = 5
     mdrnn_epochs: int = 150
-    mdrnn_lr: float = 1e-3
     mdrnn_batch: int = 32
     mdrnn_validation: float = 0.0
-    markov_reward: bool = False
     reward_bootstrap: float = 0.0
     sample_latents: bool = False
-    learn_location: bool = True
     location_gamma: float = 0.95
     avoid_revisits: bool = True
-    match_input: typing.Literal["none", "score", "embedding"] = "embedding"
     location_epochs: int = 30
-    location_lr: float = 1e-3
     mask_weight: float = 10.0
     reward_scale: float = 10.0
     temperature: float = 1.0
@@ -195,8 +183,6 @@ class Config:
     dream_steps: int = 50_000
     dream_envs: int = 64
     dream_rollout: int = 32
-    controller_hidden: int = 128
-    controller_lr: float = 1e-3
     controller_gamma: float = 0.99
     ent_coef: float = 0.01
     max_episode_steps: int = 25

@@ -381,14 +381,3 @@ def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     assert "invalid choice: 'everything'" in capsys.readouterr().err
 
-
-def test_the_agent_spec_keeps_the_trainer_config_defaults():
-    """The agent's own spec (what `optimize` builds a checkpoint's networks from) must not drift from training's."""
-    import dataclasses
-
-    from rlflow.worldmodel.agent import AgentSpec
-    from rlflow.worldmodel.train import Config
-
-    trained = {f.name: f.default for f in dataclasses.fields(Config)}
-    for field in dataclasses.fields(AgentSpec):
-        assert field.name in trained and field.default == trained[field.name], field.name
