@@ -294,9 +294,7 @@ class Graph:
         preserve values, so a tensor that survives one keeps its shape."""
         try:
             if symbolic:
-                from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-                inferred = SymbolicShapeInference.infer_shapes(skeleton, auto_merge=True, verbose=0)
+                inferred = _symbolic_shapes(skeleton)
             else:
                 inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
         except Exception as exc:  # noqa: BLE001 - inference errors are reported, not fatal: ORT checks later
@@ -649,6 +647,23 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     if tensor.data_type in _PACKED_4BIT:
         return (count + 1) // 2
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+
+
+def _symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's symbolic shape inference, keeping what it found where it could not finish.
+
+    Its `infer_shapes` raises when any shape stays open, and first saves the model as `sym_shape_infer_temp.onnx` in
+    the working directory: a tool must not write there, and a partial answer is still worth having.  So its steps
+    are run here one by one (they are not public API: a change in them is caught by the caller, and shapes stay open).
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    inference = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    inference._preprocess(skeleton)
+    while inference.run_:
+        inference._infer_impl()
+    inference._update_output_from_vi()
+    return inference.out_mp_
 
 
 def _check(model: onnx.ModelProto | str) -> None:

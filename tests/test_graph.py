@@ -187,3 +187,21 @@ def test_shapes_computed_from_the_inputs_shape_are_known_at_the_fixed_shape():
     tensors = graph.gs.tensors()
     assert [graph.shape(tensors[n]) for n in ("pos", "posf", "y")] == [(1, 16)] * 3
     assert graph.to_model(static=False).graph.output[0].type.tensor_type.shape.dim[1].dim_param == "s"  # still dynamic
+
+
+def test_shape_inference_that_cannot_finish_writes_nothing_and_keeps_what_it_found(tmp_path, monkeypatch):
+    """onnxruntime's symbolic inference saves `sym_shape_infer_temp.onnx` in the working directory when it cannot
+    finish; loading a model must never write there."""
+    from onnx import TensorProto, helper
+
+    monkeypatch.chdir(tmp_path)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Mystery", ["r"], ["q"], domain="com.example"),
+             helper.make_node("Relu", ["q"], ["y"])]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), ir_version=8,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    graph = Graph.from_model(model, {"x": (2, 4)}, checked=True)
+    tensors = graph.gs.tensors()
+    assert graph.shape(tensors["r"]) == (2, 4) and graph.shape(tensors["q"]) is None
+    assert list(tmp_path.iterdir()) == []
