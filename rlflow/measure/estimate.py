@@ -230,9 +230,9 @@ def estimated_only(cost_model: CostModel, *, measuring: bool) -> bool:
     provider = cost_model.settings.provider
     if measuring:
         raise RlflowError(f"reward 'measure' needs the {provider}, which this machine lacks: train with reward 'cost'")
-    state = "fitted to" if cost_model.estimate.calibrated else "uncalibrated, without"
-    print(f"{provider} is not available here: rewards come from {cost_model.path.name} and an estimate "
-          f"{state} it ({cost_model.estimate.source}); nothing is measured", flush=True)
+    estimate = "an estimate fitted to it" if cost_model.estimate.calibrated else "an uncalibrated estimate"
+    print(f"{provider} is not available here: rewards come from {cost_model.path.name} and {estimate} "
+          f"({cost_model.estimate.source}); nothing is measured", flush=True)
     return True
 
 
