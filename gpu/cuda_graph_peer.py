@@ -30,34 +30,25 @@ from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner, bootstrap_ratio
 PROVIDER = "CUDAExecutionProvider"
 
 
-class GraphRunner:
-    """A CUDA session with graph capture, inputs and outputs preallocated on the device."""
+class GraphRunner(Runner):
+    """A CUDA session with graph capture, inputs and outputs preallocated on the device (`buffers`); it runs and
+    times as a `Runner` bound to the device does."""
 
     def __init__(self, model, settings: SessionSettings, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
         import onnxruntime as ort
 
-        providers = [(PROVIDER, {"enable_cuda_graph": "1"})]
-        self.session = inference_session(model, session_options(settings), providers)
-        self.binding = self.session.io_binding()
-        self.outputs = {}
+        self.settings = settings
+        self.session = inference_session(model, session_options(settings), [(PROVIDER, {"enable_cuda_graph": "1"})])
+        self._binding = self.session.io_binding()
         names = {i.name for i in self.session.get_inputs()}
         self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", 0)
                        for k, v in feeds.items() if k in names}
         for name, value in self.inputs.items():
-            self.binding.bind_ortvalue_input(name, value)
-        for name, like in outputs.items():
-            self.outputs[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(like.shape), like.dtype, "cuda", 0)
-            self.binding.bind_ortvalue_output(name, self.outputs[name])
-
-    def run(self) -> None:
-        self.session.run_with_iobinding(self.binding)
-        self.binding.synchronize_outputs()
-
-    def time(self, runs: int) -> float:
-        start = time.perf_counter()
-        for _ in range(runs):
-            self.run()
-        return (time.perf_counter() - start) / runs
+            self._binding.bind_ortvalue_input(name, value)
+        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(like.shape), like.dtype, "cuda", 0)
+                        for name, like in outputs.items()}
+        for name, value in self.buffers.items():
+            self._binding.bind_ortvalue_output(name, value)
 
 
 def measure(path: Path, rounds: int, blocks: int, seed: int) -> dict:
@@ -79,7 +70,7 @@ def measure(path: Path, rounds: int, blocks: int, seed: int) -> dict:
         for runner in runners:
             for _ in range(5):
                 runner.run()
-        for name, value in runners[1].outputs.items():
+        for name, value in runners[1].buffers.items():
             got, want = value.numpy(), expected[name]
             if np.issubdtype(want.dtype, np.floating):
                 scale = max(float(np.linalg.norm(want)), 1e-12)
