@@ -1,7 +1,8 @@
 """The graph layer: load ONNX models as found in the wild, edit them through onnx-graphsurgeon, save them safely.
 
 A `Graph` wraps an editable onnx-graphsurgeon graph in which every tensor has a static shape: dynamic input dimensions
-are fixed for measurement (from `input_shapes`, else 1 with a warning).  It also remembers the model's original
+are fixed for measurement (from `input_shapes`, else the deployed shapes the model's metadata gives, else 1 with a
+warning).  It also remembers the model's original
 interface (input and output names, element types, dynamic dimensions) so that a written model keeps it.
 """
 from __future__ import annotations
@@ -75,6 +76,26 @@ def parse_input_shapes(specs: Iterable[str]) -> dict[str, tuple[int, ...]]:
             raise InputError(f"bad --input-shape '{spec}': expected name:d0,d1,... with positive integers") from None
         shapes[name] = shape
     return shapes
+
+
+DEPLOYED_SHAPES_KEY = "rlflow.input_shapes"
+"""Model metadata giving the shapes a model with dynamic inputs is deployed at (the zoo's deployment section writes
+it), in the --input-shape syntax joined by ';': `input_ids:1,16;attention_mask:1,16`."""
+
+
+def deployed_shapes(model: onnx.ModelProto, inputs: Sequence[onnx.ValueInfoProto] = ()) -> dict[str, tuple[int, ...]]:
+    """The shapes the model's metadata says it is deployed at (for the inputs named in `inputs`, when given), used
+    where the user gives no --input-shape; {} when there is no such metadata or it does not parse."""
+    value = next((p.value for p in model.metadata_props if p.key == DEPLOYED_SHAPES_KEY), "")
+    if not value:
+        return {}
+    try:
+        shapes = parse_input_shapes(s for s in value.split(";") if s.strip())
+    except InputError:
+        log.warning("ignoring metadata %s=%r: not name:d0,d1,... specs joined by ';'", DEPLOYED_SHAPES_KEY, value)
+        return {}
+    names = {vi.name for vi in inputs}
+    return {k: v for k, v in shapes.items() if not names or k in names}
 
 
 def load(path: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None) -> "Graph":
@@ -155,7 +176,7 @@ class Graph:
         initializer_names = {t.name for t in work.graph.initializer}
         real_inputs = [vi for vi in work.graph.input if vi.name not in initializer_names]
         interface = ([_copy(vi) for vi in real_inputs], [_copy(vi) for vi in work.graph.output])
-        fixed = _fix_input_dims(real_inputs, dict(input_shapes or {}))
+        fixed = _fix_input_dims(real_inputs, {**deployed_shapes(work, real_inputs), **dict(input_shapes or {})})
         # IR < 4 lists initializers as inputs; they are weights, not part of the interface.
         kept = [vi for vi in work.graph.input if vi.name not in initializer_names]
         del work.graph.input[:]
@@ -429,8 +450,14 @@ class Graph:
 
     @staticmethod
     def constant(tensor: gs.Tensor) -> np.ndarray | None:
-        """The value of a constant tensor, else None."""
-        return np.asarray(tensor.values) if isinstance(tensor, gs.Constant) else None
+        """The value of a constant tensor, also when an `Identity` passes it on (TorchScript exports route biases that
+        way), else None."""
+        while not isinstance(tensor, gs.Constant):
+            producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+            if producer is None or producer.op != "Identity" or (producer.domain or "") not in ("", "ai.onnx"):
+                return None
+            tensor = producer.inputs[0]
+        return np.asarray(tensor.values)
 
     def is_output(self, tensor: gs.Tensor) -> bool:
         """True for graph outputs: their names belong to the interface and must survive every rewrite."""

@@ -26,6 +26,21 @@ def test_dynamic_dimension_defaults_to_one_with_warning(tmp_path, matmul_model, 
     assert all(graph.shape(t) is not None for t in graph.gs.tensors().values())
 
 
+def test_deployed_shapes_in_the_metadata_fix_dynamic_dimensions(tmp_path, matmul_model, caplog):
+    """The zoo's deployment exports say their shape in metadata; --input-shape still wins, bad metadata is ignored."""
+    for value, given, expected in (("x:4,8", None, (4, 8)), ("x:4,8", {"x": (2, 8)}, (2, 8)),
+                                   ("x:four", None, (1, 8)), ("y:3,3;x:6,8", None, (6, 8))):
+        model = onnx.ModelProto()
+        model.CopyFrom(matmul_model)
+        helper.set_model_props(model, {graph_module.DEPLOYED_SHAPES_KEY: value})
+        with caplog.at_level(logging.WARNING, logger="rlflow"):
+            graph = load(save(model, tmp_path / "m.onnx"), given)
+        assert graph.input_shapes == {"x": expected}, value
+        written = graph.to_model(static=False)
+        assert written.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # still dynamic
+    assert "ignoring metadata rlflow.input_shapes='x:four'" in caplog.text
+
+
 def test_input_shape_fixes_dimensions_and_output_stays_dynamic(tmp_path, matmul_model):
     graph = load(save(matmul_model, tmp_path / "m.onnx"), {"x": (5, 8)})
     assert graph.input_shapes == {"x": (5, 8)}

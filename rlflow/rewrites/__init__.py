@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlflow.graph import Graph
-from rlflow.rewrites import algebra, base, cleanup, fold, fusion, inverse, layout, merge
+from rlflow.rewrites import algebra, attention, base, cleanup, fold, fusion, inverse, layout, merge
 from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
 
 RULES: tuple[Rule, ...] = (
@@ -30,6 +30,7 @@ RULES: tuple[Rule, ...] = (
     # -- appended after the first release (action ids 68 on)
     *layout.NEW_RULES,
     *fusion.NEW_RULES,
+    *attention.RULES,
     *inverse.RULES,
 )
 """Every rule, in action-id order.  Append only."""

@@ -1,6 +1,6 @@
 """onnxruntime-aware rules: fusions into standard operators (Gemm, LayerNormalization) and into onnxruntime's contrib
-operators (Gelu, FastGelu, SkipLayerNormalization, FusedConv, FusedGemm, FusedMatMul), plus their inverses where the
-unfused form lets other rules merge.  Rules with `contrib = True` emit com.microsoft operators (onnxruntime only).
+operators (Gelu, FastGelu, BiasGelu, SkipLayerNormalization, FusedConv, FusedGemm, FusedMatMul), plus their inverses
+where the unfused form lets other rules merge; attention has its own module (`attention.py`).  Rules with `contrib = True` emit com.microsoft operators (onnxruntime only).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import onnx_graphsurgeon as gs
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (broadcast_shape, constant_input, dynamic_axes, emit, has_input, input_producer,
-                                  int_list, is_float, normalize_axis, perm_of, private, private_producer,
+                                  int_list, is_float, is_standard, normalize_axis, perm_of, private, private_producer,
                                   replace_typed, scalar, standard_producer)
 
 MS = "com.microsoft"
@@ -180,7 +180,10 @@ class LayerNormFusion(Rule):
 
 
 class SkipLayerNormFusion(Rule):
-    """Replaces `LayerNormalization(Add(a, b))` over the last axis with onnxruntime's `SkipLayerNormalization(a, b)`."""
+    """Replaces `LayerNormalization(Add(a, b))` over the last axis with onnxruntime's `SkipLayerNormalization(a, b)`.
+
+    The bias of a linear layer feeding either operand (`a = Add(MatMul(..), bias)`, as exporters write it) goes into the
+    fused operator too."""
 
     name = "skip-layernorm-fusion"
     category = "fusion"
@@ -199,11 +202,25 @@ class SkipLayerNormFusion(Rule):
         hidden = shapes[0][-1]
         if any(graph.shape(t) != (hidden,) for t in node.inputs[1:] if t.name) or not is_float(node.outputs[0]):
             return self.no(node, "gamma or beta are not vectors over the last axis")
+        for operand in (0, 1):  # the bias of the linear layer on either side
+            biased = private_producer(graph, add, operand, "Add")
+            side = None if biased is None else _bias_vector(graph, biased)
+            if side is not None:
+                return self.match([node, add, biased], operand=operand, side=side)
         return self.match([node, add])
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        inputs = [*add.inputs, *[t for t in node.inputs[1:] if t.name]]
+        inputs, bias = list(add.inputs), []
+        if len(match.nodes) == 3:
+            biased, side = nodes[match.nodes[2]], match.param("side")
+            inputs[match.param("operand")] = biased.inputs[1 - side]
+            bias = [biased.inputs[side]]
+        gamma = node.inputs[1]
+        beta = node.inputs[2] if has_input(node, 2) else None
+        if bias and beta is None:  # the bias is input 4: beta (input 3) must be present
+            beta = graph.add_constant(np.zeros(graph.shape(gamma), np.float32), "beta")
+        inputs += [gamma, *([beta] if beta is not None else []), *bias]
         out = emit(graph, "SkipLayerNormalization", inputs, {"epsilon": float(node.attrs.get("epsilon", 1e-5))},
                    domain=MS)
         replace_typed(graph, node.outputs[0], out)
@@ -430,8 +447,8 @@ RULES = (MatMulAddToGemm(), GemmToMatMulAdd(), LayerNormFusion(), SkipLayerNormF
          ConvActivationFusion(), GemmActivationFusion(), MatMulTransposeFusion())
 
 
-def _bias_vector(graph: Graph, node: gs.Node, add: gs.Node) -> int | None:
-    """The side of `add` holding a constant vector over the last axis of `node`'s input (the bias), or None."""
+def _bias_vector(graph: Graph, add: gs.Node) -> int | None:
+    """The side of `add` holding a constant vector over the last axis of its other operand (a bias), or None."""
     shape = graph.shape(add.outputs[0])
     if shape is None or not shape:
         return None
@@ -444,149 +461,85 @@ def _bias_vector(graph: Graph, node: gs.Node, add: gs.Node) -> int | None:
 
 
 class _BiasActivationFusion(Rule):
-    """`f(Add(x, b))` with b a constant vector over the last axis, for an onnxruntime activation f taking a bias."""
+    """`f(Add(x, b))` with b a constant vector over the last axis, for an onnxruntime activation f taking a bias; f is
+    onnxruntime's operator, the standard `Gelu` of opset 20 (with the matching `approximate`) or its decomposition."""
 
     category = "fusion"
     contrib = True
-    domains = (MS,)
+    domains = ("", "ai.onnx", MS)
     fused_op = ""
+    approximate = ""
+    decomposed: _GeluBase
+
+    def _activation(self, graph: Graph, node: gs.Node) -> tuple[list[gs.Node], gs.Tensor] | str:
+        """(the activation's nodes, its argument) rooted at `node`, or why not."""
+        if node.op == "Mul":
+            if not is_standard(node):
+                return "not a standard Mul"
+            found = self.decomposed._pattern(graph, node)
+            if isinstance(found, str):
+                return found
+            nodes, x = found
+            inside = {n.name for n in nodes}
+            if graph.is_output(x) or any(n.name not in inside for n in x.outputs):
+                return "the activation's argument is read elsewhere too"
+            return nodes, x
+        if is_standard(node) and node.attrs.get("approximate", "none") != self.approximate:
+            return f"a standard Gelu whose approximation is not '{self.approximate}'"
+        if len(node.inputs) > 1 and node.inputs[1].name:
+            return "it already has a bias"
+        return [node], node.inputs[0]
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        if len(node.inputs) > 1 and node.inputs[1].name:
-            return self.no(node, "it already has a bias")
-        add = private_producer(graph, node, 0, "Add")
-        if add is None:
+        found = self._activation(graph, node)
+        if isinstance(found, str):
+            return self.no(node, found)
+        nodes, x = found
+        add = standard_producer(x)
+        if add is None or add.op != "Add" or (len(nodes) == 1 and not private(graph, x)):
             return self.no(node, "input is not a private Add")
-        side = _bias_vector(graph, node, add)
+        side = _bias_vector(graph, add)
         if side is None:
             return self.no(node, "the Add is not of a float32 constant vector over the last axis")
-        return self.match([node, add], side=side)
+        return self.match([*nodes, add], side=side)
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
+        node, add = nodes[match.nodes[0]], nodes[match.nodes[-1]]
         side = match.param("side")
         out = emit(graph, self.fused_op, [add.inputs[1 - side], add.inputs[side]], domain=MS)
         replace_typed(graph, node.outputs[0], out)
 
 
 class BiasGeluFusion(_BiasActivationFusion):
-    """Replaces onnxruntime's `Gelu(Add(x, b))` with `BiasGelu(x, b)` for a constant vector b over the last axis."""
+    """Replaces `Gelu(Add(x, b))` with onnxruntime's `BiasGelu(x, b)` for a constant vector b over the last axis.
+
+    Gelu is onnxruntime's, opset 20's, or its formula `0.5 * y * (1 + erf(y / sqrt(2)))` as exporters write it."""
 
     name = "bias-gelu-fusion"
-    root_ops = ("Gelu",)
+    root_ops = ("Gelu", "Mul")
     fused_op = "BiasGelu"
+    approximate = "none"
+    decomposed = GeluFusion()
 
 
 class BiasFastGeluFusion(_BiasActivationFusion):
-    """Replaces onnxruntime's `FastGelu(Add(x, b))` with `FastGelu(x, b)` for a constant vector b over the last axis."""
+    """Replaces `FastGelu(Add(x, b))` with onnxruntime's `FastGelu(x, b)` for a constant vector b over the last axis.
+
+    FastGelu is onnxruntime's, opset 20's `Gelu` with approximate='tanh', or its tanh formula."""
 
     name = "bias-fast-gelu-fusion"
-    root_ops = ("FastGelu",)
+    root_ops = ("FastGelu", "Gelu", "Mul")
     fused_op = "FastGelu"
-
-
-def _heads_of(graph: Graph, transpose: gs.Node, perm: tuple[int, ...]) -> tuple[gs.Node, gs.Tensor] | None:
-    """For `Transpose(Reshape(x, [B, S, H, Dh]), perm)`, both private: (the Reshape, x) when x is [B, S, H*Dh]."""
-    if perm_of(transpose, 4) != perm:
-        return None
-    reshape = private_producer(graph, transpose, 0, "Reshape")
-    if reshape is None or not private(graph, transpose.outputs[0]):
-        return None
-    x = reshape.inputs[0]
-    before, after = graph.shape(x), graph.shape(reshape.outputs[0])
-    if before is None or after is None or len(before) != 3 or len(after) != 4:
-        return None
-    if after[:2] != before[:2] or after[2] * after[3] != before[2]:
-        return None
-    moved_before, moved_after = dynamic_axes(graph, x), dynamic_axes(graph, reshape.outputs[0])
-    if moved_before is None or moved_after is None or moved_after != (*moved_before[:2], False, False) or moved_before[2]:
-        return None
-    return reshape, x
-
-
-def _scaled_operand(graph: Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, float, list[gs.Node]]:
-    """A MatMul operand as (what is scaled, the scalar factor, the private Mul/Div nodes applying it)."""
-    factor, nodes = 1.0, []
-    producer = standard_producer(tensor)
-    while producer is not None and producer.op in ("Mul", "Div") and private(graph, tensor):
-        side = next((i for i in (1, 0) if scalar(constant_input(producer, i)) is not None
-                     and graph.shape(producer.inputs[1 - i]) == graph.shape(tensor)), None)
-        if side is None or (producer.op == "Div" and side == 0):
-            break
-        value = scalar(constant_input(producer, side))
-        if producer.op == "Div" and value == 0:
-            break
-        factor *= 1 / value if producer.op == "Div" else value
-        nodes.append(producer)
-        tensor = producer.inputs[1 - side]
-        producer = standard_producer(tensor)
-    return tensor, factor, nodes
-
-
-class AttentionFusion(Rule):
-    """Replaces multi-head attention on [B, S, hidden] queries, keys and values with onnxruntime's `MultiHeadAttention`."""
-
-    name = "attention-fusion"
-    category = "fusion"
-    root_ops = ("Reshape",)
-    contrib = True
-
-    def _pattern(self, graph: Graph, node: gs.Node):
-        """(nodes, q, k, v, heads, scale) of `Reshape(Transpose(Softmax(s * Q.K^T).V))` split into heads, or a reason."""
-        merge = private_producer(graph, node, 0, "Transpose")
-        if merge is None or perm_of(merge, 4) != (0, 2, 1, 3):
-            return "not a Reshape of heads transposed back ([B, H, S, Dh] -> [B, S, H, Dh])"
-        context = private_producer(graph, merge, 0, "MatMul")
-        if context is None:
-            return "the heads are not a MatMul of probabilities and values"
-        softmax = private_producer(graph, context, 0, "Softmax")
-        if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
-            return "the probabilities are not a Softmax over the last axis"
-        scores, scale, scale_nodes = _scaled_operand(graph, softmax.inputs[0])
-        qk = standard_producer(scores)
-        if qk is None or qk.op != "MatMul" or not private(graph, scores):
-            return "something other than a scale lies between the scores and the Softmax (a mask?)"
-        q_in, q_scale, q_nodes = _scaled_operand(graph, qk.inputs[0])
-        k_in, k_scale, k_nodes = _scaled_operand(graph, qk.inputs[1])
-        q_t, k_t, v_t = standard_producer(q_in), standard_producer(k_in), standard_producer(context.inputs[1])
-        if any(t is None or t.op != "Transpose" for t in (q_t, k_t, v_t)):
-            return "Q, K or V is not a Transpose of heads"
-        query, key, value = _heads_of(graph, q_t, (0, 2, 1, 3)), _heads_of(graph, k_t, (0, 2, 3, 1)), None
-        k_nodes = [*k_nodes, k_t]
-        if key is None:  # K split into heads like Q, then its last two axes swapped
-            inner = private_producer(graph, k_t, 0, "Transpose")
-            if perm_of(k_t, 4) == (0, 1, 3, 2) and private(graph, k_in) and inner is not None:
-                key = _heads_of(graph, inner, (0, 2, 1, 3))
-                k_nodes.append(inner)
-        value = _heads_of(graph, v_t, (0, 2, 1, 3))
-        if query is None or key is None or value is None:
-            return "Q, K or V is not a private [B, S, hidden] tensor split into heads"
-        shapes = [graph.shape(t) for t in (query[1], key[1], value[1], node.outputs[0])]
-        heads = graph.shape(query[0].outputs[0])[2]
-        if not (shapes[0][0] == shapes[1][0] == shapes[2][0] and shapes[1][1] == shapes[2][1]
-                and shapes[0][2] == shapes[1][2] == shapes[2][2] and shapes[3] == shapes[0]
-                and graph.shape(key[0].outputs[0])[2] == graph.shape(value[0].outputs[0])[2] == heads):
-            return "Q, K, V and the output disagree on batch, length, hidden size or heads"
-        if dynamic_axes(graph, node.outputs[0]) != dynamic_axes(graph, query[1]):
-            return "the output does not follow the query's dynamic dimensions"
-        if not all(is_float(t) and np.dtype(t.dtype) == np.float32 for t in (query[1], key[1], value[1])):
-            return "not float32"
-        nodes = [node, merge, context, softmax, *scale_nodes, qk, *q_nodes, q_t, query[0], *k_nodes, key[0], v_t,
-                 value[0]]
-        return nodes, query[1], key[1], value[1], heads, float(np.float32(scale * q_scale * k_scale))
+    approximate = "tanh"
+    decomposed = FastGeluFusion()
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        found = self._pattern(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        return self.match(found[0], heads=found[4], scale=found[5])
-
-    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        node = nodes[match.root]
-        _, q, k, v, heads, scale = self._pattern(graph, node)
-        out = emit(graph, "MultiHeadAttention", [q, k, v], {"num_heads": heads, "scale": scale}, domain=MS)
-        replace_typed(graph, node.outputs[0], out)
+        if node.op == "Gelu" and not is_standard(node):
+            return self.no(node, "onnxruntime's Gelu is exact, not the tanh approximation")
+        if node.op == "FastGelu" and is_standard(node):
+            return self.no(node, "not onnxruntime's FastGelu")
+        return super().check(graph, node)
 
 
-NEW_RULES = (BiasGeluFusion(), BiasFastGeluFusion(), AttentionFusion())
+NEW_RULES = (BiasGeluFusion(), BiasFastGeluFusion())
 """Fusion rules added later (appended at the end of the registry)."""

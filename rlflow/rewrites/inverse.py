@@ -416,15 +416,19 @@ class SkipLayerNormUnfuse(_Unfuse):
 
 
 class AttentionUnfuse(_Unfuse):
-    """Replaces onnxruntime's `MultiHeadAttention(q, k, v)` with its heads, scaled scores, Softmax and MatMuls."""
+    """Replaces onnxruntime's `MultiHeadAttention(q, k, v)` with its heads, scaled scores, Softmax and MatMuls.
+
+    An `attention_bias` (input 5, an additive mask) is added to the scaled scores."""
 
     name = "attention-unfuse"
     root_ops = ("MultiHeadAttention",)
 
     def extra(self, graph: Graph, node: gs.Node) -> NoMatch | None:
-        if len(node.inputs) != 3 or not all(t.name for t in node.inputs) or node.attrs.get("unidirectional", 0):
-            return self.no(node, "it takes more than unpacked Q, K and V (bias, masks, past state) or is causal")
-        shapes = [graph.shape(t) for t in node.inputs]
+        present = [i for i, t in enumerate(node.inputs) if t.name]
+        if present not in ([0, 1, 2], [0, 1, 2, 5]) or node.attrs.get("unidirectional", 0):
+            return self.no(node, "it takes more than unpacked Q, K, V and an attention bias (bias, key padding mask, "
+                                 "past state) or is causal")
+        shapes = [graph.shape(t) for t in node.inputs[:3]]
         heads = int(node.attrs.get("num_heads", 0))
         if any(s is None or len(s) != 3 for s in shapes) or heads <= 0 or shapes[0][2] % heads or (
                 shapes[2][2] != shapes[0][2]):
@@ -433,7 +437,7 @@ class AttentionUnfuse(_Unfuse):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
-        q, k, v = node.inputs
+        q, k, v = node.inputs[:3]
         heads, hidden = int(node.attrs["num_heads"]), graph.shape(q)[2]
         size = hidden // heads
         scale = float(node.attrs.get("scale", 0.0) or 1 / math.sqrt(size))
@@ -443,7 +447,10 @@ class AttentionUnfuse(_Unfuse):
             return emit(graph, "Transpose", [emit(graph, "Reshape", [t, split])], {"perm": perm})
 
         scores = emit(graph, "MatMul", [heads_of(q, [0, 2, 1, 3]), heads_of(k, [0, 2, 3, 1])])
-        probs = emit(graph, "Softmax", [emit(graph, "Mul", [scores, _const(graph, scale, q, "scale")])], {"axis": -1})
+        scores = emit(graph, "Mul", [scores, _const(graph, scale, q, "scale")])
+        if has_input(node, 5):
+            scores = emit(graph, "Add", [scores, node.inputs[5]])
+        probs = emit(graph, "Softmax", [scores], {"axis": -1})
         context = emit(graph, "Transpose", [emit(graph, "MatMul", [probs, heads_of(v, [0, 2, 1, 3])])],
                        {"perm": [0, 2, 1, 3]})
         merged = graph.add_constant(np.array([0, 0, hidden], np.int64), "hidden")

@@ -9,7 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, shape_inference
 
-from rlflow.graph import Graph
+from rlflow.graph import Graph, _symbolic_shapes
 
 UNARY_ELEMENTWISE = frozenset({
     "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Abs", "Neg", "Sqrt", "Erf", "LeakyRelu", "Elu", "Selu", "HardSigmoid",
@@ -188,15 +188,29 @@ def _moved_shapes(graph: Graph) -> dict[str, tuple] | None:
             if not (orig.HasField("dim_value") and orig.dim_value > 0):
                 dim.dim_value = dim.dim_value + 1
     try:
-        inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=True, data_prop=True)
+        inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference refusing the other sizes: be conservative
         return None
-    moved = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(inferred.graph.input):
+    moved = _shapes_of(inferred)
+    if any(None in moved.get(out, (None,)) for node in skeleton.graph.node for out in node.output if out):
+        try:  # onnxruntime's symbolic inference knows its contrib operators and follows Shape chains further
+            symbolic = _shapes_of(_symbolic_shapes(skeleton))
+        except Exception:  # noqa: BLE001 - what onnx found is kept; the rest counts as dynamic
+            symbolic = {}
+        for name, shape in symbolic.items():
+            if name not in moved or sum(d is None for d in shape) < sum(d is None for d in moved[name]):
+                moved[name] = shape
+    return moved
+
+
+def _shapes_of(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Tensor name -> inferred shape (None for a symbolic dimension) of every typed value in `model`."""
+    shapes = {}
+    for vi in list(model.graph.value_info) + list(model.graph.output) + list(model.graph.input):
         ttype = vi.type.tensor_type
         if ttype.HasField("shape"):
-            moved[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim)
-    return moved
+            shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim)
+    return shapes
 
 
 def broadcast_shape(*shapes: Sequence[int] | None) -> tuple[int, ...] | None:

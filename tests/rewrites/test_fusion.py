@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 import pytest
+from onnx import numpy_helper
 
 from .helpers import F32, assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
 
@@ -61,15 +62,19 @@ def _bias_act(op, bias_input=False, bias_shape=(8,)):
                  {"y": (F32, ["n", 3, 8])}, consts=consts)
 
 
-def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dynamic=True):
+def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dynamic=True, mask_shape=(1, 1, 5, 5),
+              guard=False):
     """Self-attention as exporters write it: Q, K, V projections split into heads, scaled scores, Softmax, heads
     merged back; `k_form` "0231" transposes K once, "twice" like the dynamo exporter; `scale_form` "div" divides the
-    scores, "qk" multiplies Q and K by sqrt(scale) each (scaled_dot_product_attention)."""
+    scores, "qk" multiplies Q and K by sqrt(scale) each (scaled_dot_product_attention); `mask` adds a constant of
+    `mask_shape` to the scores (-inf in one place), `guard` the exporters' `Where(IsNaN(p), 0, p)` after the Softmax."""
     d = heads * size
     consts = {f"w{k}": weights(d, d, seed=i) for i, k in enumerate("qkv")}
     consts.update({f"b{k}": weights(d, seed=10 + i) for i, k in enumerate("qkv")})
     consts.update(split=ints(0, 0, heads, size), merge=ints(0, 0, d), div=np.array(math.sqrt(size), np.float32),
-                  root=np.array(size ** -0.25, np.float32), mask=weights(1, 1, 5, 5, seed=20))
+                  root=np.array(size ** -0.25, np.float32), zero=np.array(0.0, np.float32))
+    consts["mask"] = weights(*mask_shape, seed=20)
+    consts["mask"].flat[1] = -np.inf
     nodes = []
     for k in "qkv":
         perm = [0, 2, 3, 1] if k == "k" and k_form == "0231" else [0, 2, 1, 3]
@@ -84,7 +89,10 @@ def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dyna
         nodes += [node("MatMul", ["q3", key], "s0"), node("Div", ["s0", "div"], "s1")]
     if mask:
         nodes.append(node("Add", ["s1", "mask"], "s2"))
-    nodes += [node("Softmax", ["s2" if mask else "s1"], "p", axis=-1), node("MatMul", ["p", "v3"], "a0"),
+    nodes.append(node("Softmax", ["s2" if mask else "s1"], "p0" if guard else "p", axis=-1))
+    if guard:
+        nodes += [node("IsNaN", ["p0"], "nan"), node("Where", ["nan", "zero", "p0"], "p")]
+    nodes += [node("MatMul", ["p", "v3"], "a0"),
               node("Transpose", ["a0"], "a1", perm=[0, 2, 1, 3]), node("Reshape", ["a1", "merge"], "y")]
     return graph(nodes, {"x": ["batch" if dynamic else 2, 5, d]}, consts=consts)
 
@@ -126,7 +134,8 @@ CASES = {
     "bias-fast-gelu-fusion": (
         lambda: _bias_act("FastGelu"), lambda: _bias_act("FastGelu", bias_shape=(3, 8)),
         "not of a float32 constant vector"),
-    "attention-fusion": (lambda: attention(), lambda: attention(mask=True), "something other than a scale"),
+    "attention-fusion": (lambda: attention(), lambda: attention(mask=True, mask_shape=(5,)),
+                         "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"),
 }
 
 
@@ -175,3 +184,75 @@ def test_attention_round_trip():
     unfused = assert_rewrites(fused, "attention-unfuse")
     assert "MultiHeadAttention" not in unfused.op_counts()
     assert len(assert_rewrites(unfused, "attention-fusion").gs.nodes) == len(fused.gs.nodes)
+
+
+@pytest.mark.parametrize("mask_shape,guard", [((1, 1, 5, 5), True), ((1, 2, 5, 5), False)])
+def test_attention_with_mask_and_nan_guard(mask_shape, guard):
+    """The additive mask becomes MultiHeadAttention's attention_bias; the NaN guard stays on the fused output."""
+    g = attention(mask=True, mask_shape=mask_shape, guard=guard, dynamic=False)
+    new = assert_rewrites(g, "attention-fusion")
+    ops = new.op_counts()
+    assert ops["MultiHeadAttention"] == 1 and "Softmax" not in ops and ops.get("IsNaN", 0) == int(guard)
+    mha = next(n for n in new.gs.nodes if n.op == "MultiHeadAttention")
+    assert [t.name for t in mha.inputs][3:5] == ["", ""] and mha.inputs[5].name == "mask"
+    unfused = assert_rewrites(new, "attention-unfuse")
+    assert "MultiHeadAttention" not in unfused.op_counts()
+
+
+def test_attention_refuses_a_tensor_read_outside():
+    g = attention(mask=True)
+    g.gs.outputs.append(next(t for t in g.gs.tensors().values() if t.name == "p"))  # the probabilities are an output
+    assert_refuses(g, "attention-fusion", "")
+
+
+@pytest.mark.parametrize("variant,half_first,bias_first", [("erf", False, True), ("erf", True, False),
+                                                           ("tanh", False, False)])
+def test_bias_gelu_from_the_formula(variant, half_first, bias_first):
+    """Exporters write `0.5 * h * (1 + erf(h / sqrt(2)))` on `h = MatMul + bias`: one step to BiasGelu/FastGelu."""
+    g = _gelu(variant, half_first)
+    proto = g.to_model()
+    for n in proto.graph.node:  # x becomes h = Add(m, c) with m = MatMul(x, w)
+        n.input[:] = ["xb" if i == "x" else i for i in n.input]
+    add = node("Add", ["bl", "ml"] if bias_first else ["ml", "bl"], "xb")
+    nodes = [node("MatMul", ["x", "wl"], "ml"), add, *proto.graph.node]
+    consts = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    consts.update(wl=weights(5, 5), bl=weights(5, seed=4))
+    name = "bias-gelu-fusion" if variant == "erf" else "bias-fast-gelu-fusion"
+    new = assert_rewrites(graph(nodes, {"x": [2, 5]}, consts=consts), name)
+    assert new.op_counts() == {"MatMul": 1, "BiasGelu" if variant == "erf" else "FastGelu": 1}
+
+
+@pytest.mark.parametrize("approximate,name,fused", [("none", "bias-gelu-fusion", "BiasGelu"),
+                                                    ("tanh", "bias-fast-gelu-fusion", "FastGelu")])
+def test_bias_gelu_from_opset_20_gelu(approximate, name, fused):
+    g = graph([node("Add", ["x", "b"], "s"), node("Gelu", ["s"], approximate=approximate)], {"x": ["n", 3, 8]},
+              consts={"b": weights(8)}, opset=20)
+    assert assert_rewrites(g, name).op_counts() == {fused: 1}
+    other = "bias-fast-gelu-fusion" if name == "bias-gelu-fusion" else "bias-gelu-fusion"
+    assert_refuses(g, other, "approximation is not")
+
+
+def test_bias_gelu_refuses_an_argument_read_elsewhere():
+    g = _gelu()
+    proto = g.to_model()
+    for n in proto.graph.node:
+        n.input[:] = ["xb" if i == "x" else i for i in n.input]
+    consts = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    consts["c"] = weights(5, seed=4)
+    g = graph([node("Add", ["x", "c"], "xb"), *proto.graph.node], {"x": [2, 5]}, outputs=("y", "xb"), consts=consts)
+    assert_refuses(g, "bias-gelu-fusion", "read elsewhere")
+
+
+@pytest.mark.parametrize("operand,bias_first,beta", [(0, True, True), (1, False, True), (0, False, False)])
+def test_skip_layernorm_absorbs_the_linear_bias(operand, bias_first, beta):
+    """`LayerNormalization(Add(Add(MatMul, bias), residual))` in either order becomes one SkipLayerNormalization."""
+    linear = [node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"] if bias_first else ["m", "c"], "h")]
+    add = node("Add", ["h", "z"] if operand == 0 else ["z", "h"], "s")
+    ln = node("LayerNormalization", ["s", "g", "b"] if beta else ["s", "g"], epsilon=1e-3)
+    g = graph([*linear, add, ln], {"x": [2, 4, 8], "z": [2, 4, 8]}, opset=17,
+              consts={"w": weights(8, 8), "c": weights(8, seed=2), "g": weights(8), "b": weights(8, seed=1)})
+    new = assert_rewrites(g, "skip-layernorm-fusion")
+    assert new.op_counts() == {"MatMul": 1, "SkipLayerNormalization": 1}
+    skip = next(n for n in new.gs.nodes if n.op == "SkipLayerNormalization")
+    assert skip.inputs[4].name == "c" and {t.name for t in skip.inputs[:2]} == {"m", "z"}
+    assert "Add" in assert_rewrites(new, "skip-layernorm-unfuse").op_counts()

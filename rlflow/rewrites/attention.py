@@ -1,0 +1,235 @@
+"""Attention fusion: multi-head attention as exporters write it, into onnxruntime's `MultiHeadAttention`.
+
+Exporters compute the reshape targets inside attention from `Shape` of its own intermediate tensors (both torch
+exporters do, so that batch and sequence stay dynamic).  Those shape computations die with the pattern, so a tensor
+of the pattern may also be read by `Shape` nodes, provided everything they compute ends inside the pattern.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from rlflow.graph import Graph
+from rlflow.rewrites.base import Match, NoMatch, Rule
+from rlflow.rewrites.util import (constant_input, dynamic_axes, emit, input_producer, is_float, normalize_axis,
+                                  perm_of, replace_typed, scalar, standard_producer)
+
+MS = "com.microsoft"
+_SHAPE_CONE_LIMIT = 64  # nodes of one shape computation followed before giving up
+
+
+def _sole(graph: Graph, tensor: gs.Tensor) -> bool:
+    """True when one node reads `tensor` besides `Shape` nodes, and it is not a graph output."""
+    return not graph.is_output(tensor) and sum(1 for n in tensor.outputs if n.op != "Shape") == 1
+
+
+def _producer(graph: Graph, node: gs.Node, index: int, op: str | Sequence[str]) -> gs.Node | None:
+    """The standard `op` node writing input `index` of `node`, when `_sole` reader of it."""
+    producer = input_producer(node, index, op)
+    return producer if producer is not None and _sole(graph, producer.outputs[0]) else None
+
+
+def _keeps_shape(graph: Graph, reshape: gs.Node) -> bool:
+    """True when a Reshape gives its input's shape back, at these sizes and at others of the dynamic dimensions."""
+    before, after = graph.shape(reshape.inputs[0]), graph.shape(reshape.outputs[0])
+    return before is not None and before == after and dynamic_axes(graph, reshape.inputs[0]) == dynamic_axes(
+        graph, reshape.outputs[0])
+
+
+def _shape_readers_die(graph: Graph, nodes: Sequence[gs.Node]) -> bool:
+    """True when every reader of the pattern's inner tensors lies in the pattern or is a `Shape` whose computation
+    ends inside the pattern (it is then removed with it)."""
+    inside = {n.name for n in nodes}
+    frontier = [r for n in nodes[1:] for t in n.outputs for r in t.outputs if r.name not in inside]
+    if any(r.op != "Shape" for r in frontier):
+        return False
+    seen: set[str] = set()
+    while frontier:
+        reader = frontier.pop()
+        if reader.name in inside or reader.name in seen:
+            continue
+        seen.add(reader.name)
+        if len(seen) > _SHAPE_CONE_LIMIT or any(graph.is_output(t) for t in reader.outputs):
+            return False
+        frontier.extend(r for t in reader.outputs for r in t.outputs)
+    return True
+
+
+def _heads_of(graph: Graph, transpose: gs.Node, perm: tuple[int, ...]) -> tuple[gs.Node, gs.Tensor] | None:
+    """For `Transpose(Reshape(x, [B, S, H, Dh]), perm)`, both private: (the Reshape, x) when x is [B, S, H*Dh]."""
+    if perm_of(transpose, 4) != perm:
+        return None
+    reshape = _producer(graph, transpose, 0, "Reshape")
+    if reshape is None or not _sole(graph, transpose.outputs[0]):
+        return None
+    x = reshape.inputs[0]
+    before, after = graph.shape(x), graph.shape(reshape.outputs[0])
+    if before is None or after is None or len(before) != 3 or len(after) != 4:
+        return None
+    if after[:2] != before[:2] or after[2] * after[3] != before[2]:
+        return None
+    moved_before, moved_after = dynamic_axes(graph, x), dynamic_axes(graph, reshape.outputs[0])
+    if moved_before is None or moved_after is None or moved_after != (*moved_before[:2], False, False) or moved_before[2]:
+        return None
+    return reshape, x
+
+
+def _scaled_operand(graph: Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, float, list[gs.Node]]:
+    """A MatMul operand as (what is scaled, the scalar factor, the private Mul/Div nodes applying it)."""
+    factor, nodes = 1.0, []
+    producer = standard_producer(tensor)
+    while producer is not None and producer.op in ("Mul", "Div") and _sole(graph, tensor):
+        side = next((i for i in (1, 0) if scalar(constant_input(producer, i)) is not None
+                     and graph.shape(producer.inputs[1 - i]) == graph.shape(tensor)), None)
+        if side is None or (producer.op == "Div" and side == 0):
+            break
+        value = scalar(constant_input(producer, side))
+        if producer.op == "Div" and value == 0:
+            break
+        factor *= 1 / value if producer.op == "Div" else value
+        nodes.append(producer)
+        tensor = producer.inputs[1 - side]
+        producer = standard_producer(tensor)
+    return tensor, factor, nodes
+
+
+def _nan_guard(graph: Graph, context: gs.Node) -> tuple[gs.Node, list[gs.Node]] | None:
+    """For `Where(IsNaN(P), 0, P)` feeding the context MatMul, with P = Softmax(..) read by nothing else: (the Softmax,
+    the guard's nodes).  Exporters write it so that a query row whose keys are all masked attends to nothing."""
+    where = _producer(graph, context, 0, "Where")
+    if where is None or len(where.inputs) != 3 or scalar(constant_input(where, 1)) != 0.0:
+        return None
+    probs = where.inputs[2]
+    isnan = _producer(graph, where, 0, "IsNaN")
+    softmax = standard_producer(probs)
+    if (isnan is None or isnan.inputs[0] is not probs or softmax is None or softmax.op != "Softmax"
+            or graph.is_output(probs) or len(probs.outputs) != 2):
+        return None
+    return softmax, [where, isnan]
+
+
+def _keys_transposed(graph: Graph, tensor: gs.Tensor) -> tuple[tuple[gs.Node, gs.Tensor], list[gs.Node]] | None:
+    """K^T as [B, H, Dh, T] from K split into heads ([B, H, T, Dh]): `Transpose(heads, (0, 2, 3, 1))`, a swap of the
+    last two axes after the split, or (the dynamo exporter) `Reshape(Transpose(Reshape(K, [B*H, T, Dh])), [B, H, Dh, T])`.
+    Returns ((the split's Reshape, the [B, T, hidden] keys), the nodes in between)."""
+    k_t = standard_producer(tensor)
+    if k_t is None or not _sole(graph, tensor):
+        return None
+    if k_t.op == "Transpose":
+        key = _heads_of(graph, k_t, (0, 2, 3, 1))
+        if key is not None:
+            return key, [k_t]
+        inner = _producer(graph, k_t, 0, "Transpose")
+        if perm_of(k_t, 4) == (0, 1, 3, 2) and inner is not None:
+            key = _heads_of(graph, inner, (0, 2, 1, 3))
+            return (key, [k_t, inner]) if key is not None else None
+        return None
+    if k_t.op != "Reshape":
+        return None
+    swap = _producer(graph, k_t, 0, "Transpose")
+    flat = None if swap is None or perm_of(swap, 3) != (0, 2, 1) else _producer(graph, swap, 0, "Reshape")
+    heads_t = None if flat is None else _producer(graph, flat, 0, "Transpose")
+    if heads_t is None:
+        return None
+    split, flat_shape, out = graph.shape(heads_t.outputs[0]), graph.shape(flat.outputs[0]), graph.shape(k_t.outputs[0])
+    if split is None or len(split) != 4 or flat_shape != (split[0] * split[1], split[2], split[3]) or out != (
+            split[0], split[1], split[3], split[2]):
+        return None
+    key = _heads_of(graph, heads_t, (0, 2, 1, 3))
+    return (key, [k_t, swap, flat, heads_t]) if key is not None else None
+
+
+class AttentionFusion(Rule):
+    """Replaces multi-head attention on [B, S, hidden] queries, keys and values with onnxruntime's `MultiHeadAttention`.
+
+    An additive mask on the scores (`Softmax(s * Q.K^T + mask)`, as exporters write `attention_mask`) becomes its
+    `attention_bias`; the exporters' NaN guard after the Softmax is kept on the fused output."""
+
+    name = "attention-fusion"
+    category = "fusion"
+    root_ops = ("Reshape",)
+    contrib = True
+
+    def _pattern(self, graph: Graph, node: gs.Node):
+        """(nodes, q, k, v, mask, guard, heads, scale) of `Reshape(Transpose(Softmax(s * Q.K^T [+ mask]).V))` split
+        into heads, or a reason."""
+        merge = _producer(graph, node, 0, "Transpose")
+        if merge is None or perm_of(merge, 4) != (0, 2, 1, 3):
+            return "not a Reshape of heads transposed back ([B, H, S, Dh] -> [B, S, H, Dh])"
+        context, kept = _producer(graph, merge, 0, "MatMul"), []
+        if context is None and (same := _producer(graph, merge, 0, "Reshape")) is not None and _keeps_shape(graph, same):
+            context, kept = _producer(graph, same, 0, "MatMul"), [same]  # TorchScript's reshape to [B, -1, S, Dh]
+        if context is None:
+            return "the heads are not a MatMul of probabilities and values"
+        softmax, guard = _producer(graph, context, 0, "Softmax"), []
+        if softmax is None and (found := _nan_guard(graph, context)) is not None:
+            softmax, guard = found
+        if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
+            return "the probabilities are not a Softmax over the last axis"
+        mask, mask_nodes, sides = None, [], [softmax.inputs[0]]
+        add = _producer(graph, softmax, 0, "Add")
+        if add is not None:
+            mask_nodes, sides = [add], list(add.inputs)
+        for i, side in enumerate(sides):
+            scores, scale, scale_nodes = _scaled_operand(graph, side)
+            qk = standard_producer(scores)
+            if qk is not None and qk.op == "MatMul" and _sole(graph, scores):
+                mask = add.inputs[1 - i] if add is not None else None
+                break
+        else:
+            return "something other than a scale and an additive mask lies between the scores and the Softmax"
+        q_in, q_scale, q_nodes = _scaled_operand(graph, qk.inputs[0])
+        k_in, k_scale, k_nodes = _scaled_operand(graph, qk.inputs[1])
+        q_t, v_t = standard_producer(q_in), standard_producer(context.inputs[1])
+        if any(t is None or t.op != "Transpose" for t in (q_t, v_t)) or not _sole(graph, k_in):
+            return "Q, K or V is not a Transpose of heads"
+        query, value, keys = _heads_of(graph, q_t, (0, 2, 1, 3)), _heads_of(graph, v_t, (0, 2, 1, 3)), \
+            _keys_transposed(graph, k_in)
+        if query is None or keys is None or value is None:
+            return "Q, K or V is not a private [B, S, hidden] tensor split into heads"
+        key, k_nodes = keys[0], [*k_nodes, *keys[1]]
+        shapes = [graph.shape(t) for t in (query[1], key[1], value[1], node.outputs[0])]
+        heads = graph.shape(query[0].outputs[0])[2]
+        if not (shapes[0][0] == shapes[1][0] == shapes[2][0] and shapes[1][1] == shapes[2][1]
+                and shapes[0][2] == shapes[1][2] == shapes[2][2] and shapes[3] == shapes[0]
+                and graph.shape(key[0].outputs[0])[2] == graph.shape(value[0].outputs[0])[2] == heads):
+            return "Q, K, V and the output disagree on batch, length, hidden size or heads"
+        if dynamic_axes(graph, node.outputs[0]) != dynamic_axes(graph, query[1]):
+            return "the output does not follow the query's dynamic dimensions"
+        if not all(is_float(t) and np.dtype(t.dtype) == np.float32 for t in (query[1], key[1], value[1])):
+            return "not float32"
+        if mask is not None:
+            batch, length, total = shapes[0][0], shapes[0][1], shapes[1][1]
+            m = graph.shape(mask)
+            if (m is None or len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, heads) or m[2:] != (length, total)
+                    or not is_float(mask) or np.dtype(mask.dtype) != np.float32):
+                return "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"
+        nodes = [node, merge, *kept, context, *guard, softmax, *mask_nodes, *scale_nodes, qk, *q_nodes, q_t, query[0],
+                 *k_nodes, key[0], v_t, value[0]]
+        if not _shape_readers_die(graph, nodes):
+            return "a tensor inside the attention is read elsewhere (other than by shape computations it feeds)"
+        return (nodes, query[1], key[1], value[1], mask, bool(guard), heads,
+                float(np.float32(scale * q_scale * k_scale)))
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        found = self._pattern(graph, node)
+        if isinstance(found, str):
+            return self.no(node, found)
+        return self.match(found[0], heads=found[6], scale=found[7], masked=found[4] is not None, guarded=found[5])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        _, q, k, v, mask, guard, heads, scale = self._pattern(graph, node)
+        inputs = [q, k, v] if mask is None else [q, k, v, gs.Variable.empty(), gs.Variable.empty(), mask]
+        out = emit(graph, "MultiHeadAttention", inputs, {"num_heads": heads, "scale": scale}, domain=MS)
+        if guard:  # a query row with every key masked: the Softmax gives NaN there, the guard 0
+            out.dtype, out.shape = node.outputs[0].dtype, node.outputs[0].shape
+            zero = graph.add_constant(np.zeros((), np.float32), "zero")
+            out = emit(graph, "Where", [emit(graph, "IsNaN", [out]), zero, out])
+        replace_typed(graph, node.outputs[0], out)
+
+
+
+RULES = (AttentionFusion(),)
