@@ -55,6 +55,10 @@ class Result:
         verification: the rewritten model checked against the input (None when no rewrite was found).
         gate: the final measurement's speedup of the rewritten model over the input, which decided whether it was
             kept (None when no verified rewrite reached it); kept or not, it stays on record here.
+        not_reached: what the search's time limit left undone, one sentence each (a cost table only partly measured,
+            rollouts or expansions not made, candidates not measured); empty when the search finished its work.
+        cost_table: where the search's cost-model group costs came from (`CostModel.coverage`; None for a search
+            without a cost model).
     """
 
     graph: Graph
@@ -73,6 +77,8 @@ class Result:
     source: str | None = None
     gate: Ratio | None = None
     candidates_unmeasured: int = 0
+    not_reached: list[str] = field(default_factory=list)
+    cost_table: dict | None = None
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -113,6 +119,8 @@ class Result:
             "candidates_measured": self.candidates_measured,
             "candidates_estimated": self.candidates_estimated,
             "candidates_unmeasured": self.candidates_unmeasured,
+            "not_reached": self.not_reached,
+            "cost_table": self.cost_table,
             "settings": self.settings,
         }
 
@@ -175,6 +183,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
                   candidates_unmeasured=search.candidates_unmeasured,
+                  not_reached=list(search.not_reached), cost_table=search.cost_table,
                   settings=recorded, source=graph.source)
 
     verification, keep, gate = None, False, None
@@ -309,6 +318,8 @@ def format_report(result: Result) -> str:
     lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
                  f"{result.candidates_measured} candidates measured end to end, "
                  f"{result.candidates_estimated} estimated")
+    if result.not_reached:
+        lines.append(f"  not reached {'; '.join(result.not_reached)}")
     tuned = s.get("finetune")
     if tuned:
         where = tuned.get("environment", "cost model")

@@ -65,18 +65,19 @@ def finetune(policy, graph: Graph, steps: int, *, settings=None, rules=None, cos
     adapted = copy.deepcopy(policy).train()
     config = Config(num_steps=ROLLOUT_STEPS, num_minibatches=4, anneal_lr=False,  # otherwise training's settings
                     max_episode_steps=25, seed=seed)
-    cost_model = cost_model or CostModel(settings)
-    env = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings,
-                     max_episode_steps=config.max_episode_steps)
-    learner = Learner(adapted, env, config, np.random.default_rng(seed))
+    cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     updates, stop = 0, "steps done"
-    while updates * ROLLOUT_STEPS < steps:
-        if deadline is not None and time.monotonic() > deadline:
-            stop = "time limit"
-            break
-        learner.collect()
-        learner.update()
-        updates += 1
+    with cost_model.measuring_until(deadline):  # past it, groups the table lacks are estimated, not measured
+        env = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings,
+                         max_episode_steps=config.max_episode_steps)
+        learner = Learner(adapted, env, config, np.random.default_rng(seed))
+        while updates * ROLLOUT_STEPS < steps:
+            if deadline is not None and time.monotonic() > deadline:
+                stop = "time limit"
+                break
+            learner.collect()
+            learner.update()
+            updates += 1
     cost_model.save()
     returns = [e["return"] for e in learner.episodes]
     quarter = max(1, len(returns) // 4)
@@ -110,8 +111,9 @@ def finetune_in_dream(actor, graph, steps: int, *, settings=None, rules=None, co
     torch.manual_seed(seed)
     agent = copy.deepcopy(actor.agent)
     cfg = actor.config
-    obs, _ = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model or CostModel(settings),
-                        settings=settings).reset()
+    cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
+    with cost_model.measuring_until(deadline):  # past it, groups the table lacks are estimated, not measured
+        obs, _ = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings).reset()
     with torch.no_grad():
         from rlflow.controller.policy import obs_to_torch
 

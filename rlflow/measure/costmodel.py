@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
@@ -49,6 +50,7 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from rlflow.graph import Graph, external_reference, max_ir_version
+from rlflow.measure.group_shapes import Shapes
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, inference_session, session_options
 
@@ -85,6 +87,11 @@ REPLICA_TARGET_S = 1e-3
 
 MAX_REPLICAS = 32
 """Most copies of one group timed together (bounds the model built for a microsecond-sized group)."""
+
+MAX_REPLICA_BYTES = 64 << 20
+"""Most bytes of weights a replicated model holds: a fast group that reads a large table is timed with fewer copies
+(one at least).  BERT's word embedding (a Gather from 47 MB) as 32 copies made a 1.5 GB model whose sessions took 35 s
+to build, most of a cold table's filling on BERT L6/H384."""
 
 MAX_GROUP = 16
 """Most non-static nodes in one fusion group (bounds measurement size and keeps keys reusable)."""
@@ -129,6 +136,7 @@ class CostStats:
     canonical_hits: int = 0
     measure_seconds: float = 0.0
     failures: int = 0
+    estimated: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -142,7 +150,7 @@ class _Group:
     members: list  # the non-static nodes (the ones that run)
     anchor: str
     key: str
-    shapes: "_Shapes"
+    shapes: "Shapes"
 
 
 def machine_id() -> str:
@@ -180,6 +188,12 @@ class CostModel:
     The operators are measured as onnxruntime fusion groups (see the module docstring), so nodes that onnxruntime fuses
     into a neighbour cost 0 and the group's cost is carried by its anchor (the compute operator, else the first node).
 
+    A search with a time limit sets `deadline` (`measuring_until`): past it, no group is measured any more, and a
+    group the table lacks costs what `rlflow.measure.fallback` estimates from its size instead (the same estimate for
+    the same configuration until the block ends, so that graph costs stay comparable; estimates are never written to
+    the table).  Within one graph, groups are looked up first and the misses measured largest estimate
+    first, so the time goes to the groups that weigh most.  `coverage` says what was measured and what estimated.
+
     Args:
         settings: the session settings estimates are for (default: CPU, 1 thread, ORT_ENABLE_ALL).
         cache_dir: folder of the JSON table (default `default_cache_dir()`).
@@ -199,6 +213,11 @@ class CostModel:
         self._failed: set[str] = set()  # groups that cannot be measured (kept in memory only: a fix may come)
         self._lock = threading.Lock()
         self._gauge: _Gauge | None = None
+        self.deadline: float | None = None
+        self._fallback = None  # rlflow.measure.fallback.Fallback, made when a deadline is first set
+        self._unmeasured: dict[str, float] = {}  # group key -> the estimate it got when time had run out
+        self._seen: dict[str, str] = {}  # group key -> table | measured | estimated | failed, while a deadline is set
+        self._durations: list[float] = []  # seconds of each group measurement (for predicting the next)
         import onnxruntime as ort
 
         self.key = {
@@ -217,14 +236,77 @@ class CostModel:
     # ------------------------------------------------------------------------------------------------ public
     def graph_cost(self, graph: Graph) -> float:
         """Estimated end-to-end latency of `graph` in milliseconds."""
-        return float(sum(self._group_cost(graph, g) for g in self.groups(graph)))
+        return float(sum(self._costs(graph, self.groups(graph))))
 
     def node_costs(self, graph: Graph) -> dict[str, float]:
         """Node name -> estimated ms: a group's cost on its anchor, 0 for the nodes fused into it and static nodes."""
         costs = {node.name: 0.0 for node in graph.gs.nodes}
-        for group in self.groups(graph):
-            costs[group.anchor] += self._group_cost(graph, group)
+        groups = self.groups(graph)
+        for group, cost in zip(groups, self._costs(graph, groups)):
+            costs[group.anchor] += cost
         return costs
+
+    @contextmanager
+    def measuring_until(self, deadline: float | None):
+        """Within the block, no group measurement starts that would end after `deadline` (a `time.monotonic()`
+        value; None: no limit); the misses then are estimated (see the class docstring).  The outermost block starts
+        `coverage` afresh, and its estimates end with it: a later search may measure those groups."""
+        previous = self.deadline
+        if previous is None:
+            self._seen, self._unmeasured = {}, {}
+        self.deadline = deadline
+        if deadline is not None and self._fallback is None:
+            from rlflow.measure.fallback import Fallback
+
+            self._fallback = Fallback(self.settings.provider)
+        try:
+            yield self
+        finally:
+            self.deadline = previous
+            if previous is None:
+                self._unmeasured = {}
+
+    def coverage(self) -> dict:
+        """The distinct group configurations met while a deadline was set, by where their cost came from: `table`
+        (cached before), `measured` (now), `estimated` (no time left to measure), `failed` (cannot be measured), and
+        the estimate's source."""
+        counts = {"groups": len(self._seen), "table": 0, "measured": 0, "estimated": 0, "failed": 0}
+        for origin in self._seen.values():
+            counts[origin] += 1
+        counts["estimate"] = self._fallback.source if counts["estimated"] else None
+        return counts
+
+    def _costs(self, graph: Graph, groups: list[_Group]) -> list[float]:
+        """The cost of each group; with a deadline, the known ones first, then the misses largest estimate first."""
+        if self.deadline is None:
+            return [self._group_cost(graph, g) for g in groups]
+        known, misses = [], []
+        for i, group in enumerate(groups):
+            (misses if self._missing(group.key) else known).append(i)
+        if misses:
+            guess: dict[str, float] = {}
+            for i in misses:
+                if groups[i].key not in guess:
+                    guess[groups[i].key] = self._fallback(groups[i])
+            misses.sort(key=lambda i: -guess[groups[i].key])
+        costs = [0.0] * len(groups)
+        for i in known + misses:
+            costs[i] = self._group_cost(graph, groups[i])
+        return costs
+
+    def _missing(self, key: str) -> bool:
+        """Whether the table lacks the cost of this group configuration (and nothing else answers for it)."""
+        canon = self.table["groups"].get(key)
+        return ((canon is None or canon not in self.table["costs"]) and key not in self._failed
+                and key not in self._unmeasured)
+
+    def _out_of_time(self) -> bool:
+        """Whether a group measurement started now would end after the deadline (the median of the last ones)."""
+        if self.deadline is None:
+            return False
+        recent = sorted(self._durations[-9:])
+        typical = recent[len(recent) // 2] if recent else 0.0
+        return time.monotonic() + typical > self.deadline
 
     def save(self) -> None:
         """Writes the table atomically, merged with whatever another process wrote to the same file meanwhile."""
@@ -307,7 +389,7 @@ class CostModel:
                 if (op in PROLOGUE and len(consumers) == 1 and consumers[0].op in MATMUL_LIKE
                         and (op == "Transpose" or _has_scalar_constant(node))):
                     union(index[id(consumers[0])], i)
-        shapes = _Shapes(graph)
+        shapes = Shapes(graph)
         members: dict[int, list[int]] = {}
         for i in range(len(nodes)):
             if i not in static:
@@ -330,21 +412,41 @@ class CostModel:
             cost = table["costs"].get(canon)
             if cost is not None:
                 self.stats.hits += 1
+                self._note(group, "table", cost)
                 return cost
         if group.key in self._failed:
             self.stats.hits += 1
             return 0.0
+        cost = self._unmeasured.get(group.key)
+        if cost is None and self._out_of_time():
+            cost = self._unmeasured[group.key] = self._fallback(group)
+            self._seen[group.key] = "estimated"
+        if cost is not None:
+            self.stats.estimated += 1
+            return cost
         self.stats.misses += 1
         start = time.perf_counter()
         try:
             cost = self._measure_group(graph, group)
+            self._note(group, "measured", cost)
         except Exception as exc:  # noqa: BLE001 - an unmeasurable group must not stop a search; it is logged
             self.stats.failures += 1
             self._failed.add(group.key)
+            self._note(group, "failed", None)
             log.warning("cost model: cannot measure group at %s (%s); counted as 0", group.anchor, exc)
             cost = 0.0
-        self.stats.measure_seconds += time.perf_counter() - start
+        self._durations.append(time.perf_counter() - start)
+        self.stats.measure_seconds += self._durations[-1]
         return cost
+
+    def _note(self, group: _Group, origin: str, cost: float | None) -> None:
+        """Records where a group's cost came from (for `coverage`) and shows it to the fallback estimate; only while
+        a deadline is set, so that an unlimited search pays nothing for it."""
+        if self.deadline is None or group.key in self._seen:
+            return
+        self._seen[group.key] = origin
+        if cost is not None:
+            self._fallback.learn(group.key, group, cost)
 
     def _measure_group(self, graph: Graph, group: _Group) -> float:
         model = _isolated_model(graph, group)
@@ -389,11 +491,14 @@ class CostModel:
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
                for node in model.graph.node for a in node.attribute):
             return 1  # a subgraph may name outer tensors, which the copies rename
+        most = MAX_REPLICA_BYTES // max(_weight_bytes(model), 1)
+        if most <= 1:
+            return 1
         runner = Runner(model, self.settings, random_inputs(model, 0))
         for _ in range(2):
             runner.run()
         once = min(runner.time(1) for _ in range(3))
-        return int(min(MAX_REPLICAS, max(1, math.ceil(REPLICA_TARGET_S / max(once, 1e-7)))))
+        return int(min(MAX_REPLICAS, most, max(1, math.ceil(REPLICA_TARGET_S / max(once, 1e-7)))))
 
     @property
     def gauge(self) -> "_Gauge":
@@ -573,7 +678,7 @@ def _attr_desc(value) -> str:
     return repr(value)
 
 
-def _group_key(shapes: "_Shapes", ordered: list, inside: set[int], outputs: set[int]) -> str:
+def _group_key(shapes: "Shapes", ordered: list, inside: set[int], outputs: set[int]) -> str:
     """The configuration of a group: structure, attributes, shapes and dtypes; not names, not weight values."""
     local: dict[int, tuple] = {}
     externals: dict[int, int] = {}
@@ -648,6 +753,15 @@ def _isolated_model(graph: Graph, group: _Group) -> onnx.ModelProto:
     return helper.make_model(body, opset_imports=opsets, ir_version=max_ir_version())
 
 
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of a model's initializers, those left in external files included."""
+    total = 0
+    for tensor in model.graph.initializer:
+        itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        total += int(np.prod(tensor.dims, dtype=np.int64)) * itemsize
+    return total
+
+
 def _replicated(model: onnx.ModelProto, copies: int) -> onnx.ModelProto:
     """`copies` copies of an isolated group side by side in one model, each with its own inputs, weights and outputs
     (names suffixed ``__rN``), so that onnxruntime can neither share nor merge their nodes."""
@@ -676,106 +790,12 @@ def _replicated(model: onnx.ModelProto, copies: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
 
 
-def _value_info(shapes: "_Shapes", tensor) -> onnx.ValueInfoProto:
+def _value_info(shapes: "Shapes", tensor) -> onnx.ValueInfoProto:
     shape, dtype = shapes.get(tensor)
     if dtype is None:
         return helper.make_empty_tensor_value_info(tensor.name)
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     return helper.make_tensor_value_info(tensor.name, elem, list(shape) if shape is not None else None)
-
-
-class _Shapes:
-    """Shapes and dtypes of a graph's tensors, completed where onnx shape inference stops at contrib operators."""
-
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self._completed: dict | None = None
-
-    def get(self, tensor) -> tuple[tuple[int, ...] | None, object]:
-        shape, dtype = self.graph.shape(tensor), tensor.dtype
-        if (shape is None or dtype is None) and not isinstance(tensor, gs.Constant):
-            if self._completed is None:
-                self._completed = _complete_shapes(self.graph)
-            more_shape, more_dtype = self._completed.get(tensor.name, (None, None))
-            shape = shape if shape is not None else more_shape
-            dtype = dtype if dtype is not None else more_dtype
-        return shape, dtype
-
-
-def _standin(node: onnx.NodeProto, ranks: dict[str, int]) -> list[onnx.NodeProto]:
-    """Standard operators with the output shapes of an onnxruntime contrib operator, for onnx shape inference."""
-    op, ins, outs = node.op_type, list(node.input), list(node.output)
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if op in ("Gelu", "FastGelu", "QuickGelu", "BiasGelu", "BiasSoftmax"):
-        present = [i for i in ins if i]
-        return [helper.make_node("Add" if len(present) > 1 else "Identity", present[:2], outs[:1])]
-    if op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization"):
-        nodes = [helper.make_node("Add", ins[:2], [outs[0]])]
-        nodes += [helper.make_node("Identity", [outs[0]], [o]) for o in outs[1:] if o]
-        return nodes
-    if op in ("FusedConv", "NhwcFusedConv"):
-        keep = {k: v for k, v in attrs.items() if not k.startswith("activation")}
-        return [helper.make_node("Conv", [i for i in ins[:3]], outs[:1], **keep)]
-    if op == "FusedGemm":
-        keep = {k: v for k, v in attrs.items() if k in ("alpha", "beta", "transA", "transB")}
-        return [helper.make_node("Gemm", ins[:3], outs[:1], **keep)]
-    if op == "FusedMatMul":
-        nodes, operands = [], []
-        for name, flag in ((ins[0], attrs.get("transA", 0)), (ins[1], attrs.get("transB", 0))):
-            rank = ranks.get(name)
-            if flag and rank and rank >= 2:
-                perm = list(range(rank - 2)) + [rank - 1, rank - 2]
-                nodes.append(helper.make_node("Transpose", [name], [name + "__t"], perm=perm))
-                name = name + "__t"
-            operands.append(name)
-        return nodes + [helper.make_node("MatMul", operands, outs[:1])]
-    return [node]
-
-
-def _complete_shapes(graph: Graph) -> dict[str, tuple]:
-    """Shapes and dtypes of every tensor, by onnx shape inference with contrib operators replaced by stand-ins."""
-    from onnx import shape_inference
-
-    inputs, initializers, ranks = [], [], {}
-    for tensor in graph.gs.inputs:
-        shape = graph.shape(tensor)
-        if shape is not None and tensor.dtype is not None:
-            inputs.append(helper.make_tensor_value_info(tensor.name, helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype)),
-                                                        list(shape)))
-    for tensor in graph.gs.tensors().values():
-        if isinstance(tensor, gs.Constant):
-            values = tensor.values
-            if values.size <= 1024:
-                initializers.append(numpy_helper.from_array(np.require(np.asarray(values), requirements="C"), tensor.name))
-            else:
-                inputs.append(helper.make_tensor_value_info(tensor.name, helper.np_dtype_to_tensor_dtype(values.dtype),
-                                                            list(values.shape)))
-        else:
-            shape = graph.shape(tensor)
-            if shape is not None:
-                ranks[tensor.name] = len(shape)
-    nodes = []
-    for node in graph.gs.nodes:
-        proto = OnnxExporter.export_node(node)
-        nodes.extend(_standin(proto, ranks) if node.domain == "com.microsoft" else [proto])
-    outputs = [helper.make_empty_tensor_value_info(t.name) for t in graph.gs.outputs]
-    body = helper.make_graph(nodes, "standin", inputs, outputs, initializer=initializers)
-    opsets = [helper.make_opsetid(d, v) for d, v in dict(graph.model_info["opset_import"]).items()]
-    model = helper.make_model(body, opset_imports=opsets, ir_version=max_ir_version())
-    try:
-        inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
-    except Exception as exc:  # noqa: BLE001 - best effort
-        log.debug("cost model: shape completion failed (%s)", exc)
-        return {}
-    found = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
-        ttype = vi.type.tensor_type
-        if not ttype.elem_type or not ttype.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
-        if None not in dims:
-            found[vi.name] = (tuple(dims), helper.tensor_dtype_to_np_dtype(ttype.elem_type))
-    return found
 
 
 def _optimized_key(model: onnx.ModelProto) -> str:

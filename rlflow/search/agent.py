@@ -26,7 +26,8 @@ from rlflow.errors import InputError
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import Candidate, SearchResult, select_measured
+from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measuring_until,
+                                     select_measured)
 
 DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "agents" / "default.pt"
 """The shipped agent (package data): the world-model agent of `make agent` (see the README)."""
@@ -118,41 +119,65 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
 
     config = config or AgentConfig()
     start = time.monotonic()
-    search_deadline = start + 0.5 * config.time_limit
+    search_deadline = start + ROLLOUT_SHARE * config.time_limit
     actor = as_actor(policy if policy is not None else load_agent(config.agent))
-    cost_model = cost_model or CostModel(settings)
-    env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings, max_episode_steps=config.length)
+    cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     generator = torch.Generator().manual_seed(config.seed)
     visited: dict[str, tuple[float, Candidate]] = {}
     endings: list[str] = []
-    stop = "all rollouts done"
-    with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:
-        for rollout in range(config.rollouts):
-            if time.monotonic() > search_deadline:
-                stop = "time limit"
-                break
-            endings.append(_play(env, actor, greedy=rollout == 0, temperature=config.temperature,
-                                 generator=generator, deadline=search_deadline, visited=visited))
-            bar.update(1)
+    stop, steps = "all rollouts done", 0
+    loaded = time.monotonic()
+    with measuring_until(cost_model, loaded + COST_TABLE_SHARE * max(search_deadline - loaded, 0.0)):
+        env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings,
+                         max_episode_steps=config.length)
+        with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:
+            for rollout in range(config.rollouts):
+                if time.monotonic() > search_deadline:
+                    stop = "time limit"
+                    break
+                ending, taken = _play(env, actor, greedy=rollout == 0, temperature=config.temperature,
+                                      generator=generator, deadline=search_deadline, visited=visited)
+                endings.append(ending)
+                steps += taken
+                bar.update(1)
+        original_cost = cost_model.graph_cost(graph)
     cost_model.save()
-    original_cost = cost_model.graph_cost(graph)
+    table = coverage(cost_model)
+    late = cost_table_lines(table)
+    if len(endings) < config.rollouts:
+        late.append(f"agent: {len(endings)} of {config.rollouts} rollouts played ({steps} rewrites) before the "
+                    f"limit{'; the last one cut short' if time.monotonic() > search_deadline and endings else ''}")
     pool = _pool(visited, endings, original_cost, graph.fingerprint(), config.top_k)
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster",
-                            candidates_estimated=len(visited))
+                            candidates_estimated=len(visited), not_reached=late, cost_table=table)
     seconds_left = start + config.time_limit - time.monotonic()
     affordable = _affordable(seconds_left, original_cost, config.rounds, len(pool))
     if not affordable:  # a large model: measuring even one candidate would overrun the limit
         needed = _screen_seconds(original_cost, config.rounds, len(pool))
+        late.append(f"measurement: none of {len(pool)} candidates measured end to end before the limit")
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no time left to measure a candidate (one takes about "
                             f"{_screen_seconds(original_cost, config.rounds, 1):.0f} s, {max(seconds_left, 0):.0f} s "
                             f"were left; a time limit of about {2 * needed:.0f} s would measure {len(pool)})",
-                            candidates_estimated=len(visited), candidates_unmeasured=len(pool))
-    return select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
-                           deadline=start + config.time_limit, start=start, stop_reason=stop,
-                           estimated=len(visited))
+                            candidates_estimated=len(visited), candidates_unmeasured=len(pool), not_reached=late,
+                            cost_table=table)
+    result = select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
+                             deadline=start + config.time_limit, start=start, stop_reason=stop,
+                             estimated=len(visited))
+    result.not_reached[:0] = late
+    result.cost_table = table
+    return result
+
+
+ROLLOUT_SHARE = 0.5
+"""Share of the time limit, from the search's start, in which rollouts start; the rest measures their graphs."""
+
+COST_TABLE_SHARE = 0.5
+"""Share of the rollout time left once the agent is loaded in which groups the cost table lacks are measured; past it
+they are estimated from their size (`CostModel.measuring_until`), so that on a model never seen the rollouts still get
+the rest: a cold table of BERT L6/H384 takes 6 s to fill (and loading the agent 2-3 s of a 10 s limit)."""
 
 
 SCREEN_OVERHEAD_RUNS = 10
@@ -170,28 +195,29 @@ def _affordable(seconds_left: float, estimated_ms: float, rounds: int, wanted: i
 
 
 def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: float,
-          visited: dict[str, tuple[float, Candidate]]) -> str:
+          visited: dict[str, tuple[float, Candidate]]) -> tuple[str, int]:
     """One episode; every graph reached goes into `visited` (fingerprint -> (estimated cost, candidate)).
 
-    Returns the fingerprint of the graph the episode ended on.
+    Returns the fingerprint of the graph the episode ended on, and the rewrites it applied.
     """
     from rlflow.controller.unvisited import choose_unvisited
 
     obs, _ = env.reset(options={"model": 0})
     actor.reset()
     seen = {env.fingerprint}
-    done = False
+    done, taken = False, 0
     while not done and time.monotonic() < deadline:
         action = choose_unvisited(env, actor.logits(obs), seen, greedy=greedy, may_terminate=greedy,
                                   temperature=temperature, generator=generator)
         actor.observe(action, obs)
         obs, _, terminated, truncated, info = env.step(action)
+        taken += 1
         done = terminated or truncated
         if env.fingerprint not in seen:
             seen.add(env.fingerprint)
             visited.setdefault(env.fingerprint, (info["cost"], Candidate(env.graph, tuple(env.applied),
                                                                          env.fingerprint)))
-    return env.fingerprint
+    return env.fingerprint, taken
 
 
 def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], original_cost: float,

@@ -8,6 +8,7 @@ random walks 59.8-61.7 s on bert-base.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class SearchResult:
         candidates_estimated: graphs scored with the cost model only.
         candidates_unmeasured: graphs the search would have measured but had no time left for (a longer limit might
             have found more).
+        not_reached: what the time limit left undone, one sentence each (empty when the search finished its work).
+        cost_table: where the cost model's group costs came from while the search ran (`CostModel.coverage`), for a
+            search that uses one.
     """
 
     graph: Graph
@@ -58,6 +62,8 @@ class SearchResult:
     steps: list[dict] = field(default_factory=list)
     candidates_estimated: int = 0
     candidates_unmeasured: int = 0
+    not_reached: list[str] = field(default_factory=list)
+    cost_table: dict | None = None
 
 
 def try_apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph | None:
@@ -97,6 +103,41 @@ def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[s
            deadline: float | None = None) -> list[Candidate]:
     """`children` as a list."""
     return list(children(parent, rules, seen, deadline))
+
+
+EVERYWHERE_LIMIT = 48
+"""Rewrites at most in one `everywhere` candidate (a rule that keeps creating matches of itself stops there)."""
+
+
+def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
+               deadline: float | None = None) -> Iterator[Candidate]:
+    """For each rule that matches `parent` in two places or more: the graph with it applied wherever it matches (found
+    again after each rewrite, which moves the other matches' nodes).
+
+    A network repeats its layers, so one decision usually holds for all of them; and the gain of fusing every layer's
+    attention is what a measurement can tell from noise, where one layer's (1-3% of a small transformer) is not.
+    """
+    seen = seen if seen is not None else {parent.fingerprint}
+    counts: dict[str, int] = {}
+    for match in find_matches(parent.graph, rules):
+        counts[match.rule] = counts.get(match.rule, 0) + 1
+    for rule in rules:
+        if counts.get(rule.name, 0) < 2:
+            continue
+        graph, applied = parent.graph, list(parent.applied)
+        while len(applied) - len(parent.applied) < EVERYWHERE_LIMIT:
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            step = next(((m, g) for m in rule.find(graph) if (g := try_apply(graph, m, rules)) is not None), None)
+            if step is None:
+                break
+            applied.append(step[0])
+            graph = step[1]
+        fingerprint = graph.fingerprint()
+        if len(applied) - len(parent.applied) < 2 or fingerprint in seen:
+            continue
+        seen.add(fingerprint)
+        yield Candidate(graph, tuple(applied), fingerprint)
 
 
 @dataclass
@@ -218,10 +259,36 @@ def select_measured(original: Graph, pool: Sequence[Candidate], settings: Sessio
         late = f" ({screening.unmeasured} of {len(pool)} not measured: no time left)" if screening.unmeasured else ""
         outcome = (f"best of {len(measured)} measured{late}: {best[1]}" if best else
                    f"no candidate measurably faster{late}")
+    late = ([f"measurement: {screening.unmeasured} of {len(pool)} candidates not measured end to end before the "
+             "limit"] if screening.unmeasured else [])
     if best is None:
         return SearchResult(original, [], len(measured), time.monotonic() - start, f"{stop_reason}; {outcome}",
-                            candidates_estimated=estimated, candidates_unmeasured=screening.unmeasured)
+                            candidates_estimated=estimated, candidates_unmeasured=screening.unmeasured,
+                            not_reached=late)
     candidate = best[0]
     steps = [{"rule": m.rule, "location": m.root} for m in candidate.applied]
     return SearchResult(candidate.graph, list(candidate.applied), len(measured), time.monotonic() - start,
-                        f"{stop_reason}; {outcome}", steps, estimated, screening.unmeasured)
+                        f"{stop_reason}; {outcome}", steps, estimated, screening.unmeasured, late)
+
+
+def measuring_until(cost_model, deadline: float | None):
+    """`cost_model.measuring_until(deadline)`, or nothing for a cost model without one (any object with `graph_cost`
+    and `save` serves a search)."""
+    limit = getattr(cost_model, "measuring_until", None)
+    return limit(deadline) if limit is not None else contextlib.nullcontext()
+
+
+def coverage(cost_model) -> dict | None:
+    """`cost_model.coverage()`, or None for a cost model without one."""
+    report = getattr(cost_model, "coverage", None)
+    return report() if report is not None else None
+
+
+def cost_table_lines(coverage: dict | None) -> list[str]:
+    """The `not_reached` sentence for a cost table the limit left unfilled (`CostModel.coverage`), or none."""
+    if not coverage or not coverage["estimated"]:
+        return []
+    cached = f", {coverage['table']} were in the table" if coverage["table"] else ""
+    return [f"cost table: {coverage['measured']} of {coverage['groups'] - coverage['table']} new operator groups "
+            f"measured before the limit{cached}; the other {coverage['estimated']} estimated from their size "
+            f"({coverage['estimate']})"]

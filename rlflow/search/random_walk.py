@@ -19,7 +19,8 @@ from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import Candidate, SearchResult, measurement_reserve, select_measured, try_apply
+from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measurement_reserve,
+                                     measuring_until, select_measured, try_apply)
 
 
 @dataclass
@@ -49,7 +50,7 @@ def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | 
     from rlflow.measure.costmodel import CostModel
 
     config = config or RandomConfig()
-    cost_model = cost_model or CostModel(settings)
+    cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     rng = np.random.default_rng(config.seed)
     start = time.monotonic()
     pace = Pace()
@@ -60,30 +61,39 @@ def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | 
     pool: list[tuple[float, int, Candidate]] = []
     pooled = {root_fingerprint}
     estimated, stop = 0, "all walks done"
-    with tqdm(total=config.walks, desc="random", unit="walk", disable=not progress, leave=False) as bar:
-        for _ in range(config.walks):
-            current = Candidate(graph, (), root_fingerprint)
-            for _ in range(config.length):
+    walked = 0
+    with measuring_until(cost_model, search_deadline):  # a cold table must not take the whole limit
+        with tqdm(total=config.walks, desc="random", unit="walk", disable=not progress, leave=False) as bar:
+            for _ in range(config.walks):
+                current = Candidate(graph, (), root_fingerprint)
+                for _ in range(config.length):
+                    if time.monotonic() > search_deadline:
+                        break
+                    matches = find_matches(current.graph, rules)
+                    if not matches:
+                        break
+                    match = matches[int(rng.integers(len(matches)))]
+                    child = try_apply(current.graph, match, rules)
+                    if child is None:
+                        continue
+                    current = Candidate(child, current.applied + (match,), child.fingerprint())
+                    if current.fingerprint in pooled:
+                        continue
+                    pooled.add(current.fingerprint)
+                    estimated += 1
+                    pool = heapq.nsmallest(config.top_k, pool + [(cost_model.graph_cost(child), next(order), current)])
+                bar.update(1)
+                walked += 1
                 if time.monotonic() > search_deadline:
+                    stop = "time limit"
                     break
-                matches = find_matches(current.graph, rules)
-                if not matches:
-                    break
-                match = matches[int(rng.integers(len(matches)))]
-                child = try_apply(current.graph, match, rules)
-                if child is None:
-                    continue
-                current = Candidate(child, current.applied + (match,), child.fingerprint())
-                if current.fingerprint in pooled:
-                    continue
-                pooled.add(current.fingerprint)
-                estimated += 1
-                pool = heapq.nsmallest(config.top_k, pool + [(cost_model.graph_cost(child), next(order), current)])
-            bar.update(1)
-            if time.monotonic() > search_deadline:
-                stop = "time limit"
-                break
     cost_model.save()
-    return select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
-                           deadline=start + config.time_limit, start=start, stop_reason=stop, estimated=estimated,
-                           pace=pace)
+    result = select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
+                             deadline=start + config.time_limit, start=start, stop_reason=stop, estimated=estimated,
+                             pace=pace)
+    result.cost_table = coverage(cost_model)
+    late = cost_table_lines(result.cost_table)
+    if stop == "time limit":
+        late.append(f"random: {walked} of {config.walks} walks before the limit")
+    result.not_reached[:0] = late
+    return result

@@ -23,7 +23,8 @@ from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import Candidate, SearchResult, children, measurement_reserve, select_measured
+from rlflow.search.candidates import (Candidate, SearchResult, children, cost_table_lines, coverage,
+                                     measurement_reserve, measuring_until, select_measured)
 
 
 @dataclass
@@ -56,44 +57,52 @@ def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = No
     from rlflow.measure.costmodel import CostModel
 
     config = config or TasoConfig()
-    cost_model = cost_model or CostModel(settings)
+    cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     start = time.monotonic()
     pace = Pace()
     search_deadline = start + config.time_limit - measurement_reserve(graph, settings, config.time_limit, pace,
                                                                       config.seed)
-    root = Candidate(graph, (), graph.fingerprint())
-    best_cost = cost_model.graph_cost(graph)
-    order = itertools.count()
-    queue = [(best_cost, next(order), root)]
-    seen = {root.fingerprint}
-    pool: list[tuple[float, int, Candidate]] = []  # the top_k cheapest rewritten graphs
-    expanded, estimated = 0, 0
-    with tqdm(total=config.budget, desc="taso", unit="graph", disable=not progress, leave=False) as bar:
-        while True:
-            stop = _stop(expanded, config.budget, queue, search_deadline)
-            if stop:
-                break
-            cost, _, parent = heapq.heappop(queue)
-            if cost > config.alpha * best_cost:
-                continue
-            expanded += 1
-            bar.update(1)
-            for child in children(parent, rules, seen, search_deadline):  # estimated as they come: see `children`
-                if len(child.graph) > config.max_growth * len(graph):
+    with measuring_until(cost_model, search_deadline):  # a cold table must not take the whole limit
+        root = Candidate(graph, (), graph.fingerprint())
+        best_cost = cost_model.graph_cost(graph)
+        order = itertools.count()
+        queue = [(best_cost, next(order), root)]
+        seen = {root.fingerprint}
+        pool: list[tuple[float, int, Candidate]] = []  # the top_k cheapest rewritten graphs
+        expanded, estimated = 0, 0
+        with tqdm(total=config.budget, desc="taso", unit="graph", disable=not progress, leave=False) as bar:
+            while True:
+                stop = _stop(expanded, config.budget, queue, search_deadline)
+                if stop:
+                    break
+                cost, _, parent = heapq.heappop(queue)
+                if cost > config.alpha * best_cost:
                     continue
-                child_cost = cost_model.graph_cost(child.graph)
-                estimated += 1
-                entry = (child_cost, next(order), child)
-                if child_cost < best_cost:
-                    best_cost = child_cost
-                    bar.set_postfix_str(f"best {best_cost:.3f} ms (estimated)")
-                if child_cost < config.alpha * best_cost:
-                    heapq.heappush(queue, entry)
-                pool = heapq.nsmallest(config.top_k, pool + [entry])
+                expanded += 1
+                bar.update(1)
+                for child in children(parent, rules, seen, search_deadline):  # estimated as they come: see `children`
+                    if len(child.graph) > config.max_growth * len(graph):
+                        continue
+                    child_cost = cost_model.graph_cost(child.graph)
+                    estimated += 1
+                    entry = (child_cost, next(order), child)
+                    if child_cost < best_cost:
+                        best_cost = child_cost
+                        bar.set_postfix_str(f"best {best_cost:.3f} ms (estimated)")
+                    if child_cost < config.alpha * best_cost:
+                        heapq.heappush(queue, entry)
+                    pool = heapq.nsmallest(config.top_k, pool + [entry])
     cost_model.save()
-    return select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
-                           deadline=start + config.time_limit, start=start,
-                           stop_reason=f"{stop} after {expanded} expanded", estimated=estimated, pace=pace)
+    result = select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
+                             deadline=start + config.time_limit, start=start,
+                             stop_reason=f"{stop} after {expanded} expanded", estimated=estimated, pace=pace)
+    result.cost_table = coverage(cost_model)
+    late = cost_table_lines(result.cost_table)
+    if stop == "time limit":
+        late.append(f"taso: stopped at the limit after {expanded} of at most {config.budget} graphs expanded, "
+                    f"{len(queue)} left in the queue")
+    result.not_reached[:0] = late
+    return result
 
 
 def _stop(expanded: int, budget: int, queue: list, deadline: float) -> str | None:
