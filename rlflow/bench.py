@@ -33,6 +33,7 @@ from rlflow.measure.timing import compare, time_model
 from rlflow.measure.verify import verify
 from rlflow.controller.ship import is_held_out
 from rlflow.optimize import METHODS, optimize, verification_shapes
+from rlflow.peers import PEERS, NotApplicable, peer_settings, peer_tools, zoo_hints
 
 log = logging.getLogger("rlflow")
 
@@ -45,7 +46,8 @@ class BenchConfig:
 
     Attributes:
         methods: rlflow search methods to run on every model.
-        peers: also run the peer tools (onnxsim, onnxoptimizer, onnxslim, onnxscript optimizer) when installed.
+        peers: also run the peer tools (`rlflow.peers.PEERS`: onnxsim, onnxoptimizer, onnxslim, the onnxscript
+            optimizer, onnxruntime's transformers optimizer) when installed.
         provider: execution provider (`auto`, `cpu`, `cuda`).
         threads: onnxruntime intra-op threads.
         time_limit: seconds of search per model and method (None: each method's default, `DEFAULT_TIME_LIMITS`).
@@ -94,6 +96,7 @@ class Row:
     rewrites: list[str] = field(default_factory=list)
     baseline_peak_fraction: float = float("nan")
     peak_fraction: float = float("nan")
+    peer_settings: dict = field(default_factory=dict)  # what a peer ran with (ort-transformers: type, heads, fusions)
 
 
 def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -144,33 +147,6 @@ def environment(settings: SessionSettings) -> dict:
             "provider": settings.provider}
 
 
-def _peer_tools() -> dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]]:
-    def onnxsim(model):
-        from onnxsim import simplify
-
-        simplified, ok = simplify(model)
-        if not ok:
-            raise RuntimeError("onnxsim's own check failed")
-        return simplified
-
-    def onnxoptimizer(model):
-        import onnxoptimizer as tool
-
-        return tool.optimize(model)
-
-    def onnxslim(model):
-        import onnxslim as tool
-
-        return tool.slim(model)
-
-    def onnxscript(model):
-        from onnxscript import optimizer
-
-        return optimizer.optimize(model)
-
-    return {"onnxsim": onnxsim, "onnxoptimizer": onnxoptimizer, "onnxslim": onnxslim, "onnxscript": onnxscript}
-
-
 def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
     """Benchmarks every model under every method (and peer); writes and returns the results."""
     unknown = [m for m in config.methods if m not in METHODS]
@@ -178,7 +154,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
         raise RlflowError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     peak = measure_peak(settings)
-    peers = _peer_tools() if config.peers else {}
+    peers = PEERS if config.peers else ()
     # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
     agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
     rows: list[Row] = []
@@ -192,6 +168,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 static = graph.to_model(static=True)
                 flops, params = count_flops(static), count_params(static)
                 warmups[model.stem] = warm_cost_table(graph, settings)
+                tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
             except RlflowError as exc:
                 for method in (*config.methods, *peers):
                     rows.append(Row(model.stem, method, "failed", f"load: {exc}"))
@@ -201,7 +178,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 bar.set_postfix_str(f"{model.stem} / {method}")
                 try:
                     if method in peers:
-                        row = _run_peer(graph, method, peers[method], settings, config)
+                        row = _run_peer(graph, method, tools[method], settings, config)
                     else:
                         row = _run_method(graph, method, settings, config)
                 except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
@@ -315,7 +292,10 @@ def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings
         output = tool(source)
     except ImportError:
         return Row(Path(graph.source or "graph").stem, name, "not installed", "pip install 'rlflow[peers]'", "peer")
+    except NotApplicable as exc:
+        return Row(Path(graph.source or "graph").stem, name, "not applicable", str(exc), "peer")
     seconds = time.monotonic() - start
+    tool_settings = peer_settings(output)
     output.ir_version = min(output.ir_version, max_ir_version())
     verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                           shapes=verification_shapes(graph)[:1])
@@ -325,7 +305,7 @@ def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings
                verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
                latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
                speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
-               max_rel_error=verification.max_rel_norm, seconds=seconds)
+               max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings)
 
 
 # ---------------------------------------------------------------------------------------------------- reports
@@ -340,7 +320,9 @@ def write_results(results: dict, out_dir: Path) -> None:
     writer = csv.DictWriter(buffer, fieldnames=CSV_FIELDS)
     writer.writeheader()
     for row in results["rows"]:
-        writer.writerow({**row, "rewrites": ";".join(row["rewrites"])})
+        writer.writerow({**row, "rewrites": ";".join(row["rewrites"]),
+                         "peer_settings": json.dumps(row["peer_settings"], sort_keys=True) if row.get("peer_settings")
+                         else ""})
     write_text_atomic(out_dir / "results.csv", buffer.getvalue())
     write_text_atomic(out_dir / "results.md", markdown_table(results))
     plot_results(results, out_dir)
@@ -398,7 +380,7 @@ def markdown_table(results: dict) -> str:
                 else "0 | | ")
         lines.append(f"| {method} | {a['models']} | {a['geomean_speedup']:.3f} | {a['slower']} | {a['below_0.99']} "
                      f"| {a['mean_seconds']:.1f} | {_fmt(a['mean_search_seconds'])} | {held} |")
-    return "\n".join(lines + _outcome_lines(results["rows"])) + "\n"
+    return "\n".join(lines + _outcome_lines(results["rows"]) + _peer_settings_lines(results["rows"])) + "\n"
 
 
 def outcome(row: dict) -> str:
@@ -425,6 +407,23 @@ def _outcome_lines(rows: Sequence[dict]) -> list[str]:
         detail = ", ".join(f"{r['model']} ({r['gate_speedup']:.3f})" for r in rejected)
         lines.append(f"| {method} | {count['rewritten']} | {len(rejected)}{': ' + detail if detail else ''} "
                      f"| {count['not verified']} | {count['out of time']} | {count['nothing found']} |")
+    return lines
+
+
+def _peer_settings_lines(rows: Sequence[dict]) -> list[str]:
+    """The settings each configurable peer ran with on each model (onnxruntime's transformers optimizer's model type,
+    heads, hidden size and where each came from, and the fused operators it reported)."""
+    chosen = [r for r in rows if r.get("peer_settings")]
+    if not chosen:
+        return []
+    lines = ["", "## Peer settings", "",
+             "As each peer ran; `source` says where model type, heads and hidden size came from (`zoo`: the zoo "
+             "entry's hints, `graph`: read from the graph, `optimizer`: 0 passed, detected by the tool itself); "
+             "`fused` counts the fused operators the tool reported in its output.", "",
+             "| model | peer | settings |", "| --- | --- | --- |"]
+    for r in chosen:
+        settings = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in sorted(r["peer_settings"].items()))
+        lines.append(f"| {r['model']} | {r['method']} | {settings.replace('|', '/')} |")
     return lines
 
 

@@ -89,7 +89,9 @@ def rules(model, input_shapes) -> None:
 @click.argument("models", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--methods", default="agent,greedy,taso,random", show_default=True,
               help="Comma-separated search methods.")
-@click.option("--peers", is_flag=True, help="Also run onnxsim, onnxoptimizer, onnxslim and the onnxscript optimizer.")
+@click.option("--peers", is_flag=True,
+              help="Also run onnxsim, onnxoptimizer, onnxslim, the onnxscript optimizer and onnxruntime's transformers "
+                   "optimizer (optimum's O2; transformers only, its settings recorded in the results).")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None,
@@ -129,20 +131,38 @@ def train(algo, options) -> None:
 
 @cli.group()
 def zoo() -> None:
-    """The model zoo: real architectures defined in PyTorch, exported to ONNX offline."""
+    """The model zoo: real architectures defined in PyTorch, exported to ONNX offline; its deployment section
+    (family deploy) exports Hugging Face transformers models as users do."""
+
+
+_ZOO_FAMILIES = click.Choice(["cnn", "transformer", "rnn", "deploy"])
 
 
 @zoo.command("list")
 @click.option("--tiny/--no-tiny", default=False, show_default=True, help="Include the small test variants.")
-def zoo_list(tiny) -> None:
-    """Name, parameters, FLOPs, node count and input shapes of every zoo model."""
+@click.option("--family", type=_ZOO_FAMILIES, default=None,
+              help="Only this family [default: every family; the deployment section last].")
+def zoo_list(tiny, family) -> None:
+    """Name, parameters, FLOPs, node count and input shapes of every zoo model.
+
+    Models not built yet are built into the cache first, except the deployment section's (family deploy), whose
+    figures show once `rlflow zoo build --family deploy` has built them.
+    """
     from rlflow import zoo as registry
 
-    click.echo(f"{'name':<22}{'family':<13}{'params':>12}{'GFLOPs':>10}{'nodes':>7}  inputs")
-    for name in registry.names(include_tiny=tiny):
-        row = registry.summary(name)
-        shapes = ", ".join(f"{k}:{list(v)}" for k, v in row["input_shapes"].items())
-        click.echo(f"{name:<22}{row['family']:<13}{row['params']:>12,}{row['flops'] / 1e9:>10.3f}{row['nodes']:>7}  {shapes}")
+    listed = registry.names(include_tiny=tiny, family=family)
+    if family is None:
+        listed += registry.names(family=registry.DEPLOY)
+    click.echo(f"{'name':<32}{'family':<13}{'params':>12}{'GFLOPs':>10}{'nodes':>7}  inputs")
+    for name in listed:
+        row = registry.summary(name, build_missing=registry.get(name).family != registry.DEPLOY)
+        items = [f"{k}:{list(v)}" for k, v in row["input_shapes"].items()]
+        shapes = ", ".join(items[:3] + ([f"... ({len(items) - 3} more)"] if len(items) > 3 else []))
+        if row["params"] is None:
+            figures = f"{'-':>12}{'-':>10}{'-':>7}"
+        else:
+            figures = f"{row['params']:>12,}{row['flops'] / 1e9:>10.3f}{row['nodes']:>7}"
+        click.echo(f"{name:<32}{row['family']:<13}{figures}  {shapes}")
 
 
 @zoo.command("build")
@@ -150,11 +170,13 @@ def zoo_list(tiny) -> None:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("models"), show_default=True)
 @click.option("--force", is_flag=True, help="Rebuild even when the definition is unchanged.")
 @click.option("--tiny/--no-tiny", default=False, show_default=True, help="With no NAMES: also build tiny variants.")
-def zoo_build(names, out, force, tiny) -> None:
-    """Build zoo models (all full-size ones by default) into --out."""
+@click.option("--family", type=_ZOO_FAMILIES, default=None,
+              help="With no NAMES: this family only; 'deploy' builds the deployment section (needs the deploy extra).")
+def zoo_build(names, out, force, tiny, family) -> None:
+    """Build zoo models into --out: NAMES, else every full-size model but the deployment section's."""
     from rlflow import zoo as registry
 
-    for name in names or registry.names(include_tiny=tiny):
+    for name in names or registry.names(include_tiny=tiny, family=family):
         result = registry.build(name, out, force=force)
         state = "unchanged" if result.skipped else f"built in {result.seconds:.1f} s"
         click.echo(f"{result.path}  {state}  ({result.nodes} nodes, {result.params:,} params)")

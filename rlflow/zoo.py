@@ -7,6 +7,9 @@ and published size figures, and builds them.  torch is imported only when a mode
 
 Every full-size model has a ``-tiny`` variant (fewer layers, narrower, smaller input) that builds in about a
 second, for tests; ``demo-block`` is a two-layer transformer encoder for ``make demo``.
+
+The deployment section (family ``deploy``, `rlflow.zoo_deploy`) adds Hugging Face ``transformers`` models exported
+as users export them; `names` leaves it out unless asked for by family.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlflow import zoo_deploy
+
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 # Bump when the build procedure in this file changes what ends up in the ONNX file: every model then rebuilds.
 BUILD_VERSION = 1
 SEED = 0
 _PACKAGE = "rlflow_zoo_models"  # private import name of MODELS_DIR, so that no installed `models` can shadow it
+DEPLOY = zoo_deploy.FAMILY  # the deployment section (rlflow/zoo_deploy.py): listed and built when asked for
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class ZooEntry:
         input_ranges: integer inputs -> [low, high) of their values (token ids index a vocabulary).
         output_names: names of the graph outputs.
         description: one line for listings.
+        transformer: for onnxruntime's transformers optimizer (deployment entries): {"model_type", "num_heads",
+            "hidden_size"}, model_type as its ``optimizer.MODEL_TYPES`` names it; None elsewhere.
     """
 
     name: str
@@ -58,11 +66,12 @@ class ZooEntry:
     input_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)
     output_names: tuple[str, ...] = ("logits",)
     description: str = ""
+    transformer: dict | None = None
 
     @property
     def tiny(self) -> bool:
         """True for test-sized entries (the ``-tiny`` variants and the demo block)."""
-        return self.published is None
+        return self.published is None and self.family != DEPLOY
 
     def dtype(self, input_name: str) -> str:
         return self.input_dtypes.get(input_name, "float32")
@@ -167,12 +176,17 @@ def _entries() -> list[ZooEntry]:
     ]
 
 
-_REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _entries()}
+_REGISTRY: dict[str, ZooEntry] = {e.name: e for e in [*_entries(), *zoo_deploy.entries(ZooEntry)]}
 
 
-def names(include_tiny: bool = True) -> list[str]:
-    """Zoo model names in registry order; ``include_tiny=False`` keeps the full-size (published) models only."""
-    return [n for n, e in _REGISTRY.items() if include_tiny or not e.tiny]
+def names(include_tiny: bool = True, family: str | None = None) -> list[str]:
+    """Zoo model names in registry order; ``include_tiny=False`` keeps the full-size (published) models only.
+
+    ``family=None`` gives the research zoo (every family but the deployment section, ``"deploy"``); a family name
+    gives that family's models only.
+    """
+    return [n for n, e in _REGISTRY.items() if (include_tiny or not e.tiny)
+            and (e.family == family if family else e.family != DEPLOY)]
 
 
 def get(name: str) -> ZooEntry:
@@ -200,14 +214,18 @@ def _sources(module: str) -> list[Path]:
 
 
 def definition_hash(name: str) -> str:
-    """Hash of everything that determines the built file: sources, entry config, seed, torch version."""
+    """Hash of everything that determines the built file: sources, entry config, seed, torch (and transformers)
+    version."""
     entry = get(name)
     digest = hashlib.sha256()
-    for path in _sources(entry.module):
+    sources = _sources("common") + [Path(zoo_deploy.__file__)] if entry.family == DEPLOY else _sources(entry.module)
+    for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     recipe = dict(name=entry.name, module=entry.module, config=entry.config, inputs=entry.input_shapes,
                   dtypes=entry.input_dtypes, ranges=entry.input_ranges, outputs=entry.output_names, seed=SEED,
                   build=BUILD_VERSION, torch=importlib.metadata.version("torch"))
+    if entry.family == DEPLOY:
+        recipe.update(transformer=entry.transformer, transformers=_version("transformers"))
     digest.update(json.dumps(recipe, sort_keys=True, default=list).encode())
     return digest.hexdigest()[:16]
 
@@ -224,6 +242,13 @@ def _models():
         sys.modules[_PACKAGE] = package
         spec.loader.exec_module(package)
     return sys.modules[_PACKAGE]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _read_metadata(path: Path) -> dict | None:
@@ -249,12 +274,26 @@ def _write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+@dataclass
+class Export:
+    """What a builder hands to `build`: the exported model, the feeds it is checked with and PyTorch's outputs."""
+
+    proto: object  # onnx.ModelProto
+    feeds: dict  # input name -> numpy array
+    expected: list  # PyTorch's outputs on ``feeds`` (numpy)
+    exporter: str  # how it was exported, for the metadata
+    opset: int
+    props: dict = field(default_factory=dict)  # extra ONNX metadata_props
+    metadata: dict = field(default_factory=dict)  # extra sidecar JSON fields
+
+
 def build(name: str, out_dir, *, force: bool = False) -> BuildResult:
     """Builds ``out_dir/<name>.onnx`` and its metadata ``out_dir/<name>.json``.
 
     Skipped (``skipped=True``) when the existing metadata records the same definition hash, unless ``force``.
     The model is checked by an onnxruntime CPU session (outputs finite and equal to PyTorch's within tolerance)
-    before anything is written; both files are replaced atomically.
+    before anything is written; both files are replaced atomically.  Deployment entries (family ``deploy``) are
+    exported by `rlflow.zoo_deploy` (needs ``transformers``), the others from ``models/``.
 
     Raises:
         ValueError: unknown name.
@@ -262,17 +301,19 @@ def build(name: str, out_dir, *, force: bool = False) -> BuildResult:
     """
     entry = get(name)
     out_dir = Path(out_dir)
-    onnx_path = out_dir / f"{name}.onnx"
     start = time.perf_counter()
     meta = None if force else _up_to_date(name, out_dir)
     if meta is not None:
-        return BuildResult(name, onnx_path, True, time.perf_counter() - start, meta["params"], meta["flops"],
-                           meta["nodes"])
+        return BuildResult(name, out_dir / f"{name}.onnx", True, time.perf_counter() - start, meta["params"],
+                           meta["flops"], meta["nodes"])
+    exported = zoo_deploy.export(entry) if entry.family == DEPLOY else _export_zoo_model(entry)
+    return _write(entry, exported, out_dir, start)
 
+
+def _export_zoo_model(entry: ZooEntry) -> Export:
+    """A ``models/`` builder's model, seeded, batch-norm calibrated, exported with ``models/common.py``'s settings."""
     import onnx
     import torch
-
-    from rlflow.measure.flops import count_flops, count_params
 
     common = importlib.import_module(f"{_models().__name__}.common")
     builder = importlib.import_module(f"{_PACKAGE}.{entry.module}")
@@ -291,28 +332,60 @@ def build(name: str, out_dir, *, force: bool = False) -> BuildResult:
         data = common.export(model, inputs, list(entry.output_names))
     finally:
         torch.set_num_threads(threads)
-    proto = onnx.load_from_string(data)
+    return Export(onnx.load_from_string(data), {k: v.numpy() for k, v in inputs.items()}, expected,
+                  common.EXPORTER, common.OPSET)
+
+
+def _write(entry: ZooEntry, exported: Export, out_dir: Path, start: float) -> BuildResult:
+    """Stamps, checks against PyTorch, counts and writes the model and its sidecar JSON (both atomically)."""
+    import onnx
+    import torch
+
+    from rlflow.measure.flops import count_params
+
+    name, proto = entry.name, exported.proto
     proto.ir_version = min(proto.ir_version, 10)  # onnxruntime 1.31 refuses IR 14, which onnx 1.23 writes
     digest = definition_hash(name)
-    onnx.helper.set_model_props(proto, {"rlflow.zoo.name": name, "rlflow.zoo.definition_hash": digest})
+    props = {p.key: p.value for p in proto.metadata_props}
+    props.update(exported.props, **{"rlflow.zoo.name": name, "rlflow.zoo.definition_hash": digest})
+    onnx.helper.set_model_props(proto, props)
     data = proto.SerializeToString()
-    check = _check(data, {k: v.numpy() for k, v in inputs.items()}, expected, name)
-    params, flops, nodes = count_params(proto), count_flops(proto), len(proto.graph.node)
+    check = _check(data, exported.feeds, exported.expected, name)
+    params, flops, nodes = count_params(proto), _flops_at(proto, entry.input_shapes), len(proto.graph.node)
     out_dir.mkdir(parents=True, exist_ok=True)
+    onnx_path = out_dir / f"{name}.onnx"
     _write_atomic(onnx_path, data)
     seconds = time.perf_counter() - start
     metadata = dict(
-        name=name, family=entry.family, definition_hash=digest, exporter=common.EXPORTER,
-        torch=torch.__version__, onnx=onnx.__version__, opset=common.OPSET, ir_version=proto.ir_version, seed=SEED,
+        name=name, family=entry.family, definition_hash=digest, exporter=exported.exporter,
+        torch=torch.__version__, onnx=onnx.__version__, opset=exported.opset, ir_version=proto.ir_version, seed=SEED,
         input_shapes={k: list(v) for k, v in entry.input_shapes.items()},
         input_dtypes={k: entry.dtype(k) for k in entry.input_shapes},
         input_ranges={k: list(v) for k, v in entry.input_ranges.items()}, output_names=list(entry.output_names),
         config=entry.config, params=params, flops=flops, nodes=nodes,
         ops=dict(sorted(_op_counts(proto).items())), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-        check=check, build_seconds=round(seconds, 2), published=entry.published,
+        check=check, build_seconds=round(seconds, 2), published=entry.published, **exported.metadata,
     )
     _write_atomic(out_dir / f"{name}.json", (json.dumps(metadata, indent=1, default=list) + "\n").encode())
     return BuildResult(name, onnx_path, False, seconds, params, flops, nodes)
+
+
+def _flops_at(proto, shapes: dict) -> int:
+    """FLOPs with the graph inputs fixed to ``shapes`` (a file with dynamic axes counts at its deployed shape)."""
+    from rlflow.measure.flops import count_flops
+
+    saved = [value.SerializeToString() for value in proto.graph.input]
+    try:
+        for value in proto.graph.input:
+            if value.name in shapes:
+                dims = value.type.tensor_type.shape.dim
+                for dim, size in zip(dims, shapes[value.name]):
+                    dim.Clear()
+                    dim.dim_value = size
+        return count_flops(proto)
+    finally:
+        for value, data in zip(proto.graph.input, saved):
+            value.ParseFromString(data)
 
 
 def _example_inputs(entry: ZooEntry, batch: int = 1) -> dict:
@@ -366,17 +439,19 @@ def default_cache_dir() -> Path:
     return cache_dir("zoo")
 
 
-def summary(name: str, cache_dir=None) -> dict:
+def summary(name: str, cache_dir=None, *, build_missing: bool = True) -> dict:
     """Name, family, parameters, FLOPs, node count and input shapes of a zoo model.
 
     Reads the metadata of an up-to-date build in ``cache_dir`` (default `default_cache_dir`) or in the
-    repository's ``models/`` folder; otherwise builds the model into ``cache_dir`` first.
+    repository's ``models/`` folder; otherwise builds the model into ``cache_dir`` first (with ``build_missing=False``:
+    None for the figures instead).
     """
     entry = get(name)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     meta = _up_to_date(name, cache) or _up_to_date(name, MODELS_DIR)
-    if meta is None:
+    if meta is None and build_missing:
         build(name, cache)
         meta = _up_to_date(name, cache)
-    return {"name": name, "family": entry.family, "params": meta["params"], "flops": meta["flops"],
-            "nodes": meta["nodes"], "input_shapes": dict(entry.input_shapes)}
+    meta = meta or {}
+    return {"name": name, "family": entry.family, "params": meta.get("params"), "flops": meta.get("flops"),
+            "nodes": meta.get("nodes"), "input_shapes": dict(entry.input_shapes)}

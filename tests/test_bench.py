@@ -33,7 +33,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     assert results["peak"]["gflops"] > 0 and results["environment"]["onnxruntime"]
     assert sorted(results["cost_table_warmup_seconds"]) == ["nasrnn", "resnet-18"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
-    assert len(rows) == 3 * 6  # 3 models x (greedy + agent + 4 peers)
+    assert len(rows) == 3 * 7  # 3 models x (greedy + agent + 5 peers)
     assert all(r["status"] == "failed" and "load" in r["error"] for (m, _), r in rows.items() if m == "broken")
     for model in ("nasrnn", "resnet-18"):
         for method in ("greedy", "agent"):
@@ -46,8 +46,10 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
                 row["reason"]
         for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
+        # zoo names: an rnn and a cnn, which onnxruntime's transformers optimizer is not for
+        assert rows[(model, "ort-transformers")]["status"] == "not applicable"
     with open(out / "results.csv") as handle:
-        assert len(list(csv.DictReader(handle))) == 18
+        assert len(list(csv.DictReader(handle))) == 21
     table = (out / "results.md").read_text()
     assert "| nasrnn † | greedy | ok |" in table and "| resnet-18 | agent | ok |" in table and "1 thread(s)" in table
     summary = results["summary"]
