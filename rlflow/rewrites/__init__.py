@@ -32,6 +32,8 @@ RULES: tuple[Rule, ...] = (
     *fusion.NEW_RULES,
     *attention.RULES,
     *inverse.RULES,
+    # -- appended with the deployment section (issue 24)
+    *attention.NEW_RULES,
 )
 """Every rule, in action-id order.  Append only."""
 

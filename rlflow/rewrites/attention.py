@@ -13,8 +13,8 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (constant_input, dynamic_axes, emit, input_producer, is_float, normalize_axis,
-                                  perm_of, replace_typed, scalar, standard_producer)
+from rlflow.rewrites.util import (bias_side, constant_input, dynamic_axes, emit, input_producer, is_float,
+                                  normalize_axis, perm_of, private_producer, replace_typed, scalar, standard_producer)
 
 MS = "com.microsoft"
 _SHAPE_CONE_LIMIT = 64  # nodes of one shape computation followed before giving up
@@ -232,4 +232,75 @@ class AttentionFusion(Rule):
 
 
 
+def _projection(graph: Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray | None, list[gs.Node]] | None:
+    """`Add(MatMul(x, W), b)` or `MatMul(x, W)` writing `tensor`, private, with W a constant float32 matrix and b a
+    constant vector over its columns: (x, W, b or None, the nodes)."""
+    producer = standard_producer(tensor)
+    if producer is None or graph.is_output(tensor) or len(tensor.outputs) != 1:
+        return None
+    nodes, bias = [], None
+    if producer.op == "Add":
+        side = bias_side(graph, producer)
+        matmul = None if side is None else private_producer(graph, producer, 1 - side, "MatMul")
+        if matmul is None:
+            return None
+        nodes, bias, producer = [producer], constant_input(producer, side), matmul
+    if producer.op != "MatMul":
+        return None
+    weights = constant_input(producer, 1)
+    if weights is None or weights.ndim != 2 or weights.dtype != np.float32:
+        return None
+    return producer.inputs[0], weights, bias, [*nodes, producer]
+
+
+class AttentionPackQkv(Rule):
+    """Replaces `MultiHeadAttention(x.Wq + bq, x.Wk + bk, x.Wv + bv)` with onnxruntime's packed `Attention(x, W, b)`.
+
+    One matrix product computes Q, K and V from their common input, and the biases go into the fused operator; an
+    `attention_bias` (the additive mask) carries over."""
+
+    name = "attention-pack-qkv"
+    category = "fusion"
+    root_ops = ("MultiHeadAttention",)
+    contrib = True
+    domains = (MS,)
+
+    def _pattern(self, graph: Graph, node: gs.Node):
+        present = [i for i, t in enumerate(node.inputs) if t.name]
+        if present not in ([0, 1, 2], [0, 1, 2, 5]) or node.attrs.get("unidirectional", 0):
+            return "it takes more than Q, K, V and an attention bias (a bias, key padding mask or past state)"
+        projections = [_projection(graph, t) for t in node.inputs[:3]]
+        if any(p is None for p in projections):
+            return "Q, K or V is not a private MatMul (+ bias) of constant weights"
+        x = projections[0][0]
+        if any(p[0] is not x for p in projections) or len({p[1].shape for p in projections}) != 1:
+            return "Q, K and V are not projections of one input to one width"
+        if not is_float(x) or np.dtype(x.dtype) != np.float32 or (graph.shape(x) or (0,))[-1] != projections[0][1].shape[0]:
+            return "the input is not float32 [.., hidden]"
+        return projections
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        found = self._pattern(graph, node)
+        if isinstance(found, str):
+            return self.no(node, found)
+        return self.match([node, *(n for p in found for n in p[3])])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        projections = self._pattern(graph, node)
+        width = projections[0][1].shape[1]
+        weights = np.concatenate([p[1] for p in projections], axis=1)
+        bias = np.concatenate([p[2] if p[2] is not None else np.zeros(width, np.float32) for p in projections])
+        inputs = [projections[0][0], graph.add_constant(weights, "qkv_weight"), graph.add_constant(bias, "qkv_bias")]
+        if len(node.inputs) > 5 and node.inputs[5].name:
+            inputs += [gs.Variable.empty(), gs.Variable.empty(), node.inputs[5]]
+        attrs = {"num_heads": int(node.attrs["num_heads"])}
+        if node.attrs.get("scale"):
+            attrs["scale"] = float(node.attrs["scale"])
+        replace_typed(graph, node.outputs[0], emit(graph, "Attention", inputs, attrs, domain=MS))
+
+
 RULES = (AttentionFusion(),)
+
+NEW_RULES = (AttentionPackQkv(),)
+"""Appended at the end of the registry."""

@@ -11,9 +11,9 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (broadcast_shape, constant_input, dynamic_axes, emit, has_input, input_producer,
-                                  int_list, is_float, is_standard, normalize_axis, perm_of, private, private_producer,
-                                  replace_typed, scalar, standard_producer)
+from rlflow.rewrites.util import (bias_side, broadcast_shape, constant_input, dynamic_axes, emit, has_input,
+                                  input_producer, int_list, is_float, is_standard, normalize_axis, perm_of, private,
+                                  private_producer, replace_typed, scalar, standard_producer)
 
 MS = "com.microsoft"
 
@@ -204,7 +204,7 @@ class SkipLayerNormFusion(Rule):
             return self.no(node, "gamma or beta are not vectors over the last axis")
         for operand in (0, 1):  # the bias of the linear layer on either side
             biased = private_producer(graph, add, operand, "Add")
-            side = None if biased is None else _bias_vector(graph, biased)
+            side = None if biased is None else bias_side(graph, biased)
             if side is not None:
                 return self.match([node, add, biased], operand=operand, side=side)
         return self.match([node, add])
@@ -447,19 +447,6 @@ RULES = (MatMulAddToGemm(), GemmToMatMulAdd(), LayerNormFusion(), SkipLayerNormF
          ConvActivationFusion(), GemmActivationFusion(), MatMulTransposeFusion())
 
 
-def _bias_vector(graph: Graph, add: gs.Node) -> int | None:
-    """The side of `add` holding a constant vector over the last axis of its other operand (a bias), or None."""
-    shape = graph.shape(add.outputs[0])
-    if shape is None or not shape:
-        return None
-    for side in (0, 1):
-        value = constant_input(add, side)
-        if (value is not None and value.ndim == 1 and value.shape[0] == shape[-1] and graph.shape(add.inputs[1 - side])
-                == shape and value.dtype == np.float32):
-            return side
-    return None
-
-
 class _BiasActivationFusion(Rule):
     """`f(Add(x, b))` with b a constant vector over the last axis, for an onnxruntime activation f taking a bias; f is
     onnxruntime's operator, the standard `Gelu` of opset 20 (with the matching `approximate`) or its decomposition."""
@@ -498,7 +485,7 @@ class _BiasActivationFusion(Rule):
         add = standard_producer(x)
         if add is None or add.op != "Add" or (len(nodes) == 1 and not private(graph, x)):
             return self.no(node, "input is not a private Add")
-        side = _bias_vector(graph, add)
+        side = bias_side(graph, add)
         if side is None:
             return self.no(node, "the Add is not of a float32 constant vector over the last axis")
         return self.match([*nodes, add], side=side)

@@ -213,6 +213,19 @@ def _shapes_of(model: onnx.ModelProto) -> dict[str, tuple]:
     return shapes
 
 
+def bias_side(graph: Graph, add: gs.Node) -> int | None:
+    """The side of `add` holding a constant vector over the last axis of its other operand (a bias), or None."""
+    shape = graph.shape(add.outputs[0])
+    if shape is None or not shape:
+        return None
+    for side in (0, 1):
+        value = constant_input(add, side)
+        if (value is not None and value.ndim == 1 and value.shape[0] == shape[-1] and graph.shape(add.inputs[1 - side])
+                == shape and value.dtype == np.float32):
+            return side
+    return None
+
+
 def broadcast_shape(*shapes: Sequence[int] | None) -> tuple[int, ...] | None:
     """numpy broadcasting of static shapes, or None when a shape is unknown or they do not broadcast."""
     if any(s is None for s in shapes):

@@ -48,9 +48,15 @@ def test_attention_keeps_mask_and_guard(exporter):
     assert match.param("masked") and match.param("guarded")
 
 
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_attention_packs_its_projections(exporter):
+    fused = assert_rewrites(_export(exporter), "attention-fusion", dynamic=OTHER)
+    assert assert_rewrites(fused, "attention-pack-qkv", dynamic=OTHER).op_counts()["Attention"] == 1
+
+
 def _all_fused(exporter: str):
     graph = _export(exporter)
-    for name in ("attention-fusion", "skip-layernorm-fusion", "bias-gelu-fusion"):
+    for name in ("attention-fusion", "attention-pack-qkv", "skip-layernorm-fusion", "bias-gelu-fusion"):
         while matches := rule(name).find(graph):
             graph = apply(graph, matches[0])
     return graph
@@ -61,7 +67,7 @@ def test_every_fusion_together_at_any_shape_and_mask(exporter):
     """The written (dynamic) model against the export: random, all-ones and all-zeros masks, a padded row."""
     fused = _all_fused(exporter)
     ops = fused.op_counts()
-    assert (ops["MultiHeadAttention"], ops["SkipLayerNormalization"], ops["BiasGelu"]) == (1, 3, 1)
+    assert (ops["Attention"], ops["SkipLayerNormalization"], ops["BiasGelu"]) == (1, 3, 1)
     assert "Softmax" not in ops and "Erf" not in ops and "LayerNormalization" not in ops
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

@@ -97,6 +97,23 @@ def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dyna
     return graph(nodes, {"x": ["batch" if dynamic else 2, 5, d]}, consts=consts)
 
 
+def _mha(shared=True, mask=False, bias=True):
+    """MultiHeadAttention on three projections `x.W + b` of one input (`shared`) or of two, as attention-fusion
+    leaves them."""
+    consts = {f"w{k}": weights(8, 8, seed=i) for i, k in enumerate("qkv")}
+    consts.update({f"b{k}": weights(8, seed=10 + i) for i, k in enumerate("qkv")})
+    consts["mask"] = weights(1, 1, 5, 5, seed=20)
+    nodes, inputs = [], {"x": ["batch", 5, 8], "z": ["batch", 5, 8]}
+    for k in "qkv":
+        source = "x" if shared or k == "q" else "z"
+        nodes.append(node("MatMul", [source, f"w{k}"], f"{k}0" if bias else k))
+        if bias:
+            nodes.append(node("Add", [f"b{k}", f"{k}0"] if k == "k" else [f"{k}0", f"b{k}"], k))
+    extra = ["", "", "mask"] if mask else []
+    nodes.append(node("MultiHeadAttention", ["q", "k", "v", *extra], domain="com.microsoft", num_heads=2, scale=0.3))
+    return graph(nodes, inputs, outputs={"y": (F32, ["batch", 5, 8])}, consts=consts)
+
+
 CASES = {
     "matmul-add-to-gemm": (
         lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"])], {"x": ["n", 4]},
@@ -134,6 +151,7 @@ CASES = {
     "bias-fast-gelu-fusion": (
         lambda: _bias_act("FastGelu"), lambda: _bias_act("FastGelu", bias_shape=(3, 8)),
         "not of a float32 constant vector"),
+    "attention-pack-qkv": (lambda: _mha(), lambda: _mha(shared=False), "not projections of one input"),
     "attention-fusion": (lambda: attention(), lambda: attention(mask=True, mask_shape=(5,)),
                          "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"),
 }
@@ -256,3 +274,12 @@ def test_skip_layernorm_absorbs_the_linear_bias(operand, bias_first, beta):
     skip = next(n for n in new.gs.nodes if n.op == "SkipLayerNormalization")
     assert skip.inputs[4].name == "c" and {t.name for t in skip.inputs[:2]} == {"m", "z"}
     assert "Add" in assert_rewrites(new, "skip-layernorm-unfuse").op_counts()
+
+
+@pytest.mark.parametrize("mask,bias", [(True, True), (False, False)])
+def test_attention_pack_qkv_variants(mask, bias):
+    new = assert_rewrites(_mha(mask=mask, bias=bias), "attention-pack-qkv")
+    assert new.op_counts() == {"Attention": 1}
+    packed = next(n for n in new.gs.nodes if n.op == "Attention")
+    assert packed.attrs["num_heads"] == 2 and packed.inputs[1].shape == (8, 24)
+    assert (packed.inputs[5].name == "mask") if mask else len(packed.inputs) == 3

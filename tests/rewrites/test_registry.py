@@ -38,7 +38,7 @@ def test_contrib_flag_matches_what_rules_emit():
     contrib = {r.name for r in RULES if r.contrib}
     assert contrib == {"skip-layernorm-fusion", "gelu-fusion", "fast-gelu-fusion", "conv-activation-fusion",
                        "gemm-activation-fusion", "matmul-transpose-fusion", "bias-gelu-fusion", "bias-fast-gelu-fusion",
-                       "attention-fusion", "bias-gelu-unfuse"}
+                       "attention-fusion", "bias-gelu-unfuse", "attention-pack-qkv"}
 
 
 def test_groups_cover_every_rule_once():
@@ -51,7 +51,7 @@ def test_groups_cover_every_rule_once():
 
 def test_contrib_roots_only_where_declared():
     assert all(r.domains == ("", "ai.onnx") for r in RULES if not r.name.endswith("-unfuse")
-               and r.name not in ("bias-gelu-fusion", "bias-fast-gelu-fusion"))
+               and r.name not in ("bias-gelu-fusion", "bias-fast-gelu-fusion", "attention-pack-qkv"))
 
 
 def test_rule_lookup():
