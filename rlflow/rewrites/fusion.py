@@ -183,7 +183,8 @@ class SkipLayerNormFusion(Rule):
     """Replaces `LayerNormalization(Add(a, b))` over the last axis with onnxruntime's `SkipLayerNormalization(a, b)`.
 
     The bias of a linear layer feeding either operand (`a = Add(MatMul(..), bias)`, as exporters write it) goes into the
-    fused operator too."""
+    fused operator too.  Where the sum is read elsewhere as well (a pre-norm transformer's residual stream: DeiT,
+    Whisper, GPT-2), those readers take it from the operator's fourth output."""
 
     name = "skip-layernorm-fusion"
     category = "fusion"
@@ -191,9 +192,9 @@ class SkipLayerNormFusion(Rule):
     contrib = True
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        add = private_producer(graph, node, 0, "Add")
-        if add is None:
-            return self.no(node, "input is not a private Add")
+        add = input_producer(node, 0, "Add")
+        if add is None or graph.is_output(add.outputs[0]):
+            return self.no(node, "input is not an Add (that is not a graph output)")
         shapes = [graph.shape(t) for t in (*add.inputs, node.inputs[0])]
         if any(s is None for s in shapes) or not shapes[0] == shapes[1] == shapes[2] or len(shapes[0]) not in (2, 3):
             return self.no(node, "the Add's operands are not two 2-D or 3-D tensors of one shape")
@@ -202,12 +203,13 @@ class SkipLayerNormFusion(Rule):
         hidden = shapes[0][-1]
         if any(graph.shape(t) != (hidden,) for t in node.inputs[1:] if t.name) or not is_float(node.outputs[0]):
             return self.no(node, "gamma or beta are not vectors over the last axis")
+        shared = not private(graph, add.outputs[0])
         for operand in (0, 1):  # the bias of the linear layer on either side
             biased = private_producer(graph, add, operand, "Add")
             side = None if biased is None else bias_side(graph, biased)
             if side is not None:
-                return self.match([node, add, biased], operand=operand, side=side)
-        return self.match([node, add])
+                return self.match([node, add, biased], operand=operand, side=side, shared=shared)
+        return self.match([node, add], shared=shared)
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
@@ -221,9 +223,15 @@ class SkipLayerNormFusion(Rule):
         if bias and beta is None:  # the bias is input 4: beta (input 3) must be present
             beta = graph.add_constant(np.zeros(graph.shape(gamma), np.float32), "beta")
         inputs += [gamma, *([beta] if beta is not None else []), *bias]
-        out = emit(graph, "SkipLayerNormalization", inputs, {"epsilon": float(node.attrs.get("epsilon", 1e-5))},
-                   domain=MS)
+        attrs = {"epsilon": float(node.attrs.get("epsilon", 1e-5))}
+        if not match.param("shared"):
+            replace_typed(graph, node.outputs[0], emit(graph, "SkipLayerNormalization", inputs, attrs, domain=MS))
+            return
+        out, _, _, total = graph.add_node("SkipLayerNormalization", inputs, [
+            gs.Variable(graph.fresh_name("skip_ln")), gs.Variable.empty(), gs.Variable.empty(),
+            gs.Variable(graph.fresh_name("skip_sum"))], attrs, domain=MS)
         replace_typed(graph, node.outputs[0], out)
+        replace_typed(graph, add.outputs[0], total)
 
 
 def _factors(graph: Graph, node: gs.Node, depth: int = 2) -> tuple[list[gs.Tensor], list[gs.Node]]:

@@ -283,3 +283,21 @@ def test_attention_pack_qkv_variants(mask, bias):
     packed = next(n for n in new.gs.nodes if n.op == "Attention")
     assert packed.attrs["num_heads"] == 2 and packed.inputs[1].shape == (8, 24)
     assert (packed.inputs[5].name == "mask") if mask else len(packed.inputs) == 3
+
+
+def test_skip_layernorm_keeps_a_shared_sum_as_its_fourth_output():
+    """Pre-norm blocks read the residual sum again (`x + attn` feeds the LayerNorm and the next residual Add)."""
+    g = graph([node("Add", ["x", "z"], "s"), node("LayerNormalization", ["s", "g", "b"], "n"),
+               node("Add", ["s", "n"], "y")], {"x": ["batch", 4, 8], "z": ["batch", 4, 8]}, opset=17,
+              consts={"g": weights(8), "b": weights(8, seed=1)})
+    new = assert_rewrites(g, "skip-layernorm-fusion")
+    skip = next(n for n in new.gs.nodes if n.op == "SkipLayerNormalization")
+    assert new.op_counts() == {"SkipLayerNormalization": 1, "Add": 1} and skip.outputs[3].outputs
+    assert "LayerNormalization" in assert_rewrites(new, "skip-layernorm-unfuse").op_counts()
+
+
+def test_skip_layernorm_refuses_a_sum_that_is_a_graph_output():
+    g = graph([node("Add", ["x", "z"], "s"), node("LayerNormalization", ["s", "g", "b"])],
+              {"x": [2, 4, 8], "z": [2, 4, 8]}, outputs=("y", "s"), opset=17,
+              consts={"g": weights(8), "b": weights(8, seed=1)})
+    assert_refuses(g, "skip-layernorm-fusion", "graph output")
