@@ -21,18 +21,16 @@ import importlib.util
 import json
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlflow import zoo_deploy
+from rlflow.zoo_base import _PACKAGE, MODELS_DIR, SEED, Export
+from rlflow.zoo_base import models_package as _models
 
-MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
 # Bump when the build procedure in this file changes what ends up in the ONNX file: every model then rebuilds.
 BUILD_VERSION = 1
-SEED = 0
-_PACKAGE = "rlflow_zoo_models"  # private import name of MODELS_DIR, so that no installed `models` can shadow it
 DEPLOY = zoo_deploy.FAMILY  # the deployment section (rlflow/zoo_deploy.py): listed and built when asked for
 
 
@@ -230,20 +228,6 @@ def definition_hash(name: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _models():
-    """The ``models/`` folder imported as a package under a private name."""
-    if _PACKAGE not in sys.modules:
-        if not (MODELS_DIR / "__init__.py").is_file():
-            raise RuntimeError(f"the zoo's model definitions are missing ({MODELS_DIR}): build from a source "
-                               "checkout installed with `pip install -e .`")
-        spec = importlib.util.spec_from_file_location(_PACKAGE, MODELS_DIR / "__init__.py",
-                                                      submodule_search_locations=[str(MODELS_DIR)])
-        package = importlib.util.module_from_spec(spec)
-        sys.modules[_PACKAGE] = package
-        spec.loader.exec_module(package)
-    return sys.modules[_PACKAGE]
-
-
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -272,19 +256,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-@dataclass
-class Export:
-    """What a builder hands to `build`: the exported model, the feeds it is checked with and PyTorch's outputs."""
-
-    proto: object  # onnx.ModelProto
-    feeds: dict  # input name -> numpy array
-    expected: list  # PyTorch's outputs on ``feeds`` (numpy)
-    exporter: str  # how it was exported, for the metadata
-    opset: int
-    props: dict = field(default_factory=dict)  # extra ONNX metadata_props
-    metadata: dict = field(default_factory=dict)  # extra sidecar JSON fields
 
 
 def build(name: str, out_dir, *, force: bool = False) -> BuildResult:

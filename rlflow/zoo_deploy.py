@@ -147,9 +147,9 @@ def _model(arch: Architecture):
     import torch
     import transformers
 
-    from rlflow import zoo
+    from rlflow import zoo_base as zoo
 
-    common = __import__(f"{zoo._models().__name__}.common", fromlist=["init_weights"])
+    common = __import__(f"{zoo.models_package().__name__}.common", fromlist=["init_weights"])
     torch.manual_seed(zoo.SEED)
     if arch.model == "WhisperEncoder":
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
@@ -209,7 +209,7 @@ def _trace_inputs(arch: Architecture) -> dict:
     """Inputs for tracing: batch 2 and sequence/cache lengths of 8 so that no dynamic axis is 0, 1 or deployed."""
     import torch
 
-    from rlflow import zoo
+    from rlflow import zoo_base as zoo
 
     gen = torch.Generator().manual_seed(zoo.SEED)
     inputs = {}
@@ -319,7 +319,7 @@ def export(entry):
     import onnx
     import torch
 
-    from rlflow import zoo
+    from rlflow import zoo_base as zoo
 
     arch = _BY_KEY[entry.config["architecture"]]
     exporter = entry.config["exporter"]

@@ -139,7 +139,7 @@ def test_a_gather_reads_the_rows_it_returns_not_its_table(tmp_path):
 
 def test_a_group_with_large_weights_is_timed_as_one_copy(tmp_path, monkeypatch):
     """Replicating a fast group that reads a large table would build sessions of gigabytes (BERT's embedding: 35 s)."""
-    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.group_timing as group_timing
 
     weights = numpy_helper.from_array(np.zeros((1024, 64), dtype=np.float32), "w")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])
@@ -148,5 +148,5 @@ def test_a_group_with_large_weights_is_timed_as_one_copy(tmp_path, monkeypatch):
                                                 initializer=[weights]),
                               opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     onnx.checker.check_model(model)
-    monkeypatch.setattr(costmodel, "MAX_REPLICA_BYTES", 1024 * 64 * 4)
-    assert CostModel(cache_dir=tmp_path)._replicas(model) == 1
+    monkeypatch.setattr(group_timing, "MAX_REPLICA_BYTES", 1024 * 64 * 4)
+    assert group_timing.replicas(model, SessionSettings()) == 1

@@ -2,7 +2,7 @@
 that the new measurements do not confirm.
 
 The table measures each group once, when it first meets it, and keeps that cost for good.  The measurement takes the
-fastest of several batches (`rlflow.measure.costmodel._time_beyond`), yet on the -tiny models a group costs a few
+fastest of several batches (`rlflow.measure.group_timing.time_beyond`), yet on the -tiny models a group costs a few
 to a few tens of microseconds, and one measurement of it scatters by about as much. On nasrnn-tiny,
 Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh is cached at 0.0331 ms and measures 0.0026, 0.0133 and 0.0109 ms in
 docs/results/costmodel-audit-v3.md. That one entry makes matmul-add-to-gemm pay -36.6% and a later rewrite +37.6%

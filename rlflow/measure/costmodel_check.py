@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rlflow.measure.costmodel import CostModel, spearman
+from rlflow.measure.costmodel import CostModel
+from rlflow.measure.ranks import spearman
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.timing import compare
 

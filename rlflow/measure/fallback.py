@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from rlflow.measure.estimate import SHIPPED, Estimate, error, fit, group_features, load_estimate
+from rlflow.measure.group_estimate import SHIPPED, Estimate, error, fit, group_features, load_estimate
 
 MIN_FIT = 12
 """Calibration groups from which a full refit is tried (below, the provider's figures are only scaled)."""

@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.graph import Graph
-from rlflow.measure.costmodel import CostModel, rankdata, spearman
+from rlflow.measure.costmodel import CostModel
+from rlflow.measure.ranks import rankdata, spearman
 from rlflow.measure.session import SessionSettings
 
 
@@ -206,16 +207,16 @@ class _SlowSessionRunner(_ScriptedRunner):
 
 
 def test_a_session_that_stays_slow_does_not_set_the_entry(tmp_path, monkeypatch):
-    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _SlowSessionRunner)
-    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.0)
+    monkeypatch.setattr(group_timing, "CALIBRATION_S", 0.0)
     monkeypatch.setattr(_SlowSessionRunner, "built", 0)
     assert CostModel(cache_dir=tmp_path / "three").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
     # with one session pair (cost table version 2) the slow session was the entry
     monkeypatch.setattr(_SlowSessionRunner, "built", 0)
-    monkeypatch.setattr(costmodel, "SESSION_PAIRS", 1)
+    monkeypatch.setattr(group_timing, "SESSION_PAIRS", 1)
     assert CostModel(cache_dir=tmp_path / "one").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.040, abs=1e-9)
 
 
@@ -229,11 +230,11 @@ def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path,
     """The per-call overhead is timed alongside every group: an overhead timed once during a slow stretch and reused
     would floor every group measured after the stretch.  And the stretch itself (everything 1.8x slower) is scaled
     out by the gauge, calibrated before it began."""
-    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
-    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.01)
+    monkeypatch.setattr(group_timing, "CALIBRATION_S", 0.01)
     monkeypatch.setattr(_ScriptedRunner, "busy", 0)
     model = CostModel(cache_dir=tmp_path)
     assert model.gauge.fastest == pytest.approx(50e-6)
@@ -247,11 +248,11 @@ def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path,
 def test_an_entry_keeps_the_scale_it_was_measured_with(tmp_path, monkeypatch):
     """A group timed wholly inside a slow stretch before the gauge ever saw full speed stays at 1.8x its cost when
     faster reference runs come later: costs an environment has cached must not change under it."""
-    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
-    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.0)
+    monkeypatch.setattr(group_timing, "CALIBRATION_S", 0.0)
     monkeypatch.setattr(_ScriptedRunner, "busy", 10**6)
     model = CostModel(cache_dir=tmp_path)
     assert model.graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.018, abs=1e-9)
@@ -264,17 +265,17 @@ def test_an_entry_keeps_the_scale_it_was_measured_with(tmp_path, monkeypatch):
 def test_a_small_group_is_timed_as_copies_and_its_time_shared_among_them(tmp_path, monkeypatch):
     """A group of 10 us behind 50 us of call overhead is timed as enough copies to take `REPLICA_TARGET_S`, and each
     copy is charged its own share; a group long enough alone is timed alone."""
-    import rlflow.measure.costmodel as costmodel
+    import rlflow.measure.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
-    monkeypatch.setattr(costmodel, "CALIBRATION_S", 0.0)
+    monkeypatch.setattr(group_timing, "CALIBRATION_S", 0.0)
     monkeypatch.setattr(_ScriptedRunner, "busy", 0)
     monkeypatch.setattr(_ScriptedRunner, "largest", 0)
     assert CostModel(cache_dir=tmp_path / "a").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
-    assert _ScriptedRunner.largest == math.ceil(costmodel.REPLICA_TARGET_S / 60e-6)
+    assert _ScriptedRunner.largest == math.ceil(group_timing.REPLICA_TARGET_S / 60e-6)
     monkeypatch.setattr(_ScriptedRunner, "largest", 0)
-    monkeypatch.setattr(costmodel, "REPLICA_TARGET_S", 50e-6)
+    monkeypatch.setattr(group_timing, "REPLICA_TARGET_S", 50e-6)
     assert CostModel(cache_dir=tmp_path / "b").graph_cost(_single("Relu", [4, 8])) == pytest.approx(0.010, abs=1e-9)
     assert _ScriptedRunner.largest == 1
 
@@ -283,13 +284,14 @@ def test_replicated_copies_share_no_name_and_each_computes_the_group(tmp_path):
     """The copies timed together must be independent (onnxruntime can merge nothing) and each the group itself."""
     import onnxruntime as ort
 
-    from rlflow.measure.costmodel import _isolated_model, _replicated
+    from rlflow.measure.group_timing import replicated
+    from rlflow.measure.groups import isolated_model
     from rlflow.measure.inputs import random_inputs
 
     graph = _conv_bn_relu()
     group = max(CostModel(cache_dir=tmp_path).groups(graph), key=lambda g: len(g.members))
-    single = _isolated_model(graph, group)
-    triple = _replicated(single, 3)
+    single = isolated_model(graph, group)
+    triple = replicated(single, 3)
     onnx.checker.check_model(triple)
     names = [n for node in triple.graph.node for n in node.output] + [i.name for i in triple.graph.initializer]
     assert len(names) == len(set(names)) == 3 * (len(names) // 3)
