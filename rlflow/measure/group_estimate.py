@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
@@ -74,6 +75,15 @@ def published_h100() -> Estimate:
 
 
 # ---------------------------------------------------------------------------------------------------- features
+def _itemsize(dtype) -> int:
+    """Bytes per element of a numpy dtype, or of an ONNX element type that numpy lacks (graphsurgeon keeps bfloat16 and
+    the float8 types as their ONNX enum)."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return onnx.helper.tensor_dtype_to_np_dtype(int(dtype)).itemsize if isinstance(dtype, int) else 4
+
+
 def group_features(group) -> np.ndarray:
     """The `FEATURES` of one fusion group (`CostModel.groups`)."""
     members = {id(n) for n in group.members}
@@ -89,7 +99,7 @@ def group_features(group) -> np.ndarray:
             shape, dtype = group.shapes.get(tensor)
         if shape is None or dtype is None:
             return None, 0
-        return shape, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return shape, int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
 
     for node in group.members:
         moves = node.op not in VIEWS  # a view reads and writes nothing
