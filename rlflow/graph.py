@@ -83,6 +83,11 @@ DEPLOYED_SHAPES_KEY = "rlflow.input_shapes"
 it), in the --input-shape syntax joined by ';': `input_ids:1,16;attention_mask:1,16`."""
 
 
+def format_input_shapes(shapes: Mapping[str, Sequence[int]]) -> str:
+    """``{"input_ids": (1, 16), ...}`` -> ``"input_ids:1,16;..."``: what `deployed_shapes` reads back."""
+    return ";".join(f"{name}:{','.join(str(d) for d in shape)}" for name, shape in shapes.items())
+
+
 def deployed_shapes(model: onnx.ModelProto, inputs: Sequence[onnx.ValueInfoProto] = ()) -> dict[str, tuple[int, ...]]:
     """The shapes the model's metadata says it is deployed at (for the inputs named in `inputs`, when given), used
     where the user gives no --input-shape; {} when there is no such metadata or it does not parse."""

@@ -19,8 +19,9 @@ import io
 import warnings
 from dataclasses import dataclass
 
+from rlflow.graph import DEPLOYED_SHAPES_KEY, format_input_shapes
+
 FAMILY = "deploy"
-INPUT_SHAPES_KEY = "rlflow.input_shapes"
 # exporter suffix -> (opset, description recorded in the metadata)
 EXPORTERS = {
     "ts": (17, "torch.onnx.export (TorchScript, dynamo=False), opset 17, dynamic_axes"),
@@ -111,11 +112,6 @@ ARCHITECTURES = (
                  {"model_type": "bart", "num_heads": 6, "hidden_size": 384}, "Whisper-tiny encoder, 30 s of audio"),
 )
 _BY_KEY = {a.key: a for a in ARCHITECTURES}
-
-
-def format_input_shapes(shapes: dict) -> str:
-    """``{"input_ids": (1, 16), ...}`` -> ``"input_ids:1,16;..."``: repeated ``--input-shape`` specs joined by ';'."""
-    return ";".join(f"{name}:{','.join(str(d) for d in shape)}" for name, shape in shapes.items())
 
 
 def _output_names(arch: Architecture) -> tuple[str, ...]:
@@ -336,6 +332,6 @@ def export(entry):
     return zoo.Export(
         proto=onnx.load_from_string(data), feeds={k: v.numpy() for k, v in inputs.items()}, expected=expected,
         exporter=EXPORTERS[exporter][1], opset=EXPORTERS[exporter][0],
-        props={INPUT_SHAPES_KEY: format_input_shapes(entry.input_shapes), "rlflow.zoo.exporter": exporter},
+        props={DEPLOYED_SHAPES_KEY: format_input_shapes(entry.input_shapes), "rlflow.zoo.exporter": exporter},
         metadata=dict(transformers=transformers.__version__, transformer=entry.transformer,
                       attn_implementation=wrapper.model.config._attn_implementation))

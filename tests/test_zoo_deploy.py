@@ -9,10 +9,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from rlflow import zoo, zoo_deploy
+from rlflow import zoo
 from rlflow.cli import main
 from rlflow.errors import RlflowError
-from rlflow.graph import parse_input_shapes
+from rlflow.graph import format_input_shapes, parse_input_shapes
 
 DEPLOY = zoo.names(family="deploy")
 ARCHS = ["bert-l2-h128", "bert-l4-h256", "minilm-l12-h384", "distilbert-base", "roberta-base", "deit-small",
@@ -70,11 +70,11 @@ def test_deployed_shapes_and_inputs():
 
 def test_input_shapes_metadata_is_the_input_shape_syntax():
     shapes = {"input_ids": (1, 16), "attention_mask": (1, 16)}
-    text = zoo_deploy.format_input_shapes(shapes)
+    text = format_input_shapes(shapes)
     assert text == "input_ids:1,16;attention_mask:1,16"
     assert parse_input_shapes(text.split(";")) == shapes
     decode = zoo.get("gpt2-decode-kv128-ts").input_shapes
-    assert parse_input_shapes(zoo_deploy.format_input_shapes(decode).split(";")) == decode
+    assert parse_input_shapes(format_input_shapes(decode).split(";")) == decode
 
 
 def test_definition_hash_needs_neither_torch_nor_transformers():

@@ -118,21 +118,20 @@ def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] 
     attention is what a measurement can tell from noise, where one layer's (1-3% of a small transformer) is not.
     """
     seen = seen if seen is not None else {parent.fingerprint}
-    counts: dict[str, int] = {}
-    for match in find_matches(parent.graph, rules):
-        counts[match.rule] = counts.get(match.rule, 0) + 1
     for rule in rules:
-        if counts.get(rule.name, 0) < 2:
+        matches = rule.find(parent.graph)
+        if len(matches) < 2:
             continue
         graph, applied = parent.graph, list(parent.applied)
-        while len(applied) - len(parent.applied) < EVERYWHERE_LIMIT:
+        for _ in range(EVERYWHERE_LIMIT):
             if deadline is not None and time.monotonic() > deadline:
                 return
-            step = next(((m, g) for m in rule.find(graph) if (g := try_apply(graph, m, rules)) is not None), None)
+            step = next(((m, g) for m in matches if (g := try_apply(graph, m, rules)) is not None), None)
             if step is None:
                 break
             applied.append(step[0])
             graph = step[1]
+            matches = rule.find(graph)
         fingerprint = graph.fingerprint()
         if len(applied) - len(parent.applied) < 2 or fingerprint in seen:
             continue
