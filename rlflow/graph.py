@@ -320,7 +320,7 @@ class Graph:
         preserve values, so a tensor that survives one keeps its shape."""
         try:
             if symbolic:
-                inferred = _symbolic_shapes(skeleton)
+                inferred = symbolic_shapes(skeleton)
             else:
                 inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
         except Exception as exc:  # noqa: BLE001 - inference errors are reported, not fatal: ORT checks later
@@ -681,7 +681,7 @@ def _tensor_bytes(tensor: onnx.TensorProto) -> int:
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
 
 
-def _symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto:
+def symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto:
     """onnxruntime's symbolic shape inference, keeping what it found where it could not finish.
 
     Its `infer_shapes` raises when any shape stays open, and first saves the model as `sym_shape_infer_temp.onnx` in

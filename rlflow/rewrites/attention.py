@@ -13,10 +13,9 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (bias_side, constant_input, dynamic_axes, emit, input_producer, is_float,
+from rlflow.rewrites.util import (MS, bias_side, constant_input, dynamic_axes, emit, input_producer, is_float,
                                   normalize_axis, perm_of, private_producer, replace_typed, scalar, standard_producer)
 
-MS = "com.microsoft"
 _SHAPE_CONE_LIMIT = 64  # nodes of one shape computation followed before giving up
 
 

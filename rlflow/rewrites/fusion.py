@@ -11,11 +11,10 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (bias_side, broadcast_shape, constant_input, dynamic_axes, emit, has_input,
+from rlflow.rewrites.util import (MS, bias_side, broadcast_shape, constant_input, dynamic_axes, emit, has_input,
                                   input_producer, int_list, is_float, is_standard, normalize_axis, perm_of, private,
                                   private_producer, replace_typed, scalar, standard_producer)
 
-MS = "com.microsoft"
 
 
 

@@ -14,11 +14,10 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (broadcast_shape, constant_input, conv_params, dynamic_axes, emit, has_input,
+from rlflow.rewrites.util import (MS, broadcast_shape, constant_input, conv_params, dynamic_axes, emit, has_input,
                                   input_producer, is_float, private, replace_all, replace_typed, split_sizes,
                                   used_outputs)
 
-MS = "com.microsoft"
 
 
 # --------------------------------------------------------------------------------------------- merged operators

@@ -9,7 +9,10 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, shape_inference
 
-from rlflow.graph import Graph, _symbolic_shapes
+from rlflow.graph import Graph, symbolic_shapes
+
+MS = "com.microsoft"
+"""onnxruntime's contrib operator domain, which the contrib fusions emit and the unfusing inverses root at."""
 
 UNARY_ELEMENTWISE = frozenset({
     "Relu", "Sigmoid", "Tanh", "Exp", "Log", "Abs", "Neg", "Sqrt", "Erf", "LeakyRelu", "Elu", "Selu", "HardSigmoid",
@@ -194,7 +197,7 @@ def _moved_shapes(graph: Graph) -> dict[str, tuple] | None:
     moved = _shapes_of(inferred)
     if any(None in moved.get(out, (None,)) for node in skeleton.graph.node for out in node.output if out):
         try:  # onnxruntime's symbolic inference knows its contrib operators and follows Shape chains further
-            symbolic = _shapes_of(_symbolic_shapes(skeleton))
+            symbolic = _shapes_of(symbolic_shapes(skeleton))
         except Exception:  # noqa: BLE001 - what onnx found is kept; the rest counts as dynamic
             symbolic = {}
         for name, shape in symbolic.items():
