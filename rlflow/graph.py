@@ -486,6 +486,29 @@ class Graph:
         """A new constant tensor."""
         return gs.Constant(self.fresh_name(hint), np.ascontiguousarray(values))
 
+    def remove_dead_nodes(self) -> None:
+        """Removes the nodes no graph output depends on, as the cleanup of `finish_edit` does, but without its copies
+        and sort.  For batches of rewrites (`rewrites.apply_all`): consumers then
+        count as after a cleanup, and names are freed for `fresh_name` as they would be between single rewrites."""
+        live: set[int] = set()
+        stack, seen = list(self.gs.outputs), set()
+        while stack:
+            tensor = stack.pop()
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            for node in tensor.inputs:
+                if id(node) not in live:
+                    live.add(id(node))
+                    stack.extend(node.inputs)
+                    for body in node.subgraphs(recursive=True):  # tensors a body reads from the outer graph
+                        stack.extend(t for inner in body.nodes for t in inner.inputs)
+        for node in [n for n in self.gs.nodes if id(n) not in live]:
+            node.inputs.clear()
+            node.outputs.clear()
+        self.gs.nodes = [n for n in self.gs.nodes if id(n) in live]
+        self._used_names = None
+
     def add_node(self, op: str, inputs: Sequence[gs.Tensor], outputs: int | Sequence[gs.Tensor] = 1,
                  attrs: dict | None = None, domain: str = "", hint: str | None = None) -> list[gs.Tensor]:
         """Appends a node and returns its outputs (new variables when `outputs` is a count)."""

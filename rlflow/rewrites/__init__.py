@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlflow.graph import Graph
-from rlflow.rewrites import algebra, attention, base, cleanup, fold, fusion, inverse, layout, merge
+from rlflow.rewrites import algebra, attention, base, cleanup, embedding, fold, fusion, inverse, layout, merge
 from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
 
 RULES: tuple[Rule, ...] = (
@@ -34,6 +34,7 @@ RULES: tuple[Rule, ...] = (
     *inverse.RULES,
     # -- appended with the deployment section (issue 24)
     *attention.NEW_RULES,
+    *embedding.RULES,
 )
 """Every rule, in action-id order.  Append only."""
 
@@ -67,6 +68,11 @@ def apply(graph: Graph, match: Match, rules: Sequence[Rule] = RULES) -> Graph:
     return base.apply(graph, match, rules)
 
 
+def apply_all(graph: Graph, matches: Sequence[Match], rules: Sequence[Rule] = RULES) -> tuple[Graph, list[Match]]:
+    """A new graph with each of `matches` that still holds applied in turn, and those applied; `graph` is untouched."""
+    return base.apply_all(graph, matches, rules)
+
+
 def match_counts(graph: Graph, rules: Sequence[Rule] = RULES) -> dict[str, int]:
     """How many matches each rule has in `graph` (every rule listed, zeros included), in rule order."""
     return {r.name: len(r.find(graph)) for r in rules}
@@ -81,4 +87,4 @@ def rule(name: str) -> Rule:
 
 
 __all__ = ["RULES", "GROUPS", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
-           "apply", "match_counts", "rule"]
+           "apply", "apply_all", "match_counts", "rule"]

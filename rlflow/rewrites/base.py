@@ -171,6 +171,42 @@ def apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph:
     return result
 
 
+def apply_all(graph: Graph, matches: Sequence[Match], rules: Sequence[Rule]) -> tuple[Graph, list[Match]]:
+    """Applies each of `matches` that still holds, in order, to one clone of `graph`; returns the clone and the matches
+    applied.  `graph` itself is untouched.
+
+    One clone, sort and shape pass for all of them, where `apply` per match pays each (on a 600-node transformer about
+    0.1 s a match, so a rule applied to all twelve layers cost seconds).  Between rewrites the dead nodes are removed,
+    so a match is checked again on a graph that only lacks the order and the new tensors' shapes, and is applied only
+    where that check finds it exactly as given; anything else is skipped, for the caller to find again.  Replaying the
+    matches applied one at a time gives the same graph.
+    """
+    by_name = {r.name: r for r in rules}
+    result = graph.clone()
+    result.remove_dead_nodes()
+    nodes = result.node_map()
+    applied = []
+    for match in matches:
+        rule = by_name.get(match.rule)
+        if rule is None:
+            raise RewriteError(f"unknown rule {match.rule!r}")
+        if any(name not in nodes for name in match.nodes):
+            continue
+        try:
+            again = rule.check(result, nodes[match.root])
+        except Exception:  # noqa: BLE001 - a check may need a shape not inferred yet: skip the match
+            continue
+        if again != match:
+            continue
+        rule.rewrite(result, match, nodes)
+        applied.append(match)
+        result.remove_dead_nodes()
+        nodes = result.node_map()
+    if applied:
+        result.finish_edit()
+    return result, applied
+
+
 def registry_version(rules: Sequence[Rule]) -> str:
     """A short hash of the ordered rule names: checkpoints trained on one action space refuse another."""
     return hashlib.sha256("\n".join(r.name for r in rules).encode()).hexdigest()[:12]

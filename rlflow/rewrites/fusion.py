@@ -13,7 +13,7 @@ from rlflow.graph import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.util import (MS, bias_side, broadcast_shape, constant_input, dynamic_axes, emit, has_input,
                                   input_producer, int_list, is_float, is_standard, normalize_axis, perm_of, private,
-                                  private_producer, replace_typed, scalar, standard_producer)
+                                  operand_tree, private_producer, replace_typed, scalar, standard_producer)
 
 
 
@@ -233,20 +233,6 @@ class SkipLayerNormFusion(Rule):
         replace_typed(graph, add.outputs[0], total)
 
 
-def _factors(graph: Graph, node: gs.Node, depth: int = 2) -> tuple[list[gs.Tensor], list[gs.Node]]:
-    """The operands of a tree of private Muls rooted at `node`, and the Muls."""
-    factors, muls = [], [node]
-    for tensor in node.inputs:
-        inner = standard_producer(tensor)
-        if depth > 1 and inner is not None and inner.op == "Mul" and private(graph, tensor):
-            more, more_muls = _factors(graph, inner, depth - 1)
-            factors += more
-            muls += more_muls
-        else:
-            factors.append(tensor)
-    return factors, muls
-
-
 def _close(value: float | None, target: float) -> bool:
     return value is not None and math.isclose(value, target, rel_tol=1e-3)
 
@@ -265,7 +251,7 @@ class _GeluBase(Rule):
         raise NotImplementedError
 
     def _pattern(self, graph: Graph, node: gs.Node) -> tuple[list[gs.Node], gs.Tensor] | str:
-        factors, muls = _factors(graph, node)
+        factors, muls = operand_tree(graph, node)
         if len(factors) != 3:
             return "not a product of three factors"
         half = [t for t in factors if _close(scalar(Graph.constant(t)), 0.5)]

@@ -72,6 +72,21 @@ def private_producer(graph: Graph, node: gs.Node, index: int, op: str | Sequence
     return producer if producer is not None and private(graph, producer.outputs[0]) else None
 
 
+def operand_tree(graph: Graph, node: gs.Node, depth: int = 2) -> tuple[list[gs.Tensor], list[gs.Node]]:
+    """The operands of a tree of private standard nodes of `node`'s operator (Mul, Add) rooted at `node`, at most
+    `depth` deep, and the tree's nodes."""
+    operands, tree = [], [node]
+    for tensor in node.inputs:
+        inner = standard_producer(tensor)
+        if depth > 1 and inner is not None and inner.op == node.op and private(graph, tensor):
+            more, more_tree = operand_tree(graph, inner, depth - 1)
+            operands += more
+            tree += more_tree
+        else:
+            operands.append(tensor)
+    return operands, tree
+
+
 def replace_all(graph: Graph, olds: Sequence[gs.Tensor], news: Sequence[gs.Tensor]) -> None:
     """`graph.replace_uses(old, new)` for each pair whose old tensor is read or is a graph output."""
     for old, new in zip(list(olds), list(news)):

@@ -28,7 +28,8 @@ def _export(exporter: str):
 @pytest.mark.parametrize("exporter", EXPORTERS)
 @pytest.mark.parametrize("name,fused", [("skip-layernorm-fusion", "SkipLayerNormalization"),
                                         ("bias-gelu-fusion", "BiasGelu"),
-                                        ("attention-fusion", "MultiHeadAttention")])
+                                        ("attention-fusion", "MultiHeadAttention"),
+                                        ("embed-layernorm-fusion", "EmbedLayerNormalization")])
 def test_fusion_fires_on_the_export(exporter, name, fused):
     new = assert_rewrites(_export(exporter), name, dynamic=OTHER)
     assert new.op_counts()[fused] == 1
@@ -56,7 +57,8 @@ def test_attention_packs_its_projections(exporter):
 
 def _all_fused(exporter: str):
     graph = _export(exporter)
-    for name in ("attention-fusion", "attention-pack-qkv", "skip-layernorm-fusion", "bias-gelu-fusion"):
+    for name in ("embed-layernorm-fusion", "attention-fusion", "attention-pack-qkv", "skip-layernorm-fusion",
+                 "bias-gelu-fusion"):
         while matches := rule(name).find(graph):
             graph = apply(graph, matches[0])
     return graph
@@ -67,7 +69,8 @@ def test_every_fusion_together_at_any_shape_and_mask(exporter):
     """The written (dynamic) model against the export: random, all-ones and all-zeros masks, a padded row."""
     fused = _all_fused(exporter)
     ops = fused.op_counts()
-    assert (ops["Attention"], ops["SkipLayerNormalization"], ops["BiasGelu"]) == (1, 3, 1)
+    assert (ops["EmbedLayerNormalization"], ops["Attention"], ops["SkipLayerNormalization"], ops["BiasGelu"]) == (
+        1, 1, 2, 1)
     assert "Softmax" not in ops and "Erf" not in ops and "LayerNormalization" not in ops
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

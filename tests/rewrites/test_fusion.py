@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from .helpers import F32, assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
 
@@ -114,6 +114,37 @@ def _mha(shared=True, mask=False, bias=True):
     return graph(nodes, inputs, outputs={"y": (F32, ["batch", 5, 8])}, consts=consts)
 
 
+I64 = TensorProto.INT64
+
+
+def _embeddings(lookups=3, shared=False, shape_reader=False, table_input=False):
+    """BERT's embeddings: token, position and segment tables looked up and summed, then LayerNormalization.  With
+    `shape_reader`, the position ids come from Shape of the token lookup (TorchScript's DistilBERT); with `shared`,
+    the sum also feeds a residual Add (GPT-2)."""
+    nodes = [node("Gather", ["W", "ids"], "we"), node("Gather", ["P", "pos"], "pe"), node("Add", ["we", "pe"], "s2")]
+    inputs = {"ids": (["batch", 5], I64), "pos": ([1, 5], I64)}
+    if shape_reader:
+        del inputs["pos"]
+        nodes[1:1] = [node("Shape", ["we"], "shp"), node("Gather", ["shp", "one"], "n", axis=0),
+                      node("Range", ["zero", "n", "one"], "r"), node("Unsqueeze", ["r", "axis0"], "pos")]
+    total = "s2"
+    if lookups == 3:
+        inputs["seg"] = (["batch", 5], I64)
+        nodes += [node("Gather", ["T", "seg"], "te"), node("Add", ["s2", "te"], "s3")]
+        total = "s3"
+    nodes.append(node("LayerNormalization", [total, "g", "b"], "n" if shared else "y", epsilon=1e-12))
+    if shared:
+        nodes.append(node("Add", [total, "n"], "y"))
+    consts = {"P": weights(7, 8, seed=1), "T": weights(2, 8, seed=2), "g": weights(8, seed=3),
+              "b": weights(8, seed=4), "one": np.array(1, np.int64), "zero": np.array(0, np.int64), "axis0": ints(0)}
+    if table_input:
+        inputs["W"] = [11, 8]
+    else:
+        consts["W"] = weights(11, 8)
+    return graph(nodes, inputs, opset=17, consts=consts)
+
+
+
 CASES = {
     "matmul-add-to-gemm": (
         lambda: graph([node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"])], {"x": ["n", 4]},
@@ -152,6 +183,8 @@ CASES = {
         lambda: _bias_act("FastGelu"), lambda: _bias_act("FastGelu", bias_shape=(3, 8)),
         "not of a float32 constant vector"),
     "attention-pack-qkv": (lambda: _mha(), lambda: _mha(shared=False), "not projections of one input"),
+    "embed-layernorm-fusion": (lambda: _embeddings(), lambda: _embeddings(table_input=True),
+                               "two or three embedding lookups"),
     "attention-fusion": (lambda: attention(), lambda: attention(mask=True, mask_shape=(5,)),
                          "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"),
 }
@@ -301,3 +334,23 @@ def test_skip_layernorm_refuses_a_sum_that_is_a_graph_output():
               {"x": [2, 4, 8], "z": [2, 4, 8]}, outputs=("y", "s"), opset=17,
               consts={"g": weights(8), "b": weights(8, seed=1)})
     assert_refuses(g, "skip-layernorm-fusion", "graph output")
+
+
+@pytest.mark.parametrize("lookups", [2, 3])
+def test_embed_layernorm_fusion(lookups):
+    new = assert_rewrites(_embeddings(lookups), "embed-layernorm-fusion")
+    fused = next(n for n in new.gs.nodes if n.op == "EmbedLayerNormalization")
+    assert fused.inputs[8].name != "" and fused.inputs[3].name == "P"  # the [1, S] lookup is the position one
+    assert new.op_counts()["Cast"] == lookups  # 64-bit ids cast to the operator's 32
+
+
+def test_embed_layernorm_keeps_a_shared_sum_as_its_third_output():
+    new = assert_rewrites(_embeddings(shared=True), "embed-layernorm-fusion")
+    fused = next(n for n in new.gs.nodes if n.op == "EmbedLayerNormalization")
+    assert len(fused.outputs) == 3 and fused.outputs[2].outputs and "LayerNormalization" not in new.op_counts()
+
+
+def test_embed_layernorm_takes_a_shape_of_a_lookup_from_its_ids():
+    """The position ids computed from Shape of the token lookup: the Shape reads the ids instead (no cycle)."""
+    new = assert_rewrites(_embeddings(lookups=2, shape_reader=True), "embed-layernorm-fusion")
+    assert "Gather" in new.op_counts() and all(n.inputs[0].name != "we" for n in new.gs.nodes if n.op == "Shape")

@@ -38,7 +38,7 @@ def test_contrib_flag_matches_what_rules_emit():
     contrib = {r.name for r in RULES if r.contrib}
     assert contrib == {"skip-layernorm-fusion", "gelu-fusion", "fast-gelu-fusion", "conv-activation-fusion",
                        "gemm-activation-fusion", "matmul-transpose-fusion", "bias-gelu-fusion", "bias-fast-gelu-fusion",
-                       "attention-fusion", "bias-gelu-unfuse", "attention-pack-qkv"}
+                       "attention-fusion", "bias-gelu-unfuse", "attention-pack-qkv", "embed-layernorm-fusion"}
 
 
 def test_groups_cover_every_rule_once():

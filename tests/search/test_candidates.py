@@ -1,0 +1,67 @@
+"""The candidates greedy measures first: a rule applied everywhere and every fusion at once, built with one graph copy
+per pass (`apply_all`).  They must be the graphs the same rewrites make one at a time, and keep the numbers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlflow.graph import load
+from rlflow.measure.verify import verify
+from rlflow.rewrites import apply, apply_all, rule
+from rlflow.search.candidates import Candidate, all_fusions, everywhere
+from rlflow.search.greedy import phases
+
+EXPORT = Path(__file__).resolve().parents[1] / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return load(EXPORT, {"input_ids": (1, 8), "attention_mask": (1, 8)})
+
+
+def _replayed(graph, applied):
+    for match in applied:
+        graph = apply(graph, match)
+    return graph
+
+
+def test_apply_all_is_the_rewrites_one_at_a_time(bert):
+    matches = rule("skip-layernorm-fusion").find(bert)
+    assert len(matches) == 3
+    before = bert.fingerprint()
+    batch, applied = apply_all(bert, matches)
+    assert applied == matches and bert.fingerprint() == before
+    assert batch.fingerprint() == _replayed(bert, matches).fingerprint()
+    assert batch.op_counts().get("LayerNormalization", 0) == 0
+
+
+def test_apply_all_skips_a_match_that_no_longer_holds(bert):
+    (match,) = rule("attention-fusion").find(bert)
+    batch, applied = apply_all(bert, [match, match])  # the second finds its nodes gone
+    assert applied == [match] and batch.fingerprint() == apply(bert, match).fingerprint()
+
+
+def test_everywhere_and_all_fusions_replay_and_keep_the_numbers(bert):
+    start = Candidate(bert, (), bert.fingerprint())
+    candidates = list(everywhere(start))
+    fused = all_fusions(start)
+    assert fused is not None and fused.fingerprint not in {c.fingerprint for c in candidates}
+    rules = {m.rule for m in fused.applied}
+    assert {"embed-layernorm-fusion", "attention-fusion", "attention-pack-qkv", "skip-layernorm-fusion",
+            "bias-gelu-fusion"} <= rules
+    reference = bert.to_model(static=True)
+    for candidate in [fused, *candidates]:
+        assert _replayed(bert, candidate.applied).fingerprint() == candidate.fingerprint
+        assert verify(reference, candidate.graph.to_model(static=True)).ok
+
+
+def test_greedy_measures_all_fusions_alone_first_then_the_rest(bert):
+    start = Candidate(bert, (), bert.fingerprint())
+    seen = {start.fingerprint}
+    batches = list(phases(start, [rule(n) for n in ("attention-fusion", "skip-layernorm-fusion", "gelu-fusion")],
+                          seen, deadline=float("inf")))
+    first, second, third = batches
+    assert len(first) == 1 and {m.rule for m in first[0].applied} >= {"attention-fusion", "skip-layernorm-fusion"}
+    assert {c.applied[-1].rule for c in second} == {"skip-layernorm-fusion", "attention-fusion", "gelu-fusion"}
+    assert len(third) == 3 and all(len(c.applied) == 1 for c in third)  # the single skip-layernorm rewrites
