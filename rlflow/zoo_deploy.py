@@ -276,9 +276,14 @@ def _dynamic_shapes(arch: Architecture, names: list):
 @functools.lru_cache(maxsize=1)
 def _exported(key: str, exporter: str):
     """(ONNX bytes, wrapped torch module) of one (architecture, exporter): made once, shared by its shapes."""
+    return export_architecture(_BY_KEY[key], exporter)
+
+
+def export_architecture(arch: Architecture, exporter: str):
+    """(ONNX bytes, wrapped torch module) of `arch` exported by `exporter` (``ts`` or ``dynamo``) as users export it,
+    dynamic axes included; the test fixtures' small cuts are made this way too (tests/fixtures/exports/make.py)."""
     import torch
 
-    arch = _BY_KEY[key]
     opset = EXPORTERS[exporter][0]
     wrapper = _wrap(_model(arch), arch)
     inputs = _trace_inputs(arch)

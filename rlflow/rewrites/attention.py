@@ -6,7 +6,7 @@ of the pattern may also be read by `Shape` nodes, provided everything they compu
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -19,9 +19,10 @@ from rlflow.rewrites.util import (MS, bias_side, constant_input, dynamic_axes, e
 _SHAPE_CONE_LIMIT = 64  # nodes of one shape computation followed before giving up
 
 
-def _sole(graph: Graph, tensor: gs.Tensor) -> bool:
-    """True when one node reads `tensor` besides `Shape` nodes, and it is not a graph output."""
-    return not graph.is_output(tensor) and sum(1 for n in tensor.outputs if n.op != "Shape") == 1
+def _sole(graph: Graph, tensor: gs.Tensor, output_ok: bool = False) -> bool:
+    """True when one node reads `tensor` besides `Shape` nodes, and it is not a graph output (unless `output_ok`)."""
+    return ((output_ok or not graph.is_output(tensor)) and
+            sum(1 for n in tensor.outputs if n.op != "Shape") == 1)
 
 
 def _producer(graph: Graph, node: gs.Node, index: int, op: str | Sequence[str]) -> gs.Node | None:
@@ -56,12 +57,14 @@ def _shape_readers_die(graph: Graph, nodes: Sequence[gs.Node]) -> bool:
     return True
 
 
-def _heads_of(graph: Graph, transpose: gs.Node, perm: tuple[int, ...]) -> tuple[gs.Node, gs.Tensor] | None:
-    """For `Transpose(Reshape(x, [B, S, H, Dh]), perm)`, both private: (the Reshape, x) when x is [B, S, H*Dh]."""
+def _heads_of(graph: Graph, transpose: gs.Node, perm: tuple[int, ...],
+              output_ok: bool = False) -> tuple[gs.Node, gs.Tensor] | None:
+    """For `Transpose(Reshape(x, [B, S, H, Dh]), perm)`, both private (the Transpose's output may be a graph output
+    with `output_ok`): (the Reshape, x) when x is [B, S, H*Dh]."""
     if perm_of(transpose, 4) != perm:
         return None
     reshape = _producer(graph, transpose, 0, "Reshape")
-    if reshape is None or not _sole(graph, transpose.outputs[0]):
+    if reshape is None or not _sole(graph, transpose.outputs[0], output_ok):
         return None
     x = reshape.inputs[0]
     before, after = graph.shape(x), graph.shape(reshape.outputs[0])
@@ -109,35 +112,76 @@ def _nan_guard(graph: Graph, context: gs.Node) -> tuple[gs.Node, list[gs.Node]] 
     return softmax, [where, isnan]
 
 
-def _keys_transposed(graph: Graph, tensor: gs.Tensor) -> tuple[tuple[gs.Node, gs.Tensor], list[gs.Node]] | None:
-    """K^T as [B, H, Dh, T] from K split into heads ([B, H, T, Dh]): `Transpose(heads, (0, 2, 3, 1))`, a swap of the
-    last two axes after the split, or (the dynamo exporter) `Reshape(Transpose(Reshape(K, [B*H, T, Dh])), [B, H, Dh, T])`.
-    Returns ((the split's Reshape, the [B, T, hidden] keys), the nodes in between)."""
+class _Heads(NamedTuple):
+    """Keys or values split into heads ([B, H, T, Dh]) as attention reads them."""
+
+    reshape: gs.Node  # the split's Reshape
+    source: gs.Tensor  # what is split: the new keys or values, [B, S, hidden]
+    nodes: list[gs.Node]  # the Transpose, and the Concat appending it to the past state
+    past: gs.Tensor | None  # the state [B, H, P, Dh] the new heads are appended to (a decoder's KV cache)
+    present: gs.Tensor | None  # the heads, past included, where the model outputs them as the next step's state
+
+
+def _cached_heads(graph: Graph, tensor: gs.Tensor) -> _Heads | None:
+    """The heads that `tensor` holds: `Transpose(Reshape(x), (0, 2, 1, 3))`, or that appended to a past state
+    (`Concat(past, heads, axis=2)`, a decode step; TorchScript writes a one-input Concat where there is no past);
+    either may be a graph output, the present state."""
+    producer, concat, past = standard_producer(tensor), None, None
+    if producer is not None and producer.op == "Concat" and len(producer.inputs) in (1, 2):
+        shapes = [graph.shape(t) for t in (*producer.inputs, tensor)]
+        if any(s is None or len(s) != 4 for s in shapes) or normalize_axis(producer.attrs.get("axis", 0), 4) != 2:
+            return None
+        concat, past = producer, producer.inputs[0] if len(producer.inputs) == 2 else None
+        if not _sole(graph, tensor, output_ok=True):
+            return None
+        producer = _producer(graph, concat, len(concat.inputs) - 1, "Transpose")
+    if producer is None or producer.op != "Transpose":
+        return None
+    found = _heads_of(graph, producer, (0, 2, 1, 3), output_ok=concat is None)
+    if found is None:
+        return None
+    present = tensor if concat is not None or graph.is_output(tensor) else None
+    return _Heads(found[0], found[1], [producer, *([concat] if concat else [])], past, present)
+
+
+def _keys_transposed(graph: Graph, tensor: gs.Tensor) -> tuple[_Heads, list[gs.Node]] | None:
+    """K^T as [B, H, Dh, T] from K split into heads ([B, H, T, Dh], see `_cached_heads`): `Transpose(heads,
+    (0, 2, 3, 1))`, a swap of the last two axes after the split, or (the dynamo exporter)
+    `Reshape(Transpose(Reshape(K, [B*H, T, Dh])), [B, H, Dh, T])`.  Returns (the heads, the nodes in between)."""
     k_t = standard_producer(tensor)
     if k_t is None or not _sole(graph, tensor):
         return None
     if k_t.op == "Transpose":
         key = _heads_of(graph, k_t, (0, 2, 3, 1))
         if key is not None:
-            return key, [k_t]
-        inner = _producer(graph, k_t, 0, "Transpose")
-        if perm_of(k_t, 4) == (0, 1, 3, 2) and inner is not None:
-            key = _heads_of(graph, inner, (0, 2, 1, 3))
-            return (key, [k_t, inner]) if key is not None else None
-        return None
+            return _Heads(key[0], key[1], [], None, None), [k_t]
+        heads = _cached_heads(graph, k_t.inputs[0]) if perm_of(k_t, 4) == (0, 1, 3, 2) else None
+        return (heads, [k_t]) if heads is not None else None
     if k_t.op != "Reshape":
         return None
     swap = _producer(graph, k_t, 0, "Transpose")
     flat = None if swap is None or perm_of(swap, 3) != (0, 2, 1) else _producer(graph, swap, 0, "Reshape")
-    heads_t = None if flat is None else _producer(graph, flat, 0, "Transpose")
-    if heads_t is None:
+    heads = None if flat is None else _cached_heads(graph, flat.inputs[0])
+    if heads is None:
         return None
-    split, flat_shape, out = graph.shape(heads_t.outputs[0]), graph.shape(flat.outputs[0]), graph.shape(k_t.outputs[0])
-    if split is None or len(split) != 4 or flat_shape != (split[0] * split[1], split[2], split[3]) or out != (
-            split[0], split[1], split[3], split[2]):
+    split, flat_shape, out = graph.shape(flat.inputs[0]), graph.shape(flat.outputs[0]), graph.shape(k_t.outputs[0])
+    if flat_shape != (split[0] * split[1], split[2], split[3]) or out != (split[0], split[1], split[3], split[2]):
         return None
-    key = _heads_of(graph, heads_t, (0, 2, 1, 3))
-    return (key, [k_t, swap, flat, heads_t]) if key is not None else None
+    return heads, [k_t, swap, flat]
+
+
+class _Found(NamedTuple):
+    """An attention `AttentionFusion` matched."""
+
+    nodes: list[gs.Node]
+    query: gs.Tensor
+    key: _Heads
+    value: _Heads
+    mask: gs.Tensor | None
+    guarded: bool
+    heads: int
+    scale: float
+    flat: bool  # the output is [B*S, hidden] (GPT-2 reshapes it for its Gemm) rather than [B, S, hidden]
 
 
 class AttentionFusion(Rule):
@@ -151,15 +195,15 @@ class AttentionFusion(Rule):
     root_ops = ("Reshape",)
     contrib = True
 
-    def _pattern(self, graph: Graph, node: gs.Node):
-        """(nodes, q, k, v, mask, guard, heads, scale) of `Reshape(Transpose(Softmax(s * Q.K^T [+ mask]).V))` split
-        into heads, or a reason."""
+    def _pattern(self, graph: Graph, node: gs.Node) -> _Found | str:
+        """The attention `Reshape(Transpose(Softmax(s * Q.K^T [+ mask]).V))` with Q, K and V split into heads, or a
+        reason."""
         merge = _producer(graph, node, 0, "Transpose")
         if merge is None or perm_of(merge, 4) != (0, 2, 1, 3):
             return "not a Reshape of heads transposed back ([B, H, S, Dh] -> [B, S, H, Dh])"
         context, kept = _producer(graph, merge, 0, "MatMul"), []
         if context is None and (same := _producer(graph, merge, 0, "Reshape")) is not None and _keeps_shape(graph, same):
-            context, kept = _producer(graph, same, 0, "MatMul"), [same]  # TorchScript's reshape to [B, -1, S, Dh]
+            context, kept = _producer(graph, same, 0, "MatMul"), [same]  # a reshape to [B, -1, S, Dh] that keeps it
         if context is None:
             return "the heads are not a MatMul of probabilities and values"
         softmax, guard = _producer(graph, context, 0, "Softmax"), []
@@ -181,54 +225,80 @@ class AttentionFusion(Rule):
             return "something other than a scale and an additive mask lies between the scores and the Softmax"
         q_in, q_scale, q_nodes = _scaled_operand(graph, qk.inputs[0])
         k_in, k_scale, k_nodes = _scaled_operand(graph, qk.inputs[1])
-        q_t, v_t = standard_producer(q_in), standard_producer(context.inputs[1])
-        if any(t is None or t.op != "Transpose" for t in (q_t, v_t)) or not _sole(graph, k_in):
-            return "Q, K or V is not a Transpose of heads"
-        query, value, keys = _heads_of(graph, q_t, (0, 2, 1, 3)), _heads_of(graph, v_t, (0, 2, 1, 3)), \
-            _keys_transposed(graph, k_in)
+        q_t = standard_producer(q_in)
+        if q_t is None or q_t.op != "Transpose" or not _sole(graph, k_in):
+            return "Q or K is not a Transpose of heads"
+        query, keys, value = (_heads_of(graph, q_t, (0, 2, 1, 3)), _keys_transposed(graph, k_in),
+                              _cached_heads(graph, context.inputs[1]))
         if query is None or keys is None or value is None:
             return "Q, K or V is not a private [B, S, hidden] tensor split into heads"
         key, k_nodes = keys[0], [*k_nodes, *keys[1]]
-        shapes = [graph.shape(t) for t in (query[1], key[1], value[1], node.outputs[0])]
+        if (key.past is None) != (value.past is None) or (key.present is None) != (value.present is None):
+            return "keys and values do not both have a past state, or do not both output the present one"
+        shapes = [graph.shape(t) for t in (query[1], key.source, value.source, node.outputs[0])]
         heads = graph.shape(query[0].outputs[0])[2]
+        flat = len(shapes[3]) == 2 and shapes[3] == (shapes[0][0] * shapes[0][1], shapes[0][2])
         if not (shapes[0][0] == shapes[1][0] == shapes[2][0] and shapes[1][1] == shapes[2][1]
-                and shapes[0][2] == shapes[1][2] == shapes[2][2] and shapes[3] == shapes[0]
-                and graph.shape(key[0].outputs[0])[2] == graph.shape(value[0].outputs[0])[2] == heads):
+                and shapes[0][2] == shapes[1][2] == shapes[2][2] and (shapes[3] == shapes[0] or flat)
+                and graph.shape(key.reshape.outputs[0])[2] == graph.shape(value.reshape.outputs[0])[2] == heads):
             return "Q, K, V and the output disagree on batch, length, hidden size or heads"
-        if dynamic_axes(graph, node.outputs[0]) != dynamic_axes(graph, query[1]):
+        moved = dynamic_axes(graph, query[1])
+        expected = (moved[0] or moved[1], moved[2]) if flat and moved is not None else moved
+        if dynamic_axes(graph, node.outputs[0]) != expected:
             return "the output does not follow the query's dynamic dimensions"
-        if not all(is_float(t) and np.dtype(t.dtype) == np.float32 for t in (query[1], key[1], value[1])):
+        if not all(is_float(t) and np.dtype(t.dtype) == np.float32 for t in (query[1], key.source, value.source)):
             return "not float32"
+        if key.past is not None and graph.shape(key.past) != graph.shape(value.past):
+            return "the past keys and values differ in shape"
         if mask is not None:
-            batch, length, total = shapes[0][0], shapes[0][1], shapes[1][1]
+            batch, length = shapes[0][0], shapes[0][1]
+            total = graph.shape(key.present if key.present is not None else key.source)[-2 if key.present else 1]
             m = graph.shape(mask)
             if (m is None or len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, heads) or m[2:] != (length, total)
                     or not is_float(mask) or np.dtype(mask.dtype) != np.float32):
                 return "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"
         nodes = [node, merge, *kept, context, *guard, softmax, *mask_nodes, *scale_nodes, qk, *q_nodes, q_t, query[0],
-                 *k_nodes, key[0], v_t, value[0]]
+                 *k_nodes, key.reshape, *key.nodes, value.reshape, *value.nodes]
         if not _shape_readers_die(graph, nodes):
             return "a tensor inside the attention is read elsewhere (other than by shape computations it feeds)"
-        return (nodes, query[1], key[1], value[1], mask, bool(guard), heads,
-                float(np.float32(scale * q_scale * k_scale)))
+        return _Found(nodes, query[1], key, value, mask, bool(guard), heads, float(np.float32(scale * q_scale * k_scale)),
+                      flat)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         found = self._pattern(graph, node)
         if isinstance(found, str):
             return self.no(node, found)
-        return self.match(found[0], heads=found[6], scale=found[7], masked=found[4] is not None, guarded=found[5])
+        return self.match(found.nodes, heads=found.heads, scale=found.scale, masked=found.mask is not None,
+                          guarded=found.guarded, cached=found.key.present is not None)
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
-        _, q, k, v, mask, guard, heads, scale = self._pattern(graph, node)
-        inputs = [q, k, v] if mask is None else [q, k, v, gs.Variable.empty(), gs.Variable.empty(), mask]
-        out = emit(graph, "MultiHeadAttention", inputs, {"num_heads": heads, "scale": scale}, domain=MS)
-        if guard:  # a query row with every key masked: the Softmax gives NaN there, the guard 0
-            out.dtype, out.shape = node.outputs[0].dtype, node.outputs[0].shape
+        found = self._pattern(graph, node)
+        empty = gs.Variable.empty
+        inputs = [found.query, found.key.source, found.value.source, empty(), empty(),
+                  found.mask if found.mask is not None else empty()]
+        if found.key.past is not None:
+            inputs += [found.key.past, found.value.past]
+        while not inputs[-1].name:
+            inputs.pop()
+        out = gs.Variable(graph.fresh_name("attention"))
+        outputs = [out]
+        if found.key.present is not None:  # the next step's state: keys and values with the past, [B, H, T, Dh]
+            outputs += [gs.Variable(graph.fresh_name("present_key")), gs.Variable(graph.fresh_name("present_value"))]
+        graph.add_node("MultiHeadAttention", inputs, outputs, {"num_heads": found.heads, "scale": found.scale},
+                       domain=MS)
+        out.dtype, out.shape = found.query.dtype, found.query.shape
+        if found.guarded:  # a query row with every key masked: the Softmax gives NaN there, the guard 0
             zero = graph.add_constant(np.zeros((), np.float32), "zero")
             out = emit(graph, "Where", [emit(graph, "IsNaN", [out]), zero, out])
+            out.dtype, out.shape = found.query.dtype, found.query.shape
+        if found.flat:
+            hidden = graph.shape(found.query)[2]
+            out = emit(graph, "Reshape", [out, graph.add_constant(np.array([-1, hidden], np.int64), "flat")])
         replace_typed(graph, node.outputs[0], out)
-
+        if found.key.present is not None:
+            replace_typed(graph, found.key.present, outputs[1])
+            replace_typed(graph, found.value.present, outputs[2])
 
 
 def _projection(graph: Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, np.ndarray, np.ndarray | None, list[gs.Node]] | None:

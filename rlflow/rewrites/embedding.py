@@ -18,9 +18,14 @@ from rlflow.rewrites.util import (MS, dynamic_axes, has_input, is_float, normali
 
 
 def _lookup(graph: Graph, tensor: gs.Tensor, hidden: int) -> gs.Node | None:
-    """The `Gather` of rows of a constant float32 [rows, hidden] table by 2-D integer ids writing `tensor`, read by
-    the sum and otherwise only by `Shape` (TorchScript's DistilBERT takes the sequence length from it)."""
+    """The `Gather` of rows of a constant float32 [rows, hidden] table by 2-D integer ids writing `tensor` (or a Cast
+    of it to float32), read by the sum and otherwise only by `Shape` (TorchScript's DistilBERT takes the sequence
+    length from it)."""
     gather = tensor.inputs[0] if tensor.inputs else None
+    if (gather is not None and gather.op == "Cast" and gather.attrs.get("to") == onnx.TensorProto.FLOAT
+            and private(graph, tensor)):  # a Cast to the type it has (TorchScript's GPT-2 positions)
+        tensor = gather.inputs[0]
+        gather = tensor.inputs[0] if tensor.inputs else None
     if gather is None or gather.op != "Gather" or gather.domain or graph.is_output(tensor):
         return None
     if sum(1 for reader in tensor.outputs if reader.op != "Shape") != 1:

@@ -88,3 +88,37 @@ def test_every_fusion_together_at_any_shape_and_mask(exporter):
         for e, g in zip(expected, got):
             assert not np.isnan(g).any()
             np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5)
+
+
+PAST = {f"past_key_values.0.{kv}": (1, 2, 8, 16) for kv in ("key", "value")}
+GPT2 = {  # (deployed shape, another) of GPT-2's prefill and decode step: tests/fixtures/exports/make.py
+    "prefill": ({"input_ids": (1, 8), "attention_mask": (1, 8)}, {"input_ids": [2, 5], "attention_mask": [2, 5]}),
+    "decode": ({"input_ids": (1, 1), "attention_mask": (1, 9), **PAST},
+               {"input_ids": [2, 1], "attention_mask": [2, 6], **{k: [2, 2, 5, 16] for k in PAST}}),
+}
+
+
+@pytest.mark.parametrize("exporter", ("ts", "dynamo"))
+@pytest.mark.parametrize("kind", list(GPT2))
+def test_attention_fuses_with_the_kv_cache(kind, exporter):
+    """GPT-2's attention with its causal mask, the present keys and values as outputs and (decode) the past ones as
+    inputs: MultiHeadAttention takes the past state and gives the present one."""
+    deployed, other = GPT2[kind]
+    graph = load(FIXTURES / f"gpt2-tiny-{kind}-{exporter}.onnx", deployed)
+    (match,) = rule("attention-fusion").find(graph)
+    assert match.param("cached") and match.param("masked")
+    fused = assert_rewrites(graph, "attention-fusion", dynamic=other)
+    (mha,) = [n for n in fused.gs.nodes if n.op == "MultiHeadAttention"]
+    assert [t.name for t in mha.outputs[1:]] == ["present.0.key", "present.0.value"]
+    assert len(mha.inputs) == (8 if kind == "decode" else 6)  # (the past keys and values) after attention_bias
+    assert "Softmax" not in fused.op_counts()
+
+
+@pytest.mark.parametrize("exporter", ("ts", "dynamo"))
+def test_embed_layernorm_keeps_gpt2s_residual_sum(exporter):
+    """GPT-2 adds token and position embeddings into the residual stream: the sum comes from the third output."""
+    deployed, other = GPT2["decode"]
+    graph = load(FIXTURES / f"gpt2-tiny-decode-{exporter}.onnx", deployed)
+    (match,) = rule("embed-layernorm-fusion").find(graph)
+    assert match.param("shared") and match.param("lookups") == 2
+    assert_rewrites(graph, "embed-layernorm-fusion", dynamic=other)
