@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
-from rlflow.graph import Graph, load, max_ir_version
+from rlflow.graph import Graph, load
+from rlflow.model_file import max_ir_version
 from rlflow.measure.flops import count_flops, count_params
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.timing import compare, time_model

@@ -17,7 +17,8 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError
-from rlflow.graph import Graph, max_ir_version, read_model, save_model
+from rlflow.graph import Graph
+from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.timing import Comparison, Ratio, Timing, check_and_time, compare

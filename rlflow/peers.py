@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from rlflow.graph import max_ir_version, save_model
+from rlflow.model_file import max_ir_version, save_model
 
 PeerTool = Callable[[onnx.ModelProto], onnx.ModelProto]
 

@@ -11,8 +11,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import rlflow
 from rlflow import graph as graph_module
+from rlflow import model_file
 from rlflow.errors import InputError
-from rlflow.graph import Graph, load, max_ir_version, parse_input_shapes
+from rlflow.graph import Graph, load, parse_input_shapes
+from rlflow.model_file import max_ir_version
 from rlflow.measure.verify import verify
 from tests.conftest import save, tiny_model
 
@@ -145,7 +147,7 @@ def test_external_data_load_and_save(tmp_path, monkeypatch):
     onnx.save_model(external, str(path), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
     graph = load(path)
     assert graph.op_counts()["MatMul"] == 1
-    monkeypatch.setattr(graph_module, "EXTERNAL_DATA_THRESHOLD", 10)  # as if the weights exceeded 2 GB
+    monkeypatch.setattr(model_file, "EXTERNAL_DATA_THRESHOLD", 10)  # as if the weights exceeded 2 GB
     out = graph.save(tmp_path / "out" / "big.onnx")
     assert sorted(p.name for p in out.parent.iterdir()) == ["big.onnx", "big.onnx.data"]
     reloaded = onnx.load(str(out))

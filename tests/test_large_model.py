@@ -15,9 +15,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow import graph as graph_module
+from rlflow import model_file
 from rlflow.errors import InputError
-from rlflow.graph import is_mapped, load, read_model, save_model
+from rlflow.graph import load
+from rlflow.model_file import is_mapped, read_model, save_model
 from rlflow.measure import session as session_module
 from rlflow.measure.session import create_session, run_session
 from rlflow.measure.verify import verify
@@ -136,7 +137,7 @@ def test_model_over_2gb_is_rewritten_verified_and_saved(big_model, tmp_path):
 @pytest.fixture
 def external_model(tmp_path, monkeypatch):
     """A small external-data model, treated as if its weights exceeded the threshold (so they stay mapped)."""
-    monkeypatch.setattr(graph_module, "EXTERNAL_DATA_THRESHOLD", 10)
+    monkeypatch.setattr(model_file, "EXTERNAL_DATA_THRESHOLD", 10)
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "W")
     model = tiny_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
@@ -158,7 +159,7 @@ def test_external_weights_are_mapped_and_exported_as_references(external_model, 
     assert weight.data_location == TensorProto.EXTERNAL and not weight.raw_data
     graph.check()  # the checker takes the exported proto, its absolute data path aside
     assert verify(reference, exported).ok
-    monkeypatch.setattr(graph_module, "EXTERNAL_DATA_THRESHOLD", 1_800_000_000)
+    monkeypatch.setattr(model_file, "EXTERNAL_DATA_THRESHOLD", 1_800_000_000)
     written = graph.save(tmp_path / "out" / "small.onnx")  # under the threshold: one file, weights inside
     assert sorted(p.name for p in written.parent.iterdir()) == ["small.onnx"]
     assert verify(reference, onnx.load(str(written))).ok

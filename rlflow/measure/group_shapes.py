@@ -15,7 +15,8 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from rlflow.graph import Graph, max_ir_version
+from rlflow.graph import Graph
+from rlflow.model_file import max_ir_version
 
 log = logging.getLogger("rlflow")
 

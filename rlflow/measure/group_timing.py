@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from rlflow.graph import max_ir_version
+from rlflow.model_file import max_ir_version
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings
 

@@ -29,7 +29,8 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from rlflow.graph import Graph, external_reference, max_ir_version
+from rlflow.graph import Graph
+from rlflow.model_file import external_reference, max_ir_version
 from rlflow.measure.group_shapes import Shapes
 
 MAX_GROUP = 16

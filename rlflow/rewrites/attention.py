@@ -188,7 +188,9 @@ class AttentionFusion(Rule):
     """Replaces multi-head attention on [B, S, hidden] queries, keys and values with onnxruntime's `MultiHeadAttention`.
 
     An additive mask on the scores (`Softmax(s * Q.K^T + mask)`, as exporters write `attention_mask`) becomes its
-    `attention_bias`; the exporters' NaN guard after the Softmax is kept on the fused output."""
+    `attention_bias`; the exporters' NaN guard after the Softmax is kept on the fused output.  A decoder's KV cache
+    (GPT-2: keys and values appended to past ones and output as the present state) becomes the operator's past inputs
+    and present outputs."""
 
     name = "attention-fusion"
     category = "fusion"

@@ -9,7 +9,8 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from rlflow.graph import Graph, max_ir_version
+from rlflow.graph import Graph
+from rlflow.model_file import max_ir_version
 from rlflow.rewrites.base import Match, NoMatch, Rule, RewriteError
 from rlflow.rewrites.util import (DETERMINISTIC_OPS, broadcast_shape, combine, constant_input, conv_weights, emit,
                                   has_input, input_producer, is_float, per_channel, private, replace_all)

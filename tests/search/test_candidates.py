@@ -65,3 +65,29 @@ def test_greedy_measures_all_fusions_alone_first_then_the_rest(bert):
     assert len(first) == 1 and {m.rule for m in first[0].applied} >= {"attention-fusion", "skip-layernorm-fusion"}
     assert {c.applied[-1].rule for c in second} == {"skip-layernorm-fusion", "attention-fusion", "gelu-fusion"}
     assert len(third) == 3 and all(len(c.applied) == 1 for c in third)  # the single skip-layernorm rewrites
+
+
+def test_apply_all_keeps_what_a_subgraph_reads_from_outside():
+    """An If branch reads a tensor of the outer graph by name: its producers stay live through a batch of rewrites."""
+    from onnx import TensorProto, helper
+
+    from rlflow.graph import Graph
+
+    def value(name):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 2])
+
+    then_g = helper.make_graph([helper.make_node("Add", ["t2", "u2"], ["o1"])], "then", [], [value("o1")])
+    else_g = helper.make_graph([helper.make_node("Sub", ["t2", "u2"], ["o2"])], "else", [], [value("o2")])
+    nodes = [helper.make_node("Transpose", [x], [f"{x}1"], perm=[1, 0]) for x in ("x", "u")]
+    nodes += [helper.make_node("Transpose", [f"{x}1"], [f"{x}2"], perm=[1, 0]) for x in ("x", "u")]
+    nodes[2].output[0], nodes[3].output[0] = "t2", "u2"
+    nodes.append(helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g))
+    graph = helper.make_graph(nodes, "g", [value("x"), value("u"), helper.make_tensor_value_info("c", TensorProto.BOOL,
+                                                                                             [])], [value("y")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    g = Graph.from_model(model)
+    matches = rule("transpose-transpose").find(g)
+    assert len(matches) == 2
+    batch, applied = apply_all(g, matches)
+    assert applied == matches and batch.fingerprint() == _replayed(g, matches).fingerprint()
+    assert verify(g.to_model(static=True), batch.to_model(static=True), seeds=(0,)).ok
