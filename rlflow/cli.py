@@ -43,11 +43,14 @@ def cli() -> None:
                    "[default: 10 for agent, 60 for the searches].")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",
               help="Fix a dynamic input's dimensions for measurement (repeatable); the output keeps them dynamic.")
+@click.option("--ops", type=click.Choice(["all", "standard"]), default="all", show_default=True,
+              help="Operators the output may use: all (onnxruntime's contrib fusions too) or standard (default ONNX "
+                   "domain only, for models that must also run on other runtimes).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
-def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, json_path, seed,
-             quiet) -> None:
+def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, ops, json_path,
+             seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
     from rlflow.graph import parse_input_shapes
@@ -59,7 +62,7 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
         raise RlflowError("the output path is the input path; rlflow never overwrites its input")
     result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
                  input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet, agent=agent,
-                 finetune=finetune)
+                 finetune=finetune, ops=ops)
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}

@@ -39,6 +39,10 @@ GATE_SECONDS = 15.0
 """No round of the final input-vs-output measurement starts after this many seconds (big models get fewer rounds,
 so a wider interval, rather than a run past a minute)."""
 
+OPS = ("all", "standard")
+"""Operator sets an output may use: `all` (onnxruntime's contrib operators too: the fusions) or `standard` (the default
+ONNX domain only, for models that must also run outside onnxruntime: rules that emit contrib operators are left out)."""
+
 DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
 """Seconds of search when none is given: the agent's point is to be quick, the searches' to be thorough."""
 
@@ -99,6 +103,11 @@ class Result:
             return "not verified"
         return "out of time" if self.candidates_unmeasured else "nothing found"
 
+    @property
+    def runs_on(self) -> str:
+        """Which runtimes can run the output (`runtimes`)."""
+        return runtimes(self.graph)
+
     def save(self, path: str | os.PathLike) -> Path:
         """Writes the output model atomically."""
         return save_model(self.output_model, path)
@@ -116,6 +125,7 @@ class Result:
             "verification": self.verification.as_dict() if self.verification else None,
             "gate": self.gate.as_dict() if self.gate else None,
             "op_counts": {"before": self.op_counts_before, "after": self.op_counts_after},
+            "runs_on": self.runs_on,
             "seconds": {"total": self.seconds, "search": self.search_seconds},
             "candidates_measured": self.candidates_measured,
             "candidates_estimated": self.candidates_estimated,
@@ -129,7 +139,7 @@ class Result:
 def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "agent",
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
-             agent: str | os.PathLike | None = None, finetune: int = 0) -> Result:
+             agent: str | os.PathLike | None = None, finetune: int = 0, ops: str = "all") -> Result:
     """Optimises a model for the target execution provider.
 
     Args:
@@ -147,6 +157,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         finetune: method `agent` only: PPO steps that adapt the agent to this model first: a PPO policy against the
             cost model (`rlflow.controller.finetune`), a world-model agent in its dream
             (`rlflow.controller.finetune.finetune_in_dream`); with a `time_limit`, they may use half of it.
+        ops: the operators the output may use (see OPS); `standard` keeps only the rules whose output stays in the
+            default ONNX domain (rule ids are the registry's, so the agents need no retraining).
 
     Raises:
         InputError: the model cannot be loaded.
@@ -156,6 +168,10 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         raise InputError(f"unknown method '{method}': choose from {', '.join(METHODS)}")
     if finetune < 0 or (finetune and method != "agent"):
         raise InputError("--finetune takes a number of steps >= 0 and adapts method 'agent' only")
+    if ops not in OPS:
+        raise InputError(f"unknown operator set '{ops}': choose from {', '.join(OPS)}")
+    if ops == "standard":
+        rules = [r for r in rules if not r.contrib]
     start = time.monotonic()
     limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
@@ -175,7 +191,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
-                "rules": len(rules), "registry_version": REGISTRY_VERSION}
+                "rules": len(rules), "ops": ops, "registry_version": REGISTRY_VERSION}
     if method == "agent":
         from rlflow.search.agent import DEFAULT_AGENT
 
@@ -287,6 +303,16 @@ def _unchanged(timing: Timing, settings: SessionSettings, seed: int) -> Comparis
                       settings=settings.as_dict(), seed=seed, extra={"unchanged": True})
 
 
+def runtimes(graph: Graph) -> str:
+    """Which runtimes can run `graph`: onnxruntime only when it holds operators of other domains than ONNX's own
+    (onnxruntime's contrib operators, named), else any ONNX runtime."""
+    domains = sorted({(n.domain or "") for n in graph.gs.nodes} - {"", "ai.onnx"})
+    if not domains:
+        return "any ONNX runtime (standard operators only)"
+    contrib = sorted({n.op for n in graph.gs.nodes if (n.domain or "") in domains})
+    return f"onnxruntime only ({', '.join(domains)} operators: {', '.join(contrib)})"
+
+
 def format_report(result: Result) -> str:
     """The terminal report: decision, latency, rewrites, op counts, verification and settings."""
     lines = [f"rlflow optimize: {result.source or 'in-memory graph'}", f"  result      {result.reason}"]
@@ -315,6 +341,7 @@ def format_report(result: Result) -> str:
         lines.append(f"              {op:<24}{b:>8}{a:>8}" + ("" if a == b else "  *"))
     lines.append(f"              {'total':<24}{sum(result.op_counts_before.values()):>8}"
                  f"{sum(result.op_counts_after.values()):>8}")
+    lines.append(f"  runs on     {result.runs_on}")
     s = result.settings
     lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
                  f"{result.candidates_measured} candidates measured end to end, "
@@ -329,7 +356,8 @@ def format_report(result: Result) -> str:
                      f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
                      f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
     lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
-                 f"method {s['method']}, seed {s['seed']}, input shapes {s['input_shapes']}")
+                 f"method {s['method']}, operators {s.get('ops', 'all')}, seed {s['seed']}, "
+                 f"input shapes {s['input_shapes']}")
     return "\n".join(lines)
 
 

@@ -152,3 +152,43 @@ def test_a_kept_input_says_whether_time_left_candidates_unmeasured(cnn_opset9_ir
     result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5)
     assert not result.rewritten and result.outcome == expected == result.as_dict()["outcome"]
     assert result.as_dict()["candidates_unmeasured"] == unmeasured
+
+
+def test_ops_standard_leaves_out_every_rule_with_contrib_output(monkeypatch):
+    """`--ops standard`: the search gets only rules whose output stays in the default domain (the fusions into
+    onnxruntime's operators are left out; the unfusing inverses stay), and the report says any runtime runs it."""
+    from pathlib import Path
+
+    from rlflow.rewrites import RULES
+    from rlflow.search.candidates import SearchResult
+
+    pipeline = importlib.import_module("rlflow.optimize")
+    given = {}
+
+    def search(graph, settings, config, rules, **kwargs):
+        given["rules"] = list(rules)
+        return SearchResult(graph, [], 0, 0.1, "nothing")
+
+    monkeypatch.setattr(pipeline, "greedy", search)
+    bert = Path(__file__).parent / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"
+    result = rlflow.optimize(bert, method="greedy", ops="standard", input_shapes={"input_ids": (1, 8),
+                                                                                   "attention_mask": (1, 8)})
+    names = {r.name for r in given["rules"]}
+    assert names == {r.name for r in RULES if not r.contrib} and "attention-fusion" not in names
+    assert "attention-unfuse" in names and result.settings["ops"] == "standard"
+    assert result.runs_on.startswith("any ONNX runtime") and "runs on     any ONNX runtime" in format_report(result)
+    with pytest.raises(rlflow.InputError, match="unknown operator set"):
+        rlflow.optimize(bert, method="greedy", ops="mine")
+
+
+def test_runs_on_names_the_contrib_operators_of_the_output():
+    from pathlib import Path
+
+    from rlflow.optimize import runtimes
+    from rlflow.rewrites import apply, rule
+
+    graph = load(Path(__file__).parent / "fixtures" / "exports" / "bert-tiny-dynamo.onnx",
+                 {"input_ids": (1, 8), "attention_mask": (1, 8)})
+    fused = apply(graph, rule("attention-fusion").find(graph)[0])
+    assert runtimes(fused) == "onnxruntime only (com.microsoft operators: MultiHeadAttention)"
+    assert runtimes(graph) == "any ONNX runtime (standard operators only)"
