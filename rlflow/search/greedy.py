@@ -1,8 +1,9 @@
 """Greedy search: apply the rewrite with the best measured gain, repeat until no rewrite is measurably faster.
 
-A step's candidates are each rule that matches in several places applied at all of them (`everywhere`), then, if none
-of those is faster, every single rewrite: the layers of a network usually want the same decision, and together their
-gain stands out of the measurement's noise."""
+A step measures its candidates in batches (`phases`): every fusion applied everywhere at once; then each rule that
+matches in several places applied at all of them (`everywhere`); then, if none of those is faster, every single
+rewrite.  The layers of a network usually want the same decision, and together their gain stands out of the
+measurement's noise."""
 from __future__ import annotations
 
 import time
