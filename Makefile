@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/rlflow zoo build demo-block --out $(DEMO_DIR)
-	$(BIN)/rlflow optimize $(DEMO_DIR)/demo-block.onnx -o $(DEMO_DIR)/demo-block.rlflow.onnx \
+	$(BIN)/rlflow optimize $(DEMO_DIR)/demo-block.onnx -o $(DEMO_DIR)/demo-block.rlflow.onnx --method greedy \
 		--json $(DEMO_DIR)/report.json
 
 test: $(STAMP)

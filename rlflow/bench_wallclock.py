@@ -55,9 +55,9 @@ def time_optimize(model: Path, workdir: Path, extra_args: list[str]) -> dict:
 def markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
-        "# `rlflow optimize` wall time per zoo model",
+        "# `rlflow optimize` wall time per model",
         "",
-        "Produced by `python -m rlflow.bench_wallclock models --out docs/results` (the last step of `make bench`).",
+        f"Produced by `{results.get('invocation', 'python -m rlflow.bench_wallclock')}`.",
         "",
         f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), {env['provider']}, "
         f"onnxruntime {env['onnxruntime']}, "
@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         for model in tqdm(models, desc="optimize", unit="model"):
             rows.append(time_optimize(model, Path(workdir), extra_args))
     settings = SessionSettings(provider=resolve_provider("auto"))  # what `rlflow optimize` picks by default
-    results = {"command": "rlflow optimize MODEL -o OUT --json REPORT --quiet", "extra_args": extra_args,
+    invocation = " ".join(["python -m rlflow.bench_wallclock", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    results = {"invocation": invocation, "command": "rlflow optimize MODEL -o OUT --json REPORT --quiet",
+               "extra_args": extra_args,
                "environment": environment(settings), "limit_seconds": LIMIT_SECONDS, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out / "optimize-wallclock.json", json.dumps(results, indent=2) + "\n")
