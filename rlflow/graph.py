@@ -426,8 +426,8 @@ class Graph:
 
     def remove_dead_nodes(self) -> None:
         """Removes the nodes no graph output depends on, as the cleanup of `finish_edit` does, but without its copies
-        and sort.  For batches of rewrites (`rewrites.apply_all`): consumers then
-        count as after a cleanup, and names are freed for `fresh_name` as they would be between single rewrites."""
+        and sort.  For batches of rewrites (`rewrites.apply_all`): consumers then count as after a cleanup, and names
+        are freed for `fresh_name` as they would be between single rewrites."""
         live: set[int] = set()
         stack, seen = list(self.gs.outputs), set()
         while stack:

@@ -165,7 +165,8 @@ def _keys_transposed(graph: Graph, tensor: gs.Tensor) -> tuple[_Heads, list[gs.N
     if heads is None:
         return None
     split, flat_shape, out = graph.shape(flat.inputs[0]), graph.shape(flat.outputs[0]), graph.shape(k_t.outputs[0])
-    if flat_shape != (split[0] * split[1], split[2], split[3]) or out != (split[0], split[1], split[3], split[2]):
+    if split is None or len(split) != 4 or flat_shape != (split[0] * split[1], split[2], split[3]) or out != (
+            split[0], split[1], split[3], split[2]):
         return None
     return heads, [k_t, swap, flat]
 
@@ -239,7 +240,7 @@ class AttentionFusion(Rule):
             return "keys and values do not both have a past state, or do not both output the present one"
         shapes = [graph.shape(t) for t in (query[1], key.source, value.source, node.outputs[0])]
         heads = graph.shape(query[0].outputs[0])[2]
-        flat = len(shapes[3]) == 2 and shapes[3] == (shapes[0][0] * shapes[0][1], shapes[0][2])
+        flat = shapes[3] == (shapes[0][0] * shapes[0][1], shapes[0][2])
         if not (shapes[0][0] == shapes[1][0] == shapes[2][0] and shapes[1][1] == shapes[2][1]
                 and shapes[0][2] == shapes[1][2] == shapes[2][2] and (shapes[3] == shapes[0] or flat)
                 and graph.shape(key.reshape.outputs[0])[2] == graph.shape(value.reshape.outputs[0])[2] == heads):
@@ -254,7 +255,7 @@ class AttentionFusion(Rule):
             return "the past keys and values differ in shape"
         if mask is not None:
             batch, length = shapes[0][0], shapes[0][1]
-            total = graph.shape(key.present if key.present is not None else key.source)[-2 if key.present else 1]
+            total = graph.shape(key.present)[2] if key.present is not None else shapes[1][1]
             m = graph.shape(mask)
             if (m is None or len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, heads) or m[2:] != (length, total)
                     or not is_float(mask) or np.dtype(mask.dtype) != np.float32):

@@ -45,9 +45,9 @@ class EmbedLayerNormFusion(Rule):
     The lookup whose ids keep a batch dimension of 1 (the position ids as exporters slice them), or else the last one,
     becomes the position embedding; the first other one the token embedding and a third the segment embedding.
     Where the sum is read elsewhere as well (GPT-2's residual stream), those readers take it from the operator's third
-    output.  The operator reads 32-bit ids, so
-    Casts are added for 64-bit ones.  As with onnxruntime's own optimizer, ids are assumed to lie within their table:
-    `Gather` counts a negative id from the end, the fused operator refuses it."""
+    output.  The operator reads 32-bit ids, so Casts are added for 64-bit ones.  As with onnxruntime's own optimizer,
+    ids are assumed to lie within their table: `Gather` counts a negative id from the end, the fused operator refuses
+    it."""
 
     name = "embed-layernorm-fusion"
     category = "fusion"

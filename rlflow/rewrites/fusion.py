@@ -16,8 +16,6 @@ from rlflow.rewrites.util import (MS, bias_side, broadcast_shape, constant_input
                                   operand_tree, private_producer, replace_typed, scalar, standard_producer)
 
 
-
-
 class MatMulAddToGemm(Rule):
     """Replaces `Add(MatMul(A, B), C)` on 2-D operands with `Gemm(A, B, C)`."""
 

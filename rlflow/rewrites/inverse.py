@@ -19,7 +19,6 @@ from rlflow.rewrites.util import (MS, broadcast_shape, constant_input, conv_para
                                   used_outputs)
 
 
-
 # --------------------------------------------------------------------------------------------- merged operators
 def _split_of(graph: Graph, node: gs.Node) -> tuple[int, tuple[int, ...]] | str:
     """(axis, sizes) of a Split into two or more static parts, or a reason."""

@@ -110,15 +110,16 @@ EVERYWHERE_LIMIT = 48
 
 
 def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
-               deadline: float | None = None) -> Iterator[Candidate]:
+               deadline: float | None = None, matches: Sequence[Match] | None = None) -> Iterator[Candidate]:
     """For each rule that matches `parent` in two places or more: the graph with it applied wherever it matches.
 
     A network repeats its layers, so one decision usually holds for all of them; and the gain of fusing every layer's
     attention is what a measurement can tell from noise, where one layer's (1-3% of a small transformer) is not.
+    `matches`: those of `rules` in `parent`, when the caller has found them already.
     """
     seen = seen if seen is not None else {parent.fingerprint}
     by_rule = {rule.name: [] for rule in rules}
-    for match in find_matches(parent.graph, rules):
+    for match in find_matches(parent.graph, rules) if matches is None else matches:
         by_rule[match.rule].append(match)
     for rule in rules:
         if deadline is not None and time.monotonic() > deadline:

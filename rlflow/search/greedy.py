@@ -7,6 +7,7 @@ measurement's noise."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -15,7 +16,7 @@ from tqdm import tqdm
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
-from rlflow.rewrites import RULES, Rule, match_counts
+from rlflow.rewrites import RULES, Rule, find_matches
 from rlflow.search.candidates import Candidate, SearchResult, all_fusions, everywhere, expand, fastest, measure_against
 
 
@@ -47,12 +48,13 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
     hundred-odd single rewrites took most of a 60 s limit before anything was measured, and measuring the dozen rules
     applied everywhere 20-40 s more, where all fusions at once is one candidate that usually wins the step.
     """
-    counts = match_counts(current.graph, rules)
+    matches = find_matches(current.graph, rules)
+    counts = Counter(m.rule for m in matches)
     once = [r for r in rules if counts[r.name] == 1]
     fused = all_fusions(current, rules, seen, deadline)
     if fused is not None:
         yield [fused]
-    yield list(everywhere(current, rules, seen, deadline)) + expand(current, once, seen, deadline)
+    yield list(everywhere(current, rules, seen, deadline, matches)) + expand(current, once, seen, deadline)
     several = [r for r in rules if counts[r.name] > 1]
     if several:
         yield expand(current, several, seen, deadline)
