@@ -21,7 +21,8 @@ from rlflow.graph import Graph
 from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, resolve_provider
-from rlflow.measure.timing import Comparison, Ratio, Timing, check_and_time, compare
+from rlflow.measure.gate import gate_budget, measure_gate
+from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import Verification, verify
 from rlflow.rewrites import REGISTRY_VERSION, RULES, Rule
 from rlflow.search.candidates import SearchResult
@@ -34,10 +35,6 @@ log = logging.getLogger("rlflow")
 METHODS = ("agent", "greedy", "taso", "random")
 """agent: the shipped policy's rollouts, best few measured; greedy: best measured single rewrite, repeated; taso:
 cost-model backtracking search (TASO); random: random walks."""
-
-GATE_SECONDS = 15.0
-"""No round of the final input-vs-output measurement starts after this many seconds (big models get fewer rounds,
-so a wider interval, rather than a run past a minute)."""
 
 OPS = ("all", "standard")
 """Operator sets an output may use: `all` (onnxruntime's contrib operators too: the fusions) or `standard` (the default
@@ -151,7 +148,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
             come on top.
         input_shapes: fixes dynamic input dimensions for measurement (the written model keeps them dynamic).
         seed: random inputs and measurement order.
-        rounds: interleaved rounds of the final input-vs-output measurement (fewer when GATE_SECONDS pass first).
+        rounds: most interleaved rounds of the final input-vs-output measurement (fewer on a large model: see
+            `rlflow.measure.gate`).
         rules: the rules the search may use.
         agent: the policy checkpoint of method `agent` (default: the shipped one).
         finetune: method `agent` only: PPO steps that adapt the agent to this model first: a PPO policy against the
@@ -175,12 +173,14 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     start = time.monotonic()
     limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
+    gate_seconds = gate_budget(time_limit)
     graph, given = _load(model, input_shapes)
     check_fits(graph)
     settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
     # the provider must run the input as the user has it (ProviderError otherwise); its latency is the report's when
     # the input is kept
-    input_timing = check_and_time(given, settings, seed=seed, shapes=graph.input_shapes)
+    pace = Pace()  # the input's session and run times: the final measurement's plan
+    input_timing = check_and_time(given, settings, seed=seed, shapes=graph.input_shapes, pace=pace)
 
     policy, adapted = None, None
     if finetune:
@@ -191,7 +191,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
-                "rules": len(rules), "ops": ops, "registry_version": REGISTRY_VERSION}
+                "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,
+                "registry_version": REGISTRY_VERSION}
     if method == "agent":
         from rlflow.search.agent import DEFAULT_AGENT
 
@@ -212,9 +213,10 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
                               shapes=verification_shapes(graph))
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     if verification is not None and verification.ok:
-        comparison = compare([graph.to_model(static=True), search.graph.to_model(static=True)], settings,
-                             rounds=rounds, seed=seed, labels=["input", "output"],
-                             deadline=time.monotonic() + GATE_SECONDS)
+        comparison, plan = measure_gate(graph.to_model(static=True), search.graph.to_model(static=True), settings,
+                                        pace, rounds=rounds, budget=gate_seconds, seed=seed)
+        log.info("final measurement: %d blocks of %d rounds planned (%.0f s)", plan.blocks, plan.rounds_per_block,
+                 plan.seconds)
         gate = comparison.ratios[1]
         keep = gate.faster
         input_timing = comparison.timings[0]

@@ -112,15 +112,16 @@ def test_rewrites_are_kept_only_when_measurably_faster(cnn_opset9_ir3_path, monk
     from rlflow.measure.timing import Ratio
 
     pipeline = importlib.import_module("rlflow.optimize")
-    real_compare = pipeline.compare
+    gate = importlib.import_module("rlflow.measure.gate")
+    real_compare = gate.compare
 
     def measured(models, settings, **kwargs):
-        comparison = real_compare(models, settings, **{**kwargs, "rounds": 2})
+        comparison = real_compare(models, settings, **{**kwargs, "rounds": 2, "blocks": 1})
         comparison.ratios[1] = Ratio(sum(interval) / 2, *interval, 0.95)
         return comparison
 
     monkeypatch.setattr(pipeline, "greedy", _accept_first_candidate)
-    monkeypatch.setattr(pipeline, "compare", measured)
+    monkeypatch.setattr(gate, "compare", measured)
     result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5)
     assert result.verification.ok and result.rewritten is kept
     expected = "rewritten: measurably faster" if kept else "input kept: the rewritten model is not measurably faster"

@@ -228,18 +228,22 @@ CHECK_SECONDS = 2.0
 
 def check_and_time(model: onnx.ModelProto, settings: SessionSettings, *, seed: int = 0,
                    shapes: Mapping[str, Sequence[int]] | None = None, warmup: int = 2, repeats: int = 10,
-                   label: str = "input") -> Timing:
+                   label: str = "input", pace: Pace | None = None) -> Timing:
     """Latency of a model that must run: one session both checks it and times it.
 
     `rlflow optimize` needs both of the input, the check before searching and the latency when the input is kept; a
     second session would cost as much again (GPT-2 small: 4 s to build, 0.5 s a run).  Timed runs stop at `repeats`,
-    or after CHECK_SECONDS once there are 3.
+    or after CHECK_SECONDS once there are 3.  `pace`, when given, records the session's build and its median run
+    (what the final measurement plans with).
 
     Raises:
         ProviderError: onnxruntime cannot build a session for the model, or cannot run it (some models pass session
             creation and fail only when run: a Reshape to an impossible shape, say).
     """
+    start = time.perf_counter()
     runner = Runner(model, settings, random_inputs(model, seed, shapes))
+    if pace is not None:
+        pace.observe("session", time.perf_counter() - start)
     try:
         for _ in range(max(1, warmup)):
             runner.run()
@@ -249,6 +253,8 @@ def check_and_time(model: onnx.ModelProto, settings: SessionSettings, *, seed: i
     began = time.perf_counter()
     while len(samples) < repeats and (len(samples) < 3 or time.perf_counter() - began < CHECK_SECONDS):
         samples.append(runner.time(1))
+    if pace is not None:
+        pace.observe("run", float(np.median(samples)))
     return _stats(label, samples, max(1, warmup), settings)
 
 

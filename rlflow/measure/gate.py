@@ -1,0 +1,87 @@
+"""The final input-vs-output measurement of `rlflow optimize`, planned to fit the model's size.
+
+Its interval resamples blocks of rounds, each block with fresh sessions (see `compare`), so what decides whether a
+real gain is confirmed is how many blocks it gets.  A fixed plan of 5 blocks of 6 rounds under a fixed deadline gave a
+100-350 ms model (RoBERTa-base, MiniLM-L12 at sequence 128) one or two blocks, each mostly session builds and warm-up
+runs: gains of 8-13% went unconfirmed.  So the plan here is made from the input's measured session and run times:
+fewer rounds per block and fewer warm-up runs before fewer blocks, within a budget that grows with the search's own
+time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import onnx
+
+from rlflow.measure.session import SessionSettings
+from rlflow.measure.timing import MIN_ROUNDS, WARMUP_RUNS, Comparison, Pace, compare
+
+GATE_SECONDS = 15.0
+"""The gate's budget under short search limits (the default agent's 10 s): past it no block or round starts that the
+pace predicts would end late, beyond the plan's least (MIN_BLOCKS blocks of MIN_ROUNDS rounds)."""
+
+GATE_MAX_SECONDS = 30.0
+"""The budget's ceiling: it is half the search's time limit between GATE_SECONDS and this."""
+
+MIN_BLOCKS = 2
+"""Blocks the gate always plans: one block's sessions say nothing about how much sessions differ."""
+
+PLAN_MARGIN = 1.25
+"""Factor on the plan's predicted seconds in the deadline given to `compare`, so that a session built slower than the
+input's first one does not cut the plan's least."""
+
+WARMUP_SECONDS = 0.25
+"""Untimed warm-up per session, in runs of at least 2 (a slow model is warm after its first run or two) and at most
+WARMUP_RUNS."""
+
+
+@dataclass(frozen=True)
+class GatePlan:
+    """Blocks of fresh sessions, timed rounds in each, warm-up runs per session, and the seconds they should take."""
+
+    blocks: int
+    rounds_per_block: int
+    warmup: int
+    seconds: float
+
+
+def gate_budget(time_limit: float) -> float:
+    """Seconds the gate may take after a search limited to `time_limit` seconds."""
+    return min(GATE_MAX_SECONDS, max(GATE_SECONDS, time_limit / 2))
+
+
+def warmup_runs(run_seconds: float) -> int:
+    return max(2, min(WARMUP_RUNS, math.ceil(WARMUP_SECONDS / max(run_seconds, 1e-9))))
+
+
+def plan_gate(pace: Pace, rounds: int, budget: float) -> GatePlan:
+    """The most of `rounds` (in blocks as `compare` groups them) that the pace predicts fit in `budget` seconds.
+
+    Rounds per block give way first (down to MIN_ROUNDS), then blocks (down to MIN_BLOCKS).
+    """
+    warmup = warmup_runs(pace.seconds.get("run", 0.0))
+    blocks = min(5, max(1, rounds // 6))
+    per_block = max(1, rounds // blocks)
+
+    def seconds() -> float:
+        return blocks * pace.block_seconds(2, warmup=warmup, rounds=per_block)
+
+    while seconds() > budget and (per_block > MIN_ROUNDS or blocks > MIN_BLOCKS):
+        if per_block > MIN_ROUNDS:
+            per_block -= 1
+        else:
+            blocks -= 1
+    return GatePlan(blocks, per_block, warmup, seconds())
+
+
+def measure_gate(baseline: onnx.ModelProto, candidate: onnx.ModelProto, settings: SessionSettings, pace: Pace, *,
+                 rounds: int, budget: float, seed: int) -> tuple[Comparison, GatePlan]:
+    """`compare` of the candidate against the baseline by `plan_gate`; `pace` holds the baseline's session and run
+    times (`check_and_time`) and learns the candidate's as the blocks go."""
+    plan = plan_gate(pace, rounds, budget)
+    comparison = compare([baseline, candidate], settings, rounds=plan.blocks * plan.rounds_per_block,
+                         blocks=plan.blocks, warmup=plan.warmup, seed=seed, labels=["input", "output"], pace=pace,
+                         deadline=time.monotonic() + max(budget, PLAN_MARGIN * plan.seconds))
+    return comparison, plan
