@@ -27,14 +27,16 @@ from tqdm import tqdm
 from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
 from rlflow.graph import Graph, load
-from rlflow.model_file import max_ir_version
+from rlflow.model_file import max_ir_version, read_model
 from rlflow.measure.flops import count_flops, count_params
 from rlflow.measure.session import SessionSettings, resolve_provider
-from rlflow.measure.timing import compare, time_model
+from rlflow.measure.profiled import compare_profiled
+from rlflow.measure.timing import Ratio, compare, time_model
 from rlflow.measure.verify import verify
 from rlflow.controller.ship import is_held_out
 from rlflow.optimize import METHODS, optimize, verification_shapes
 from rlflow.peers import PEERS, NotApplicable, peer_settings, peer_tools, zoo_hints
+from rlflow.profiles import Profile, arrange, attach, parse_profile
 
 log = logging.getLogger("rlflow")
 
@@ -56,6 +58,8 @@ class BenchConfig:
             default plan, as a user's run does).
         seed: random inputs and measurement order.
         agent: method agent's checkpoint (None: the shipped agent).
+        profiles: shape profiles in the `--profile` syntax (`rlflow.profiles`), each model measured at all of them
+            (none: at the shapes it loads with); peers are measured at the first (heaviest) only.
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -66,6 +70,7 @@ class BenchConfig:
     rounds: int = 30
     seed: int = 0
     agent: str | None = None
+    profiles: tuple[str, ...] = ()
 
 
 @dataclass
@@ -99,6 +104,7 @@ class Row:
     baseline_peak_fraction: float = float("nan")
     peak_fraction: float = float("nan")
     peer_settings: dict = field(default_factory=dict)  # what a peer ran with (ort-transformers: type, heads, fusions)
+    profiles: list[dict] = field(default_factory=list)  # with several profiles: label, weight, speedup, low, high each
 
 
 def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -157,6 +163,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     peak = measure_peak(settings)
     peers = PEERS if config.peers else ()
+    profiles = [parse_profile(p) for p in config.profiles]
     # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
     agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
     rows: list[Row] = []
@@ -166,7 +173,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
         for model in models:
             try:
-                graph = load(model)
+                graph = _load_profiled(model, profiles)
                 static = graph.to_model(static=True)
                 flops, params = count_flops(static), count_params(static)
                 warmups[model.stem] = warm_cost_table(graph, settings)
@@ -197,6 +204,17 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     results = _results(config, settings, peak, started, rows, warmups, complete=True)
     write_results(results, Path(out_dir))
     return results
+
+
+def _load_profiled(model: Path, profiles: list[Profile]) -> Graph:
+    """The model at the heaviest profile's shapes, measured at every profile (none: at the shapes it loads with)."""
+    if not profiles:
+        return load(model)
+    proto = read_model(model)
+    profiles = arrange(profiles, proto)
+    graph = Graph.from_model(proto, profiles[0].shapes, source=str(model), checked=True)
+    attach(graph, profiles)
+    return graph
 
 
 def warm_cost_table(graph: Graph, settings: SessionSettings) -> float | None:
@@ -269,11 +287,16 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                       agent=config.agent if method == "agent" else None)
     seconds = time.monotonic() - start
     comparison = result.comparison
+    per_profile = []
     if result.rewritten:
-        comparison = compare([graph.to_model(static=True), result.graph.to_model(static=True)], settings,
-                             rounds=config.rounds, seed=config.seed + 1)
+        measured = compare_profiled([graph, result.graph], settings, rounds=config.rounds, seed=config.seed + 1)
+        comparison = measured.comparisons[0]
+        per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
+                       for p, c in zip(measured.profiles, measured.comparisons)]
+        ratio = measured.ratios[1]
+    else:
+        ratio = comparison.ratios[1]
     before, after = comparison.timings
-    ratio = comparison.ratios[1]
     verification = result.verification if result.rewritten else None  # else the output is the input itself
     return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
                latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
@@ -283,7 +306,11 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                seconds=seconds, search_seconds=result.search_seconds,
                gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
                outcome=result.outcome,
-               candidates_measured=result.candidates_measured, rewrites=result.applied)
+               candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile)
+
+
+def _ratio_fields(ratio: Ratio) -> dict:
+    return {"speedup": ratio.median, "speedup_low": ratio.low, "speedup_high": ratio.high}
 
 
 def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings, config: BenchConfig) -> Row:
@@ -324,10 +351,15 @@ def write_results(results: dict, out_dir: Path) -> None:
     for row in results["rows"]:
         writer.writerow({**row, "rewrites": ";".join(row["rewrites"]),
                          "peer_settings": json.dumps(row["peer_settings"], sort_keys=True) if row.get("peer_settings")
-                         else ""})
+                         else "", "profiles": "; ".join(_profile_text(p) for p in row.get("profiles", []))})
     write_text_atomic(out_dir / "results.csv", buffer.getvalue())
     write_text_atomic(out_dir / "results.md", markdown_table(results))
     plot_results(results, out_dir)
+
+
+def _profile_text(profile: dict) -> str:
+    return (f"{profile['label']} (weight {profile['weight']:g}): {profile['speedup']:.3f} "
+            f"[{profile['speedup_low']:.3f}, {profile['speedup_high']:.3f}]")
 
 
 def markdown_table(results: dict) -> str:
@@ -365,6 +397,14 @@ def markdown_table(results: dict) -> str:
                      f"| {speed} | {r['peak_fraction']:.1%} | {r['max_rel_error']:.1e} "
                      f"| {len(r['rewrites']) if r['kind'] == 'rlflow' else 'peer'} "
                      f"| {r['seconds']:.1f} |")
+    profiled = [r for r in results["rows"] if r.get("profiles")]
+    if cfg.get("profiles"):
+        lines += ["", "## Per profile", "",
+                  f"Profiles: {', '.join(f'`{p}`' for p in cfg['profiles'])}. A method's speedup above is the weighted "
+                  "geometric mean of its speedups at these profiles (and of their bounds); peers were measured at the "
+                  "heaviest profile only. Rewritten outputs, per profile:", ""]
+        lines += [f"- {r['model']} / {r['method']}: " + "; ".join(_profile_text(p) for p in r["profiles"])
+                  for r in profiled] or ["- none"]
     if any(r.get("heldout") for r in results["rows"]):
         lines += ["", "† held out: the shipped agent never trained on this architecture (rlflow/agents/default.json)."]
     lines += ["", "## Per method", "",

@@ -43,18 +43,26 @@ def cli() -> None:
                    "[default: 10 for agent, 60 for the searches].")
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",
               help="Fix a dynamic input's dimensions for measurement (repeatable); the output keeps them dynamic.")
+@click.option("--profile", "profile_specs", multiple=True, metavar="NAME=D0,D1;...[@WEIGHT]",
+              help="A shape the model will run at, for every dynamic input, with its share of the traffic "
+                   "(repeatable): the output is kept only if faster on the weighted mean and slower at no profile "
+                   "[default for a text model with no shapes given: batch 1 at sequence 16 and 128].")
+@click.option("--profiles", "profiles_file", type=click.Path(path_type=Path), default=None,
+              help="A file of profiles, one per line in the --profile syntax.")
 @click.option("--ops", type=click.Choice(["all", "standard"]), default="all", show_default=True,
               help="Operators the output may use: all (onnxruntime's contrib fusions too) or standard (default ONNX "
                    "domain only, for models that must also run on other runtimes).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
-def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, ops, json_path,
-             seed, quiet) -> None:
+def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, profile_specs,
+             profiles_file, ops, json_path, seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
     from rlflow.graph import parse_input_shapes
-    from rlflow.optimize import format_report, optimize as run
+    from rlflow.optimize import optimize as run
+    from rlflow.report import format_report
+    from rlflow.profiles import given_profiles
 
     output = output or model.with_name(model.name[: -len(".onnx")] + ".rlflow.onnx" if model.name.endswith(".onnx")
                                        else model.name + ".rlflow.onnx")
@@ -62,7 +70,7 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
         raise RlflowError("the output path is the input path; rlflow never overwrites its input")
     result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
                  input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet, agent=agent,
-                 finetune=finetune, ops=ops)
+                 finetune=finetune, ops=ops, profiles=given_profiles(profile_specs, profiles_file))
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}
@@ -105,14 +113,17 @@ def rules(model, input_shapes) -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--agent", type=click.Path(path_type=Path), default=None,
               help="Method agent's checkpoint (a PPO policy or a world-model agent) [default: the shipped one].")
+@click.option("--profile", "profile_specs", multiple=True, metavar="NAME=D0,D1;...[@WEIGHT]",
+              help="Measure every model at this shape profile too (repeatable; as in optimize); peers run at the "
+                   "heaviest only.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
-def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, out) -> None:
+def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench import BenchConfig, find_models, run_bench
 
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
-                         agent=str(agent) if agent else None)
+                         agent=str(agent) if agent else None, profiles=tuple(profile_specs))
     results = run_bench(find_models(models), config, out)
     failed = sum(r["status"] != "ok" for r in results["rows"])
     click.echo(f"{len(results['rows'])} runs ({failed} not ok) in {results['seconds']:.0f} s; results in {out}/: "

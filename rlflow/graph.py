@@ -102,6 +102,7 @@ class Graph:
         self.gs = gs_graph
         self.interface = interface
         self.input_shapes = input_shapes
+        self.profiles: tuple = ()  # rlflow.profiles.Profile, when measured at several shapes (see measure.profiled)
         self.model_info = model_info
         self.source = source
 
@@ -144,8 +145,10 @@ class Graph:
 
     def clone(self) -> "Graph":
         """A deep copy of the structure; constant arrays are shared (rules never edit arrays in place)."""
-        return Graph(self.gs.copy(), interface=self.interface, input_shapes=dict(self.input_shapes),
+        copy = Graph(self.gs.copy(), interface=self.interface, input_shapes=dict(self.input_shapes),
                      model_info=self.model_info, source=self.source)
+        copy.profiles = self.profiles
+        return copy
 
     def _subgraphs(self) -> list[gs.Graph]:
         """The graph and every subgraph (If, Loop and Scan bodies) inside it."""

@@ -10,20 +10,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import onnx
 
 from rlflow.errors import InputError
-from rlflow.graph import Graph
+from rlflow.graph import Graph, deployed_shapes
 from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits
 from rlflow.measure.session import SessionSettings, resolve_provider
-from rlflow.measure.gate import gate_budget, measure_gate
+from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import Verification, verify
+from rlflow.profiles import Profile, arrange, attach, default_profiles
 from rlflow.rewrites import REGISTRY_VERSION, RULES, Rule
 from rlflow.search.candidates import SearchResult
 from rlflow.search.greedy import GreedyConfig, greedy
@@ -61,6 +62,9 @@ class Result:
             rollouts or expansions not made, candidates not measured); empty when the search finished its work.
         cost_table: where the search's cost-model group costs came from (`CostModel.coverage`; None for a search
             without a cost model).
+        rejected: the search's rewrites when they were not kept (they did not verify, or the gate refused them).
+        profiles: with several shape profiles, one dict each (shapes, weight, label, input_ms, and output_ms and
+            speedup when the final measurement ran); `speedup` is then their weighted geometric mean.
     """
 
     graph: Graph
@@ -81,6 +85,8 @@ class Result:
     candidates_unmeasured: int = 0
     not_reached: list[str] = field(default_factory=list)
     cost_table: dict | None = None
+    profiles: list[dict] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -129,6 +135,8 @@ class Result:
             "candidates_unmeasured": self.candidates_unmeasured,
             "not_reached": self.not_reached,
             "cost_table": self.cost_table,
+            "profiles": self.profiles,
+            "rejected": self.rejected,
             "settings": self.settings,
         }
 
@@ -136,7 +144,8 @@ class Result:
 def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "agent",
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
-             agent: str | os.PathLike | None = None, finetune: int = 0, ops: str = "all") -> Result:
+             agent: str | os.PathLike | None = None, finetune: int = 0, ops: str = "all",
+             profiles: Sequence[Profile] | None = None) -> Result:
     """Optimises a model for the target execution provider.
 
     Args:
@@ -157,6 +166,10 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
             (`rlflow.controller.finetune.finetune_in_dream`); with a `time_limit`, they may use half of it.
         ops: the operators the output may use (see OPS); `standard` keeps only the rules whose output stays in the
             default ONNX domain (rule ids are the registry's, so the agents need no retraining).
+        profiles: shapes the model will run at, with their shares of the traffic (`rlflow.profiles`), instead of
+            `input_shapes`: candidates are scored by their weighted geometric mean speedup, and the output is kept
+            only when that is measurably above 1 and no profile is measurably slower.  Without either, and without
+            shapes in the model's metadata, a text model gets `default_profiles`.
 
     Raises:
         InputError: the model cannot be loaded.
@@ -174,13 +187,17 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     gate_seconds = gate_budget(time_limit)
-    graph, given = _load(model, input_shapes)
+    graph, given = _load(model, input_shapes, profiles)
     check_fits(graph)
     settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
-    # the provider must run the input as the user has it (ProviderError otherwise); its latency is the report's when
-    # the input is kept
-    pace = Pace()  # the input's session and run times: the final measurement's plan
-    input_timing = check_and_time(given, settings, seed=seed, shapes=graph.input_shapes, pace=pace)
+    # the provider must run the input as the user has it, at every profile (ProviderError otherwise); the primary
+    # profile's latency is the report's when the input is kept; each pace (session and run times) plans the final
+    # measurement at its profile
+    paces = [Pace() for _ in graph.profiles or [None]]
+    input_timings = [check_and_time(given, settings, seed=seed, pace=pace,
+                                    shapes=dict(p.shapes) if p else graph.input_shapes)
+                     for p, pace in zip(graph.profiles or [None], paces)]
+    input_timing = input_timings[0]
 
     policy, adapted = None, None
     if finetune:
@@ -191,6 +208,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
     recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
+                "profiles": [p.as_dict() for p in graph.profiles],
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,
                 "registry_version": REGISTRY_VERSION}
     if method == "agent":
@@ -212,22 +230,47 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         verification = verify(given, candidate, seeds=(seed, seed + 1, seed + 2),
                               shapes=verification_shapes(graph))
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
+    measured = None
     if verification is not None and verification.ok:
-        comparison, plan = measure_gate(graph.to_model(static=True), search.graph.to_model(static=True), settings,
-                                        pace, rounds=rounds, budget=gate_seconds, seed=seed)
-        log.info("final measurement: %d blocks of %d rounds planned (%.0f s)", plan.blocks, plan.rounds_per_block,
-                 plan.seconds)
-        gate = comparison.ratios[1]
-        keep = gate.faster
+        measured = measure_gate(graph, search.graph, settings, paces, rounds=rounds, budget=gate_seconds, seed=seed)
+        gate, keep = measured.ratio, measured.keep
+        comparison = measured.comparisons[0]
+        if measured.profiles:  # the report's speedup is the decision's: the mean over profiles
+            comparison = replace(comparison, ratios=[comparison.ratios[0], gate],
+                                 extra={**comparison.extra, "profiles": len(measured.profiles)})
         input_timing = comparison.timings[0]
-        reason = ("rewritten: measurably faster" if keep else
-                  f"input kept: the rewritten model is not measurably faster ({gate})")
+        reason = _gate_reason(measured)
     if not keep:
         comparison = _unchanged(input_timing, settings, seed)
     output = search.graph if keep else graph
     return Result(output, keep, reason, [str(m) for m in search.applied] if keep else [], comparison, verification,
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
-                  output_model=candidate if keep else given, gate=gate, **common)
+                  output_model=candidate if keep else given, gate=gate,
+                  profiles=_profile_rows(graph, input_timings, measured),
+                  rejected=[] if keep else [str(m) for m in search.applied], **common)
+
+
+def _gate_reason(gate: Gate) -> str:
+    over = f" (weighted geometric mean over {len(gate.profiles)} profiles)" if gate.profiles else ""
+    if gate.keep:
+        return "rewritten: measurably faster" + over
+    if gate.slower_at:
+        at = gate.profiles.index(gate.slower_at[0])
+        return (f"input kept: the rewritten model is measurably slower at profile {gate.slower_at[0].label} "
+                f"({gate.comparisons[at].ratios[1]})")
+    return f"input kept: the rewritten model is not measurably faster ({gate.ratio}{over})"
+
+
+def _profile_rows(graph: Graph, input_timings: Sequence[Timing], gate: Gate | None) -> list[dict]:
+    """Per profile: its shapes and weight, the input's latency and, when the gate ran, the speedup measured there."""
+    rows = []
+    for i, (profile, timing) in enumerate(zip(graph.profiles, input_timings)):
+        comparison = gate.comparisons[i] if gate else None
+        rows.append({**profile.as_dict(), "label": profile.label,
+                     "input_ms": (comparison.timings[0] if comparison else timing).median_ms,
+                     "output_ms": comparison.timings[1].median_ms if comparison else None,
+                     "speedup": comparison.ratios[1].as_dict() if comparison else None})
+    return rows
 
 
 def _finetuned(graph: Graph, settings: SessionSettings, agent, steps: int, seed: int, rules: Sequence[Rule],
@@ -261,7 +304,8 @@ def _search(graph: Graph, settings: SessionSettings, method: str, time_limit: fl
 
 
 def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
-    """The measurement shapes, plus a second set with every dynamic dimension changed, so baked shapes are caught."""
+    """The measurement shapes, plus a second set with every dynamic dimension changed, so baked shapes are caught,
+    plus the shapes of the graph's other profiles."""
     fixed = dict(graph.input_shapes)
     other = {}
     for vi in graph.interface[0]:
@@ -271,11 +315,12 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
             if not (dim.HasField("dim_value") and dim.dim_value > 0):
                 shape[k] = shape[k] + 1
         other[vi.name] = tuple(shape)
-    return [fixed] if other == fixed else [fixed, other]
+    profiled = [dict(p.shapes) for p in graph.profiles[1:]]
+    return ([fixed] if other == fixed else [fixed, other]) + profiled
 
 
-def _load(model: str | os.PathLike | Graph,
-          input_shapes: Mapping[str, Sequence[int]] | None) -> tuple[Graph, onnx.ModelProto]:
+def _load(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
+          profiles: Sequence[Profile] | None = None) -> tuple[Graph, onnx.ModelProto]:
     """The graph to optimise, and the model as the user has it: their file (at an IR version onnxruntime accepts),
     else the graph's export.
 
@@ -283,12 +328,24 @@ def _load(model: str | os.PathLike | Graph,
     loading, and it is what is written, unchanged, when no rewrite is kept.  Its external data stays on disk (see
     `read_model`).  A file is read and checked once for both (reading GPT-2 small's 500 MB again took 1.8 s).
     """
+    if profiles and input_shapes:
+        raise InputError("give shapes either as --input-shape or as --profile, not both")
     if isinstance(model, Graph):
         given = read_model(model.source) if model.source else model.to_model(static=False)
-        graph = model
+        profiles = list(profiles or model.profiles)
+        graph = model if not profiles or list(model.profiles) == profiles else None
+        source = model.source
     else:
         given = read_model(model)
-        graph = Graph.from_model(given, input_shapes, source=str(model), checked=True)  # as `load`, which copies
+        graph, source = None, str(model)
+        if not profiles and not input_shapes and not deployed_shapes(given):
+            profiles = default_profiles(given)
+    if profiles:
+        profiles = arrange(profiles, given)
+        input_shapes = profiles[0].shapes
+    if graph is None:
+        graph = Graph.from_model(given, input_shapes, source=source, checked=True)  # as `load`, which copies
+    attach(graph, profiles or [])
     given.ir_version = min(given.ir_version, max_ir_version())
     return graph, given
 
@@ -313,55 +370,3 @@ def runtimes(graph: Graph) -> str:
         return "any ONNX runtime (standard operators only)"
     contrib = sorted({n.op for n in graph.gs.nodes if (n.domain or "") in domains})
     return f"onnxruntime only ({', '.join(domains)} operators: {', '.join(contrib)})"
-
-
-def format_report(result: Result) -> str:
-    """The terminal report: decision, latency, rewrites, op counts, verification and settings."""
-    lines = [f"rlflow optimize: {result.source or 'in-memory graph'}", f"  result      {result.reason}"]
-    before, after = result.comparison.timings
-    lines.append(f"  latency     {before.median_ms:.3f} ms -> {after.median_ms:.3f} ms (medians, IQR "
-                 f"{before.iqr_ms:.3f} / {after.iqr_ms:.3f} ms)")
-    if result.comparison.extra.get("unchanged"):
-        lines.append("  speedup     1x: the output is the input (its latency timed alone)")
-    else:
-        lines.append(f"  speedup     {result.speedup} ({int(result.speedup.confidence * 100)}% bootstrap interval, "
-                     f"{result.comparison.rounds} interleaved rounds)")
-    if result.verification is None:
-        lines.append("  verified    output is the input file unchanged")
-    else:
-        v = result.verification
-        lines.append(f"  verified    {'yes' if v.ok else 'NO'}: max relative error {v.max_rel_norm:.2e} over seeds "
-                     f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)")
-        for check in v.outputs:
-            lines.append(f"              {check.name}: max abs {check.max_abs:.2e}, rel-norm {check.rel_norm:.2e} "
-                         f"(tolerance {check.tolerance:.0e})")
-    lines.append(f"  rewrites    {len(result.applied)}" + (": " + ", ".join(result.applied) if result.applied else ""))
-    ops = sorted(set(result.op_counts_before) | set(result.op_counts_after))
-    lines.append("  operators   " + f"{'op':<24}{'before':>8}{'after':>8}")
-    for op in ops:
-        b, a = result.op_counts_before.get(op, 0), result.op_counts_after.get(op, 0)
-        lines.append(f"              {op:<24}{b:>8}{a:>8}" + ("" if a == b else "  *"))
-    lines.append(f"              {'total':<24}{sum(result.op_counts_before.values()):>8}"
-                 f"{sum(result.op_counts_after.values()):>8}")
-    lines.append(f"  runs on     {result.runs_on}")
-    s = result.settings
-    lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
-                 f"{result.candidates_measured} candidates measured end to end, "
-                 f"{result.candidates_estimated} estimated")
-    if result.not_reached:
-        lines.append(f"  not reached {'; '.join(result.not_reached)}")
-    tuned = s.get("finetune")
-    if tuned:
-        where = tuned.get("environment", "cost model")
-        span = "at the first update, {} at the last" if where == "dream" else "in the first quarter, {} in the last"
-        lines.append(f"  finetune    {tuned['steps']} {where} steps, {tuned['updates']} PPO updates in "
-                     f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
-                     f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
-    lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
-                 f"method {s['method']}, operators {s.get('ops', 'all')}, seed {s['seed']}, "
-                 f"input shapes {s['input_shapes']}")
-    return "\n".join(lines)
-
-
-def _signed(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:+.2f}"

@@ -13,7 +13,8 @@ import rlflow
 from rlflow.cli import main
 from rlflow.graph import load
 from rlflow.measure.verify import verify
-from rlflow.optimize import format_report, verification_shapes
+from rlflow.optimize import verification_shapes
+from rlflow.report import format_report
 from tests.conftest import save
 
 

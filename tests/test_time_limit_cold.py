@@ -87,7 +87,7 @@ def test_agent_search_on_a_cold_table_keeps_its_limit_and_lists_what_it_skipped(
 def test_optimize_reports_what_the_limit_left_undone(transformer_path, tmp_path, monkeypatch):
     """With the shipped agent, a cold cost table and a tiny limit: the JSON report has `not_reached` and
     `cost_table`, and the printed summary says it in one line."""
-    from rlflow.optimize import format_report
+    from rlflow.report import format_report
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
     limit = 1.0

@@ -5,18 +5,21 @@ real gain is confirmed is how many blocks it gets.  A fixed plan of 5 blocks of 
 100-350 ms model (RoBERTa-base, MiniLM-L12 at sequence 128) one or two blocks, each mostly session builds and warm-up
 runs: gains of 8-13% went unconfirmed.  So the plan here is made from the input's measured session and run times:
 fewer rounds per block and fewer warm-up runs before fewer blocks, within a budget that grows with the search's own
-time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS).
+time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS).  A graph
+measured at several shape profiles splits the budget between them.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
-import onnx
-
+from rlflow.graph import Graph
+from rlflow.measure.profiled import export_at
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.timing import MIN_ROUNDS, WARMUP_RUNS, Comparison, Pace, compare
+from rlflow.measure.timing import MIN_ROUNDS, WARMUP_RUNS, Comparison, Pace, Ratio, compare
+from rlflow.profiles import Profile, combine, slower
 
 GATE_SECONDS = 15.0
 """The gate's budget under short search limits (the default agent's 10 s): past it no block or round starts that the
@@ -76,12 +79,43 @@ def plan_gate(pace: Pace, rounds: int, budget: float) -> GatePlan:
     return GatePlan(blocks, per_block, warmup, seconds())
 
 
-def measure_gate(baseline: onnx.ModelProto, candidate: onnx.ModelProto, settings: SessionSettings, pace: Pace, *,
-                 rounds: int, budget: float, seed: int) -> tuple[Comparison, GatePlan]:
-    """`compare` of the candidate against the baseline by `plan_gate`; `pace` holds the baseline's session and run
-    times (`check_and_time`) and learns the candidate's as the blocks go."""
-    plan = plan_gate(pace, rounds, budget)
-    comparison = compare([baseline, candidate], settings, rounds=plan.blocks * plan.rounds_per_block,
-                         blocks=plan.blocks, warmup=plan.warmup, seed=seed, labels=["input", "output"], pace=pace,
-                         deadline=time.monotonic() + max(budget, PLAN_MARGIN * plan.seconds))
-    return comparison, plan
+@dataclass
+class Gate:
+    """The final measurement: per shape profile of the baseline graph (one entry without profiles), and the speedup
+    the decision is made on (the weighted geometric mean over profiles)."""
+
+    comparisons: list[Comparison]
+    plans: list[GatePlan]
+    profiles: list[Profile]
+    ratio: Ratio
+
+    @property
+    def slower_at(self) -> list[Profile]:
+        """Profiles at which the candidate is measurably slower."""
+        return [p for p, c in zip(self.profiles, self.comparisons) if slower(c.ratios[1])]
+
+    @property
+    def keep(self) -> bool:
+        """Measurably faster overall, and measurably slower at no profile."""
+        return self.ratio.faster and not self.slower_at
+
+
+def measure_gate(baseline: Graph, candidate: Graph, settings: SessionSettings, paces: Sequence[Pace], *,
+                 rounds: int, budget: float, seed: int) -> Gate:
+    """`compare` of the candidate against the baseline by `plan_gate`, at each profile of the baseline graph, which
+    share the budget.  `paces[i]` holds the baseline's session and run times at profile i (`check_and_time`) and
+    learns the candidate's as the blocks go."""
+    profiles = list(baseline.profiles) or [None]
+    comparisons, plans = [], []
+    for profile, pace in zip(profiles, paces):
+        plan = plan_gate(pace, rounds, budget / len(profiles))
+        comparisons.append(compare([export_at(baseline, profile), export_at(candidate, profile)], settings,
+                                   rounds=plan.blocks * plan.rounds_per_block, blocks=plan.blocks,
+                                   warmup=plan.warmup, seed=seed, labels=["input", "output"], pace=pace,
+                                   deadline=time.monotonic() + max(budget / len(profiles),
+                                                                    PLAN_MARGIN * plan.seconds)))
+        plans.append(plan)
+    if profiles == [None]:
+        return Gate(comparisons, plans, [], comparisons[0].ratios[1])
+    ratio = combine([c.ratios[1] for c in comparisons], [p.weight for p in profiles])
+    return Gate(comparisons, plans, profiles, ratio)

@@ -19,6 +19,7 @@ import onnx
 from rlflow.errors import ProviderError
 from rlflow.graph import Graph
 from rlflow.measure.memory import candidates_that_fit
+from rlflow.measure.profiled import compare_profiled, profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace, Ratio, compare, probe
 from rlflow.rewrites import GROUPS, RULES, Match, Rule, apply, apply_all, find_matches
@@ -210,12 +211,12 @@ def measure_against(base: Graph, candidates: Sequence[Candidate], settings: Sess
     out: list[tuple[Candidate, Ratio]] = []
     alone = 0  # candidates to measure one at a time: the members of a batch onnxruntime refused
     while pending:
-        size = affordable(pace, 1 if alone else min(most, len(pending)), deadline)
+        size = affordable(pace, 1 if alone else min(most, len(pending)), deadline, profiles=profile_count(base))
         if not size:
             break
         chunk, pending, alone = pending[:size], pending[size:], max(0, alone - size)
         try:
-            out += _measure_batch(base_model, chunk, settings, rounds, seed, deadline, pace)
+            out += _measure_batch(base, base_model, chunk, settings, rounds, seed, deadline, pace)
         except ProviderError as exc:
             if len(chunk) == 1:
                 log.debug("candidate %s does not run: %s", chunk[0].applied, exc)
@@ -224,12 +225,13 @@ def measure_against(base: Graph, candidates: Sequence[Candidate], settings: Sess
     return Screening(out, len(pending))
 
 
-def affordable(pace: Pace, wanted: int, deadline: float | None) -> int:
-    """How many candidates, at most `wanted`, one batch can measure against the base before `deadline`."""
+def affordable(pace: Pace, wanted: int, deadline: float | None, profiles: int = 1) -> int:
+    """How many candidates, at most `wanted`, one batch can measure against the base before `deadline` (a batch is
+    measured once per shape profile)."""
     if deadline is None:
         return wanted
     left = deadline - time.monotonic()
-    return next((n for n in range(wanted, 0, -1) if pace.block_seconds(n + 1, exports=n) <= left), 0)
+    return next((n for n in range(wanted, 0, -1) if profiles * pace.block_seconds(n + 1, exports=n) <= left), 0)
 
 
 RESERVE_SHARE = 0.25
@@ -262,13 +264,17 @@ def _probe(model: onnx.ModelProto, settings: SessionSettings, pace: Pace, seed: 
         log.debug("cannot probe the base model: %s", exc)
 
 
-def _measure_batch(base_model: onnx.ModelProto, batch: list[Candidate], settings: SessionSettings, rounds: int,
-                   seed: int, deadline: float | None, pace: Pace) -> list[tuple[Candidate, Ratio]]:
-    """One interleaved comparison of the batch with the base.
+def _measure_batch(base: Graph, base_model: onnx.ModelProto, batch: list[Candidate], settings: SessionSettings,
+                   rounds: int, seed: int, deadline: float | None, pace: Pace) -> list[tuple[Candidate, Ratio]]:
+    """One interleaved comparison of the batch with the base (one per shape profile of the base).
 
     Raises:
         ProviderError: onnxruntime cannot build or run one of the models.
     """
+    if profile_count(base) > 1:
+        measured = compare_profiled([base, *(c.graph for c in batch)], settings, rounds=rounds, seed=seed,
+                                    deadline=deadline, pace=pace)
+        return list(zip(batch, measured.ratios[1:]))
     models = []
     for candidate in batch:
         with pace.timed("export"):

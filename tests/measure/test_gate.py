@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from rlflow.graph import Graph
 from rlflow.measure import SessionSettings
 from rlflow.measure.gate import (GATE_MAX_SECONDS, GATE_SECONDS, MIN_BLOCKS, gate_budget, measure_gate, plan_gate,
                                  warmup_runs)
@@ -55,6 +56,9 @@ def test_the_gate_runs_its_plan_on_a_real_model():
     settings, pace = SessionSettings(threads=1), Pace()
     check_and_time(model, settings, pace=pace)
     assert pace.seconds["session"] > 0 and pace.seconds["run"] > 0
-    comparison, plan = measure_gate(model, model, settings, pace, rounds=12, budget=GATE_SECONDS, seed=0)
+    graph = Graph.from_model(model)
+    gate = measure_gate(graph, graph.clone(), settings, [pace], rounds=12, budget=GATE_SECONDS, seed=0)
+    (comparison,), (plan,) = gate.comparisons, gate.plans
     assert (plan.blocks, plan.rounds_per_block) == (2, 6)
     assert comparison.extra["blocks"] == plan.blocks and comparison.rounds == 12
+    assert gate.profiles == [] and gate.ratio == comparison.ratios[1]

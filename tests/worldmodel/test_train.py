@@ -177,7 +177,8 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
     from rlflow.controller.wm_actor import NEG, WorldModelActor
     from rlflow.env import RewriteEnv
     from rlflow.measure.costmodel import CostModel
-    from rlflow.optimize import format_report, optimize
+    from rlflow.optimize import optimize
+    from rlflow.report import format_report
     from rlflow.search.agent import load_agent
 
     config, _ = run
