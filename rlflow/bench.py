@@ -15,7 +15,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -29,6 +29,7 @@ from rlflow.files import write_text_atomic
 from rlflow.graph import Graph, load
 from rlflow.model_file import max_ir_version, read_model
 from rlflow.measure.flops import count_flops, count_params
+from rlflow.measure.memory import shares_weights
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.profiled import compare_profiled
 from rlflow.measure.timing import Ratio, compare, time_model
@@ -187,9 +188,9 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 bar.set_postfix_str(f"{model.stem} / {method}")
                 try:
                     if method in peers:
-                        row = _run_peer(graph, method, tools[method], settings, config)
+                        row = _run_peer(graph, method, tools[method], _settings_for(graph, settings), config)
                     else:
-                        row = _run_method(graph, method, settings, config)
+                        row = _run_method(graph, method, _settings_for(graph, settings), config)
                 except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
                     log.debug("%s / %s failed", model.stem, method, exc_info=True)
                     row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -204,6 +205,11 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     results = _results(config, settings, peak, started, rows, warmups, complete=True)
     write_results(results, Path(out_dir))
     return results
+
+
+def _settings_for(graph: Graph, settings: SessionSettings) -> SessionSettings:
+    """The settings with weights shared between sessions where the model's size calls for it, as optimize() does."""
+    return replace(settings, share_weights=shares_weights(graph))
 
 
 def _load_profiled(model: Path, profiles: list[Profile]) -> Graph:

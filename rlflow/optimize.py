@@ -19,7 +19,7 @@ import onnx
 from rlflow.errors import InputError
 from rlflow.graph import Graph, deployed_shapes
 from rlflow.model_file import max_ir_version, read_model, save_model
-from rlflow.measure.memory import check_fits
+from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
 from rlflow.measure.session import SessionSettings, resolve_provider
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
@@ -62,6 +62,8 @@ class Result:
             rollouts or expansions not made, candidates not measured); empty when the search finished its work.
         cost_table: where the search's cost-model group costs came from (`CostModel.coverage`; None for a search
             without a cost model).
+        memory: bytes of the weights, the bytes of weights predicted to be held at the peak before the start
+            (`check_fits`), and the process's peak resident set seen at the end (ru_maxrss: mapped pages count).
         rejected: the search's rewrites when they were not kept (they did not verify, or the gate refused them).
         profiles: with several shape profiles, one dict each (shapes, weight, label, input_ms, and output_ms and
             speedup when the final measurement ran); `speedup` is then their weighted geometric mean.
@@ -87,6 +89,7 @@ class Result:
     cost_table: dict | None = None
     profiles: list[dict] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -137,6 +140,7 @@ class Result:
             "cost_table": self.cost_table,
             "profiles": self.profiles,
             "rejected": self.rejected,
+            "memory": self.memory,
             "settings": self.settings,
         }
 
@@ -188,8 +192,11 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     gate_seconds = gate_budget(time_limit)
     graph, given = _load(model, input_shapes, profiles)
-    check_fits(graph)
-    settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
+    predicted_peak = check_fits(graph)
+    settings = SessionSettings(provider=resolve_provider(provider), threads=threads, share_weights=shares_weights(graph))
+    if settings.share_weights:
+        log.info("large weights (%.1f GiB): sessions share them in place, without pre-packing; %.1f GiB predicted for "
+                 "weights with candidates measured one at a time", weight_bytes(graph) / 2**30, predicted_peak / 2**30)
     # the provider must run the input as the user has it, at every profile (ProviderError otherwise); the primary
     # profile's latency is the report's when the input is kept; each pace (session and run times) plans the final
     # measurement at its profile
@@ -228,7 +235,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     else:
         candidate = search.graph.to_model(static=False)
         verification = verify(given, candidate, seeds=(seed, seed + 1, seed + 2),
-                              shapes=verification_shapes(graph))
+                              shapes=verification_shapes(graph), share_weights=settings.share_weights)
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     measured = None
     if verification is not None and verification.ok:
@@ -247,7 +254,9 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
                   op_counts_after=output.op_counts(), seconds=time.monotonic() - start,
                   output_model=candidate if keep else given, gate=gate,
                   profiles=_profile_rows(graph, input_timings, measured),
-                  rejected=[] if keep else [str(m) for m in search.applied], **common)
+                  rejected=[] if keep else [str(m) for m in search.applied],
+                  memory={"weights": weight_bytes(graph), "predicted_peak": predicted_peak, "peak": peak_rss_bytes()},
+                  **common)
 
 
 def _gate_reason(gate: Gate) -> str:

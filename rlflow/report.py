@@ -40,6 +40,11 @@ def format_report(result: Result) -> str:
                  f"{sum(result.op_counts_after.values()):>8}")
     lines.append(f"  runs on     {result.runs_on}")
     s = result.settings
+    if result.memory:
+        m = result.memory
+        lines.append(f"  memory      peak {m['peak'] / 2**30:.2f} GiB resident for {m['weights'] / 2**30:.2f} GiB of "
+                     f"weights (predicted for the weights: {m['predicted_peak'] / 2**30:.2f} GiB)"
+                     + ("; sessions shared the weights in place, without pre-packing" if s.get("share_weights") else ""))
     lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
                  f"{result.candidates_measured} candidates measured end to end, "
                  f"{result.candidates_estimated} estimated")

@@ -210,3 +210,77 @@ def test_truncated_external_data_is_an_input_error(external_model):
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(InputError, match="cannot read its external data"):
         load(path)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_external_data_is_one_line_and_exit_2_from_the_command_line(external_model, tmp_path, capsys,
+                                                                            damage):
+    from rlflow.cli import main
+
+    path, _ = external_model
+    data = path.parent / "ext.onnx.data"
+    if damage == "missing":
+        data.unlink()
+    else:
+        data.write_bytes(data.read_bytes()[:100])
+    out = tmp_path / "out" / "out.onnx"
+    assert main(["optimize", str(path), "-o", str(out), "--time-limit", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "ext.onnx.data" in lines[0]
+    assert not out.parent.exists() or not any(out.parent.iterdir())
+
+
+def test_sessions_sharing_weights_read_one_map_of_the_file(external_model):
+    """`share_weights`: every session reads the weights from rlflow's one map of the file, not a copy of its own."""
+    path, reference = external_model
+    model = load(path).to_model()
+    settings = session_module.SessionSettings(share_weights=True)
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    (expected,) = run_session(create_session(reference), ["y"], {"x": x})
+    sessions = [create_session(model, settings) for _ in range(3)]
+    for session in sessions:
+        np.testing.assert_allclose(run_session(session, ["y"], {"x": x})[0], expected, rtol=1e-5)
+    weights = [session.rlflow_handed_weights[2]["W"] for session in sessions]
+    assert all(np.shares_memory(weights[0], w) for w in weights[1:])  # one mapping, read in place
+    assert settings.as_dict()["share_weights"] is True  # recorded with every measurement
+    options = session_module.session_options(settings)
+    assert options.get_session_config_entry("session.disable_prepacking") == "1"
+
+
+def test_large_mapped_weights_make_optimize_share_them_and_report_its_memory(external_model, monkeypatch):
+    from rlflow.measure import memory
+    from rlflow.optimize import optimize
+    from rlflow.report import format_report
+
+    path, _ = external_model
+    monkeypatch.setattr(memory, "SHARE_WEIGHTS_BYTES", 1000)
+    result = optimize(path, method="greedy", time_limit=2)
+    assert result.settings["share_weights"] is True
+    assert result.memory["weights"] == result.memory["predicted_peak"] == 64 * 64 * 4  # one shared copy, no other
+    assert result.memory["peak"] > result.memory["weights"]
+    assert "sessions shared the weights in place" in format_report(result)
+    monkeypatch.setattr(memory, "SHARE_WEIGHTS_BYTES", 2**30)
+    assert optimize(path, method="greedy", time_limit=1).settings["share_weights"] is False
+
+
+@pytest.mark.slow
+def test_dense_weights_over_2gb_stay_within_three_times_their_size(tmp_path):
+    """Issue #29's dense case (`python -m rlflow.large_models dense`): 2.5 GiB of random MatMul weights, optimised
+    from the command line, peaks under three times the weights (it peaked at 6.1 times before sessions shared them)."""
+    from rlflow.large_models import dense_chain
+
+    path = dense_chain(tmp_path / "in")
+    weights = (tmp_path / "in" / "dense.onnx.data").stat().st_size
+    out = tmp_path / "out" / "dense.rlflow.onnx"
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "rlflow.cli", "optimize", str(path), "-o", str(out),
+                                    "--method", "greedy", "--time-limit", "30", "--quiet"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, process.stderr.read().decode()
+        peak = usage.ru_maxrss * 1024
+        print(f"peak RSS {peak / 2**30:.2f} GiB for {weights / 2**30:.2f} GiB of weights")
+        assert peak < 3 * weights
+    finally:
+        for file in [*(tmp_path / "in").glob("*"), *(tmp_path / "out").glob("*")]:
+            file.unlink()

@@ -17,6 +17,15 @@ by the graph and every session and counted once; a session adds at most its prep
 
 HEADROOM = 512 * 2**20
 
+SHARE_WEIGHTS_BYTES = 2**30
+"""From this many bytes of weights mapped from a file, sessions share them in place (`SessionSettings.share_weights`):
+a session's own copy of 2.5 GiB of weights made the search peak at 8 GiB with three sessions alive."""
+
+
+def shares_weights(graph) -> bool:
+    """Whether the graph's sessions should share its mapped weights (`SHARE_WEIGHTS_BYTES`)."""
+    return mapped_bytes(graph) >= SHARE_WEIGHTS_BYTES
+
 
 def weight_bytes(graph) -> int:
     """Bytes of the graph's constant tensors."""
@@ -30,9 +39,11 @@ def mapped_bytes(graph) -> int:
 
 
 def _per_model(graph) -> tuple[int, int]:
-    """(bytes one measured model needs, bytes shared by all of them: the mapped weights' pages)."""
+    """(bytes one measured model needs, bytes shared by all of them: the mapped weights' pages); sessions that share
+    the mapped weights in place (`shares_weights`) add no copy of them."""
     mapped = mapped_bytes(graph)
-    return SESSION_COPIES * (weight_bytes(graph) - mapped) + MAPPED_SESSION_COPIES * mapped, mapped
+    copies = 0 if shares_weights(graph) else MAPPED_SESSION_COPIES
+    return SESSION_COPIES * (weight_bytes(graph) - mapped) + copies * mapped, mapped
 
 
 def available_bytes() -> int:
@@ -51,7 +62,9 @@ def available_bytes() -> int:
 
 
 def check_fits(graph) -> int:
-    """Raises InputError when comparing the model with one candidate would not fit in memory; returns the weights' bytes.
+    """Raises InputError when comparing the model with one candidate would not fit in memory; returns the bytes of
+    weights that comparison is predicted to hold (the run's peak, less the process itself, when candidates are measured
+    one at a time).
 
     Two models side by side (the input and one candidate) is the least any optimisation needs.
     """
@@ -62,10 +75,17 @@ def check_fits(graph) -> int:
     if need > available:
         raise InputError(f"not enough memory: the model's weights take {weights / 2**30:.1f} GiB, measuring it against "
                          f"a rewritten copy needs about {need / 2**30:.1f} GiB and {available / 2**30:.1f} GiB is free")
-    return weights
+    return need - HEADROOM
 
 
 def candidates_that_fit(graph, most: int) -> int:
     """How many candidates can be measured beside the model at once without running out of memory (at least 1)."""
     per_model, shared = _per_model(graph)
     return max(1, min(most, int((available_bytes() - HEADROOM - shared) // max(per_model, 1)) - 1))
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set so far (what `/usr/bin/time -f %M` reports; mapped file pages count)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -55,12 +55,16 @@ class SessionSettings:
         threads: intra-op threads (1 is the quiet setting on small shared machines).
         opt_level: onnxruntime graph optimisation level; `all` is the baseline every user already has.
         execution_mode: `sequential` or `parallel`.
+        share_weights: sessions use the weights mapped from the model's external-data file in place (one mapping for
+            the whole process) and do not pre-pack them; for models whose weights are a large share of memory
+            (`SHARE_WEIGHTS_BYTES`), where every session's own copy made a 2.5 GiB model peak at 6x its size.
     """
 
     provider: str = "CPUExecutionProvider"
     threads: int = 1
     opt_level: str = "all"
     execution_mode: str = "sequential"
+    share_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.opt_level not in OPT_LEVELS:
@@ -88,6 +92,8 @@ def session_options(settings: SessionSettings, profile_prefix: str | None = None
     options.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if settings.execution_mode == "parallel"
                               else ort.ExecutionMode.ORT_SEQUENTIAL)
     options.log_severity_level = 3
+    if settings.share_weights:  # a pre-packed weight is a private copy per session
+        options.add_session_config_entry("session.disable_prepacking", "1")
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
@@ -110,7 +116,7 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     providers = [settings.provider] + (["CPUExecutionProvider"] if settings.provider != "CPUExecutionProvider" else [])
     try:
         if isinstance(model, onnx.ModelProto):
-            session = inference_session(model, options, providers)
+            session = inference_session(model, options, providers, share_weights=settings.share_weights)
         else:
             session = ort.InferenceSession(str(model) if isinstance(model, (str, os.PathLike)) else model,
                                            sess_options=options, providers=providers)
@@ -125,14 +131,14 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     return session
 
 
-def inference_session(model: onnx.ModelProto, options, providers: Sequence[str]):
+def inference_session(model: onnx.ModelProto, options, providers: Sequence[str], share_weights: bool = False):
     """onnxruntime's InferenceSession for a proto, whatever the size of its weights or where they are stored.
 
     Weights kept as external data (as rlflow loads them), or a proto over protobuf's 2 GB limit, are handled by
     `_session_with_weights_aside`; onnxruntime's own errors pass through.
     """
     if external_tensors(model) or model.ByteSize() > PROTO_LIMIT:
-        return _session_with_weights_aside(model, options, providers)
+        return _session_with_weights_aside(model, options, providers, share_weights)
     return _ort().InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
 
 
@@ -143,13 +149,16 @@ _HANDED_MIN_BYTES = 2**20
 """In-proto weights from this size on are handed to onnxruntime separately when the proto is over PROTO_LIMIT."""
 
 
-def _session_with_weights_aside(model: onnx.ModelProto, options, providers):
+def _session_with_weights_aside(model: onnx.ModelProto, options, providers, share_weights: bool = False):
     """A session for a proto whose weights are not all inside it, built without writing anything to disk.
 
     onnxruntime maps the external-data files of one folder itself (the session option
-    `session.model_external_initializers_file_folder_path`: no copy, no start-up cost; the folder holding most of the
-    weights is chosen).  Weights in other folders, and in-proto weights of a proto over 2 GB, are handed over as
-    OrtValues (`add_external_initializers`; onnxruntime copies those).
+    `session.model_external_initializers_file_folder_path`: no start-up cost; the folder holding most of the weights
+    is chosen), but each session holds its own copy (2.5 GiB of dense MatMul weights cost 2.5 GiB per session).
+    Weights in other folders, and in-proto weights of a proto over 2 GB, are handed over as OrtValues
+    (`add_external_initializers`; onnxruntime copies those).  With `share_weights`, every external tensor is also
+    handed to onnxruntime in place (`add_initializer`, from rlflow's one map of its file, `external_array`), so all
+    sessions of the process read the same pages: three sessions of that model took 2.6 GiB in all, not 7.7.
     """
     work = onnx.ModelProto()
     work.CopyFrom(model)
@@ -171,6 +180,9 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers):
         else:
             continue
         set_external_data(tensor, "handed-over-in-memory")  # onnxruntime only checks that it replaces external data
+    # before their locations become relative below
+    in_place = {t.name: external_array(t) for t in external if t.name not in handed} if share_weights else {}
+    shared = ort_feeds(in_place)
     for tensor in external:  # relative to the folder onnxruntime is told about
         entry = next(e for e in tensor.external_data if e.key == "location")
         if os.path.dirname(entry.value) == folder:
@@ -180,8 +192,10 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers):
     values = ort_feeds(handed)
     if values:
         options.add_external_initializers(list(values), list(values.values()))
+    for name, value in shared.items():
+        options.add_initializer(name, value)
     session = _ort().InferenceSession(work.SerializeToString(), sess_options=options, providers=providers)
-    session.rlflow_handed_weights = (handed, values)  # onnxruntime may read them while the session lives
+    session.rlflow_handed_weights = (handed, values, in_place, shared)  # onnxruntime reads them while it lives
     return session
 
 

@@ -56,7 +56,7 @@ class Verification:
 
 def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Sequence[int] = (0, 1, 2),
            shapes: Sequence[Mapping[str, Sequence[int]] | None] = (None,), tolerance: float | None = None,
-           opt_level: str = "disable") -> Verification:
+           opt_level: str = "disable", share_weights: bool = False) -> Verification:
     """Runs both models on the same random inputs and compares every output.
 
     Args:
@@ -68,8 +68,9 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
         tolerance: relative-norm tolerance for every float output (default: by element type, see default_tolerance).
         opt_level: onnxruntime optimisation level for both sessions; `disable` checks the rewrite itself, not
             onnxruntime's own fusions.
+        share_weights: the sessions share the weights mapped from their file (`SessionSettings.share_weights`).
     """
-    settings = SessionSettings(opt_level=opt_level)
+    settings = SessionSettings(opt_level=opt_level, share_weights=share_weights)
     ref_session = create_session(reference, settings)
     cand_session = create_session(candidate, settings)
     ref_names = [o.name for o in ref_session.get_outputs()]

@@ -30,7 +30,7 @@ def test_time_model_records_settings(mlp):
     timing = time_model(mlp, SessionSettings(threads=1), warmup=2, repeats=7)
     assert timing.samples == 7 and timing.warmup == 2
     assert timing.settings == {"provider": "CPUExecutionProvider", "threads": 1, "opt_level": "all",
-                               "execution_mode": "sequential"}
+                               "execution_mode": "sequential", "share_weights": False}
     assert 0 < timing.min_ms <= timing.median_ms and timing.iqr_ms >= 0
 
 

@@ -1,0 +1,68 @@
+"""Models over protobuf's 2 GB limit, built by a command rather than committed (issue #29's cases).
+
+- `dense`: a chain of MatMul + Add -> Relu layers on [1, width] with an Identity before each MatMul (something for the
+  search to remove), every weight random and dense, in one external data file.  Ten layers of 8192 make 2.5 GiB.
+  The weights are written a layer at a time, so building it needs one layer's memory.
+
+    python -m rlflow.large_models dense --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from rlflow.model_file import max_ir_version
+
+
+def _external(name: str, dims: list[int], location: str, offset: int, length: int) -> TensorProto:
+    tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims, data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
+def dense_chain(folder: str | os.PathLike, layers: int = 10, width: int = 8192, seed: int = 0) -> Path:
+    """Writes `dense.onnx` and `dense.onnx.data` into `folder`; returns the model's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    data_name = "dense.onnx.data"
+    weights, nodes, offset, x = [], [], 0, "x"
+    with open(folder / data_name, "wb") as data:
+        for k in range(layers):
+            for name, shape, scale in ((f"W{k}", [width, width], width ** -0.5), (f"b{k}", [width], 0.1)):
+                values = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+                data.write(values.tobytes())
+                weights.append(_external(name, shape, data_name, offset, values.nbytes))
+                offset += values.nbytes
+                del values
+            nodes += [helper.make_node("Identity", [x], [f"i{k}"]),
+                      helper.make_node("MatMul", [f"i{k}", f"W{k}"], [f"m{k}"]),
+                      helper.make_node("Add", [f"m{k}", f"b{k}"], [f"a{k}"]),
+                      helper.make_node("Relu", [f"a{k}"], [f"r{k}"])]
+            x = f"r{k}"
+    graph = helper.make_graph(nodes, "dense_chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, width])], initializer=weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version())
+    path = folder / "dense.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlflow.large_models", description=__doc__.split("\n\n")[0])
+    parser.add_argument("case", choices=["dense"])
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the model and its data into")
+    args = parser.parse_args(argv)
+    path = dense_chain(args.out)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
