@@ -3,8 +3,11 @@
 - `dense`: a chain of MatMul + Add -> Relu layers on [1, width] with an Identity before each MatMul (something for the
   search to remove), every weight random and dense, in one external data file.  Ten layers of 8192 make 2.5 GiB.
   The weights are written a layer at a time, so building it needs one layer's memory.
+- `gpt2-large`: GPT-2 large's decode step (36 layers, hidden 1280, 3.1 GB of float32 weights, random) from
+  `transformers`, exported by torch's dynamo exporter (`pip install 'rlflow[deploy]'`).
 
     python -m rlflow.large_models dense --out DIR
+    python -m rlflow.large_models gpt2-large --out DIR
 """
 from __future__ import annotations
 
@@ -54,12 +57,32 @@ def dense_chain(folder: str | os.PathLike, layers: int = 10, width: int = 8192, 
     return path
 
 
+def gpt2_large(folder: str | os.PathLike) -> Path:
+    """GPT-2 large's decode step with a KV cache of 128 (36 layers, hidden 1280, 774 M parameters: 3.1 GB of float32
+    weights, random), exported by torch's dynamo exporter with its weights in one external data file."""
+    from rlflow.zoo_deploy import GPT2_VOCAB, Architecture, export_to_file
+
+    layers, hidden, heads = 36, 1280, 20
+    past = {f"past_key_values.{i}.{kv}": (1, heads, 128, hidden // heads) for i in range(layers)
+            for kv in ("key", "value")}
+    arch = Architecture("gpt2-large-decode", "GPT2LMHeadModel",
+                        dict(vocab_size=GPT2_VOCAB, n_layer=layers, n_embd=hidden, n_head=heads, n_positions=1024),
+                        "decode", {"kv128": {"input_ids": (1, 1), "attention_mask": (1, 129), **past}}, ("logits",),
+                        {"model_type": "gpt2", "num_heads": heads, "hidden_size": hidden},
+                        "GPT-2 large decode step (one token, KV cache of 128)")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "gpt2-large-decode-kv128-dynamo.onnx"
+    export_to_file(arch, path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rlflow.large_models", description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=["dense"])
+    parser.add_argument("case", choices=["dense", "gpt2-large"])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the model and its data into")
     args = parser.parse_args(argv)
-    path = dense_chain(args.out)
+    path = dense_chain(args.out) if args.case == "dense" else gpt2_large(args.out)
     print(path)
     return 0
 

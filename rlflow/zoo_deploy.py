@@ -305,6 +305,30 @@ def export_architecture(arch: Architecture, exporter: str):
     return data, wrapper
 
 
+def export_to_file(arch: Architecture, path) -> None:
+    """`arch` exported by the dynamo exporter straight to `path`, its weights in one external data file beside it
+    (`<name>.data`): for models over protobuf's 2 GB, which `export_architecture`'s bytes cannot hold.  The deployed
+    shape of its first entry goes into the metadata, as the zoo's exports have it."""
+    import onnx
+    import torch
+
+    from rlflow.model_file import max_ir_version
+
+    wrapper = _wrap(_model(arch), arch)
+    inputs = _trace_inputs(arch)
+    names = list(inputs)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(wrapper, tuple(inputs.values()), dynamo=True, opset_version=EXPORTERS["dynamo"][0],
+                                    input_names=names, output_names=list(_output_names(arch)),
+                                    dynamic_shapes=_dynamic_shapes(arch, names), verbose=False)
+    program.save(str(path), external_data=True)
+    proto = onnx.load(str(path), load_external_data=False)
+    proto.metadata_props.add(key=DEPLOYED_SHAPES_KEY, value=format_input_shapes(next(iter(arch.shapes.values()))))
+    proto.ir_version = min(proto.ir_version, max_ir_version())
+    onnx.save(proto, str(path))  # the proto alone: the weights stay where the exporter wrote them
+
+
 def export(entry):
     """The zoo's ``Export`` of a deployment entry: the shared export, checked at the entry's deployed shape.
 

@@ -52,6 +52,11 @@ def random_inputs(model: onnx.ModelProto, seed: int = 0,
     return feeds
 
 
+_EMBED_TABLES = {0: 2, 1: 4, 8: 3}
+"""EmbedLayerNormalization's id inputs and the tables they index: input_ids the word embedding, segment_ids the
+segment embedding, position_ids the position embedding."""
+
+
 def index_bound(model: onnx.ModelProto, name: str) -> int:
     """The smallest size of a constant table that `name` indexes (through value-preserving ops), else 2."""
     initializers = {t.name: tuple(t.dims) for t in model.graph.initializer}
@@ -74,6 +79,10 @@ def index_bound(model: onnx.ModelProto, name: str) -> int:
                 axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
                 if table:
                     bounds.append(table[axis])
+            elif node.op_type == "EmbedLayerNormalization":  # its ids index its own tables (onnxruntime's contrib op)
+                for ids, table in _EMBED_TABLES.items():
+                    if ids < len(node.input) and node.input[ids] == tensor and initializers.get(node.input[table]):
+                        bounds.append(initializers[node.input[table]][0])
             elif node.op_type in _VALUE_PRESERVING and node.input[0] == tensor:
                 for out in node.output:
                     if out not in seen:

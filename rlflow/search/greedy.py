@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from itertools import chain, islice
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
 from rlflow.graph import Graph
+from rlflow.measure.memory import shares_weights
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import Candidate, SearchResult, all_fusions, everywhere, expand, fastest, measure_against
+from rlflow.search.candidates import (Candidate, SearchResult, all_fusions, children, everywhere, fastest,
+                                     measure_against)
 
 
 @dataclass
@@ -39,10 +42,17 @@ class GreedyConfig:
     seed: int = 0
 
 
-def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: float) -> Iterator[list[Candidate]]:
+LARGE_MODEL_CANDIDATES = 2
+"""Candidates built per batch at most for a model whose weights are shared between sessions (`shares_weights`): a
+candidate holds its rewritten weights, and building all of GPT-2 large's single rewrites at once took 11 GiB (4 per
+batch: a 9.2 GiB peak for 2.9 GiB of weights; 2: see docs/results/large)."""
+
+
+def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: float,
+           most: int | None = None) -> Iterator[list[Candidate]]:
     """A step's candidates in batches, each measured only when none of the one before was measurably faster: every
     fusion applied everywhere at once (`all_fusions`); each rule applied everywhere it matches, with the rules that
-    match once; every other single rewrite.
+    match once; every other single rewrite.  `most`: candidates built per batch at most (the first ones found).
 
     Making a candidate costs a copy of the graph, and measuring one a session: on a 600-1300-node transformer the
     hundred-odd single rewrites took most of a 60 s limit before anything was measured, and measuring the dozen rules
@@ -54,10 +64,11 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
     fused = all_fusions(current, rules, seen, deadline)
     if fused is not None:
         yield [fused]
-    yield list(everywhere(current, rules, seen, deadline, matches)) + expand(current, once, seen, deadline)
+    yield list(islice(chain(everywhere(current, rules, seen, deadline, matches),
+                            children(current, once, seen, deadline)), most))
     several = [r for r in rules if counts[r.name] > 1]
     if several:
-        yield expand(current, several, seen, deadline)
+        yield list(islice(children(current, several, seen, deadline), most))
 
 
 def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None = None,
@@ -70,13 +81,14 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     seen = {current.fingerprint}
     steps, measured, unmeasured, stop = [], 0, 0, "step limit"
     pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
+    most = LARGE_MODEL_CANDIDATES if shares_weights(graph) else None
     with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar:
         for _ in range(config.max_steps):
             if time.monotonic() > deadline:
                 stop = "time limit"
                 break
             best, tried = None, False
-            for candidates in phases(current, rules, seen, deadline):
+            for candidates in phases(current, rules, seen, deadline, most):
                 candidates.sort(key=lambda c: len(c.graph))  # fewer nodes first: the cheapest ranking before measuring
                 tried = tried or bool(candidates)
                 results = measure_against(current.graph, candidates[: config.max_candidates], settings,

@@ -47,6 +47,22 @@ def test_token_ids_stay_below_the_table_size():
     assert verify(model, model).ok
 
 
+def test_ids_of_a_fused_embedding_stay_below_their_own_tables():
+    """EmbedLayerNormalization's ids index its word, segment and position tables (RoBERTa's segment table has one
+    row: ids of 1 made the cost model's group measurement fail)."""
+    tables = [numpy_helper.from_array(np.zeros((rows, 4), np.float32), name)
+              for name, rows in (("word", 50), ("position", 9), ("segment", 1))]
+    norm = [numpy_helper.from_array(np.ones(4, np.float32), "gamma"), numpy_helper.from_array(np.zeros(4, np.float32),
+                                                                                              "beta")]
+    node = helper.make_node("EmbedLayerNormalization", ["ids", "segments", "word", "position", "segment", "gamma",
+                                                        "beta", "", "positions"], ["y", "mask_index"],
+                            domain="com.microsoft")
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT32, [1, 8]) for n in ("ids", "segments", "positions")]
+    model = tiny_model([node], ints, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 4])],
+                       tables + norm)
+    assert [index_bound(model, n) for n in ("ids", "segments", "positions")] == [50, 1, 9]
+
+
 def test_tolerances_and_comparisons():
     assert default_tolerance(np.float32) == 1e-4 and default_tolerance(np.float16) == 1e-2
     assert default_tolerance(np.int64) == 0.0

@@ -67,6 +67,17 @@ def test_greedy_measures_all_fusions_alone_first_then_the_rest(bert):
     assert len(third) == 3 and all(len(c.applied) == 1 for c in third)  # the single skip-layernorm rewrites
 
 
+def test_a_large_model_builds_at_most_a_few_candidates_per_batch(bert):
+    """`most` (greedy's LARGE_MODEL_CANDIDATES for a model whose weights are shared): batches stop at it, and the
+    graphs not built stay unseen, for a later step to reach."""
+    start = Candidate(bert, (), bert.fingerprint())
+    rules = [rule(n) for n in ("attention-fusion", "skip-layernorm-fusion", "gelu-fusion")]
+    seen = {start.fingerprint}
+    first, second, third = phases(start, rules, seen, deadline=float("inf"), most=2)
+    assert len(first) == 1 and len(second) == 2 and len(third) == 2
+    assert seen == {start.fingerprint} | {c.fingerprint for c in (*first, *second, *third)}
+
+
 def test_apply_all_keeps_what_a_subgraph_reads_from_outside():
     """An If branch reads a tensor of the outer graph by name: its producers stay live through a batch of rewrites."""
     from onnx import TensorProto, helper
