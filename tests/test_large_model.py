@@ -284,3 +284,28 @@ def test_dense_weights_over_2gb_stay_within_three_times_their_size(tmp_path):
     finally:
         for file in [*(tmp_path / "in").glob("*"), *(tmp_path / "out").glob("*")]:
             file.unlink()
+
+
+@pytest.mark.slow
+def test_gpt2_large_decode_step_stays_within_three_times_its_weights(tmp_path):
+    """Issue #29's language-model case (`python -m rlflow.large_models gpt2-large`, 2.9 GiB of weights): `rlflow
+    optimize` with its defaults keeps the input or writes a verified output, under three times the weights."""
+    pytest.importorskip("transformers")
+    from rlflow.large_models import gpt2_large
+
+    path = gpt2_large(tmp_path / "in")
+    weights = sum(f.stat().st_size for f in (tmp_path / "in").glob("*.data"))
+    out, report = tmp_path / "out" / "gpt2.rlflow.onnx", tmp_path / "report.json"
+    try:
+        process = subprocess.Popen([sys.executable, "-m", "rlflow.cli", "optimize", str(path), "-o", str(out),
+                                    "--json", str(report), "--quiet"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, process.stderr.read().decode()
+        result = json.loads(report.read_text())
+        assert result["verification"] is None or result["verification"]["ok"]
+        assert result["settings"]["share_weights"] is True
+        assert usage.ru_maxrss * 1024 < 3 * weights
+    finally:
+        for file in [*(tmp_path / "in").glob("*"), *(tmp_path / "out").glob("*")]:
+            file.unlink()
