@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# The CPU build of torch first, pinned, so that nothing later pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[cpu,dev,peers,deploy]'
+	$(BIN)/pip install -q -e '.[cpu,dev,peers,deploy,ray]'
 	touch $@
 
 demo: $(STAMP)

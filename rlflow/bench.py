@@ -61,6 +61,8 @@ class BenchConfig:
         agent: method agent's checkpoint (None: the shipped agent).
         profiles: shape profiles in the `--profile` syntax (`rlflow.profiles`), each model measured at all of them
             (none: at the shapes it loads with); peers are measured at the first (heaviest) only.
+        ray: run each model as one task on a Ray cluster: `local` starts one on this machine, anything else is the
+            address of a running cluster (`auto`, `ray://host:10001`); None runs here, without Ray.
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -72,6 +74,7 @@ class BenchConfig:
     seed: int = 0
     agent: str | None = None
     profiles: tuple[str, ...] = ()
+    ray: str | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class Row:
     peak_fraction: float = float("nan")
     peer_settings: dict = field(default_factory=dict)  # what a peer ran with (ort-transformers: type, heads, fusions)
     profiles: list[dict] = field(default_factory=list)  # with several profiles: label, weight, speedup, low, high each
+    node: str = ""  # the machine it ran on (a Ray run spreads models over several)
 
 
 def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -157,54 +161,86 @@ def environment(settings: SessionSettings) -> dict:
 
 
 def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
-    """Benchmarks every model under every method (and peer); writes and returns the results."""
+    """Benchmarks every model under every method (and peer); writes and returns the results.
+
+    Results are written after every model, so an interrupted run keeps what it measured (`complete` says whether it
+    finished).  With `config.ray`, each model is one task on a Ray cluster (`rlflow.bench_ray`).
+    """
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise RlflowError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     peak = measure_peak(settings)
-    peers = PEERS if config.peers else ()
-    profiles = [parse_profile(p) for p in config.profiles]
-    # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
-    agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
+    runs_per_model = len(config.methods) + (len(PEERS) if config.peers else 0)
     rows: list[Row] = []
     warmups: dict[str, float | None] = {}
-    jobs = [(m, method) for m in models for method in (*config.methods, *peers)]
     started = time.monotonic()
-    with tqdm(total=len(jobs), desc="bench", unit="run", disable=not progress) as bar:
-        for model in models:
-            try:
-                graph = _load_profiled(model, profiles)
-                static = graph.to_model(static=True)
-                flops, params = count_flops(static), count_params(static)
-                warmups[model.stem] = warm_cost_table(graph, settings)
-                tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
-            except RlflowError as exc:
-                for method in (*config.methods, *peers):
-                    rows.append(Row(model.stem, method, "failed", f"load: {exc}"))
-                    bar.update(1)
-                continue
-            for method in (*config.methods, *peers):
-                bar.set_postfix_str(f"{model.stem} / {method}")
-                try:
-                    if method in peers:
-                        row = _run_peer(graph, method, tools[method], _settings_for(graph, settings), config)
-                    else:
-                        row = _run_method(graph, method, _settings_for(graph, settings), config)
-                except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
-                    log.debug("%s / %s failed", model.stem, method, exc_info=True)
-                    row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-                row.params, row.flops, row.heldout = params, flops, is_held_out(model.stem, *agent_meta)
-                if row.status == "ok":
-                    row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
-                    row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
-                rows.append(row)
-                bar.update(1)
-            # After every model, so an interrupted run keeps what it measured (results["complete"] says which).
-            write_results(_results(config, settings, peak, started, rows, warmups, complete=False), Path(out_dir))
+    if config.ray is not None:
+        from rlflow.bench_ray import bench_on_ray
+
+        finished = bench_on_ray(models, config, settings)
+    else:
+        finished = ((model, bench_model(model, config, settings, peak)) for model in models)
+    with tqdm(total=len(models) * runs_per_model, desc="bench", unit="run", disable=not progress) as bar:
+        try:
+            for model, run in finished:
+                rows += run.rows
+                if run.loaded:
+                    warmups[model.stem] = run.warmup_seconds
+                bar.update(len(run.rows))
+                bar.set_postfix_str(model.stem)
+                write_results(_results(config, settings, peak, started, rows, warmups, complete=False), Path(out_dir))
+        except KeyboardInterrupt:
+            log.warning("interrupted: the rows of %d models are kept in %s", len({r.model for r in rows}), out_dir)
+            raise
     results = _results(config, settings, peak, started, rows, warmups, complete=True)
     write_results(results, Path(out_dir))
     return results
+
+
+@dataclass
+class ModelBench:
+    """One model's rows, whether it loaded, and the seconds its cost-table warm-up took (None: not done)."""
+
+    rows: list[Row]
+    loaded: bool = True
+    warmup_seconds: float | None = None
+
+
+def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, peak: dict) -> ModelBench:
+    """One model under every method and peer of `config`.
+
+    A method that fails gets a failed row; the others still run.  Rows record the machine they ran on.
+    """
+    peers = PEERS if config.peers else ()
+    # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
+    agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
+    node = platform.node()
+    try:
+        graph = _load_profiled(model, [parse_profile(p) for p in config.profiles])
+        static = graph.to_model(static=True)
+        flops, params = count_flops(static), count_params(static)
+        warmup = warm_cost_table(graph, settings)
+        tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
+    except RlflowError as exc:
+        return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
+                           for method in (*config.methods, *peers)], loaded=False)
+    rows = []
+    for method in (*config.methods, *peers):
+        try:
+            if method in peers:
+                row = _run_peer(graph, method, tools[method], _settings_for(graph, settings), config)
+            else:
+                row = _run_method(graph, method, _settings_for(graph, settings), config)
+        except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
+            log.debug("%s / %s failed", model.stem, method, exc_info=True)
+            row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        row.params, row.flops, row.heldout, row.node = params, flops, is_held_out(model.stem, *agent_meta), node
+        if row.status == "ok":
+            row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
+            row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
+        rows.append(row)
+    return ModelBench(rows, warmup_seconds=warmup)
 
 
 def _settings_for(graph: Graph, settings: SessionSettings) -> SessionSettings:

@@ -116,14 +116,18 @@ def rules(model, input_shapes) -> None:
 @click.option("--profile", "profile_specs", multiple=True, metavar="NAME=D0,D1;...[@WEIGHT]",
               help="Measure every model at this shape profile too (repeatable; as in optimize); peers run at the "
                    "heaviest only.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run each model as one task on a Ray cluster: at ADDRESS (auto, ray://host:10001), or without one "
+                   "on a cluster started here; every node needs --resources '{\"rlflow_measurement\": 1}'.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
-def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, out) -> None:
+def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, ray_address,
+          out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench import BenchConfig, find_models, run_bench
 
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
-                         agent=str(agent) if agent else None, profiles=tuple(profile_specs))
+                         agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address)
     results = run_bench(find_models(models), config, out)
     failed = sum(r["status"] != "ok" for r in results["rows"])
     click.echo(f"{len(results['rows'])} runs ({failed} not ok) in {results['seconds']:.0f} s; results in {out}/: "
