@@ -33,10 +33,12 @@ fuzz: $(STAMP)
 # compared with search's as users get them; 12 interleaved rounds per measurement (about an hour on 2 cores).
 # Then `rlflow optimize` with every default, a fresh process per model, wall clock (about 4 minutes).
 BENCH_ROUNDS ?= 12
+# RAY=local (a Ray instance started here) or RAY=<address> runs each model as a task on a Ray cluster (README)
+RAY ?=
 bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
 	$(BIN)/rlflow bench models --methods agent,greedy,taso,random --peers --threads 1 \
-		--rounds $(BENCH_ROUNDS) --out docs/results
+		--rounds $(BENCH_ROUNDS) $(if $(RAY),$(if $(filter local,$(RAY)),--ray,--ray $(RAY))) --out docs/results
 	$(BIN)/python -m rlflow.bench_wallclock models --out docs/results
 
 # The shipped agent (rlflow/agents/default.pt): the world-model agent (VAE + MDN-RNN, controller trained in the dream)
