@@ -61,8 +61,9 @@ class BenchConfig:
         agent: method agent's checkpoint (None: the shipped agent).
         profiles: shape profiles in the `--profile` syntax (`rlflow.profiles`), each model measured at all of them
             (none: at the shapes it loads with); peers are measured at the first (heaviest) only.
-        ray: run each model as one task on a Ray cluster: `local` starts one on this machine, anything else is the
-            address of a running cluster (`auto`, `ray://host:10001`); None runs here, without Ray.
+        ray: for `rlflow.bench_ray.run_on_ray`, the Ray cluster each model runs on as one task: `local` starts one
+            on this machine, anything else is the address of a running cluster (`auto`, `ray://host:10001`); None for
+            a run here, without Ray.
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -160,11 +161,17 @@ def environment(settings: SessionSettings) -> dict:
             "provider": settings.provider}
 
 
-def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
+Schedule = Callable[[Sequence[Path], "BenchConfig", SessionSettings], Iterable[tuple[Path, "ModelBench"]]]
+"""Runs `bench_model` on every model somewhere and yields (model, its bench) as each finishes."""
+
+
+def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.PathLike, progress: bool = True,
+              schedule: Schedule | None = None) -> dict:
     """Benchmarks every model under every method (and peer); writes and returns the results.
 
     Results are written after every model, so an interrupted run keeps what it measured (`complete` says whether it
-    finished).  With `config.ray`, each model is one task on a Ray cluster (`rlflow.bench_ray`).
+    finished).  `schedule`: where the models run (default: here, one after the other; `rlflow.bench_ray.run_on_ray`
+    passes one that runs each model as a task on a Ray cluster).
     """
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
@@ -175,10 +182,8 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     rows: list[Row] = []
     warmups: dict[str, float | None] = {}
     started = time.monotonic()
-    if config.ray is not None:
-        from rlflow.bench_ray import bench_on_ray
-
-        finished = bench_on_ray(models, config, settings)
+    if schedule is not None:
+        finished = schedule(models, config, settings)
     else:
         finished = ((model, bench_model(model, config, settings, peak)) for model in models)
     with tqdm(total=len(models) * runs_per_model, desc="bench", unit="run", disable=not progress) as bar:

@@ -5,7 +5,8 @@ node offers one (`ray start ... --resources '{"rlflow_measurement": 1}'`; a loca
 model is the natural cell: its cost table is filled before its methods run, on the node that measures them.  A task
 whose worker dies is retried once (Ray places the retry wherever a slot is free); after that its model's rows say it
 failed and why, and the other models are unharmed.  Rows come back as tasks finish, so `run_bench` writes results
-as it goes; Ctrl-C cancels what is left and keeps them.
+as it goes; Ctrl-C cancels what is left and keeps them.  `run_on_ray` is the entry point; `rlflow.bench` never
+imports this module.
 
 Nothing here is imported without `--ray`: one machine needs no cluster.
 """
@@ -16,7 +17,7 @@ import platform
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from rlflow.bench import PEERS, BenchConfig, ModelBench, Row, bench_model, measure_peak
+from rlflow.bench import PEERS, BenchConfig, ModelBench, Row, bench_model, measure_peak, run_bench
 from rlflow.errors import RlflowError
 from rlflow.measure.session import SessionSettings
 
@@ -27,6 +28,11 @@ MEASUREMENT_SLOT = "rlflow_measurement"
 
 RETRIES = 1
 """Times a model's task is retried after its worker died."""
+
+
+def run_on_ray(models: Sequence[Path], config: BenchConfig, out_dir, progress: bool = True) -> dict:
+    """`run_bench` with each model a task on the Ray cluster `config.ray` names (`local`: one started here)."""
+    return run_bench(models, config, out_dir, progress, schedule=bench_on_ray)
 
 
 def _measure_model(model: str, config: BenchConfig, settings: SessionSettings) -> ModelBench:

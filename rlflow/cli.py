@@ -128,7 +128,12 @@ def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, a
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
                          agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address)
-    results = run_bench(find_models(models), config, out)
+    if ray_address is not None:
+        from rlflow.bench_ray import run_on_ray
+
+        results = run_on_ray(find_models(models), config, out)
+    else:
+        results = run_bench(find_models(models), config, out)
     failed = sum(r["status"] != "ok" for r in results["rows"])
     click.echo(f"{len(results['rows'])} runs ({failed} not ok) in {results['seconds']:.0f} s; results in {out}/: "
                "results.json, results.csv, results.md, speedup.png, time.png")

@@ -50,9 +50,11 @@ def _kinds(results) -> list[tuple[str, str, str]]:
 
 
 def test_a_ray_run_gives_the_rows_of_a_local_run(cluster, models, tmp_path):
+    from rlflow.bench_ray import run_on_ray
+
     config = BenchConfig(methods=("greedy", "random"), time_limit=1, rounds=3)
     here = run_bench(models, config, tmp_path / "here", progress=False)
-    there = run_bench(models, BenchConfig(**{**config.__dict__, "ray": "local"}), tmp_path / "ray", progress=False)
+    there = run_on_ray(models, BenchConfig(**{**config.__dict__, "ray": "local"}), tmp_path / "ray", progress=False)
     assert _kinds(there) == _kinds(here) and all(status == "ok" for *_, status in _kinds(there))
     assert there["complete"] and there["config"]["ray"] == "local"
     assert all(r["node"] for r in there["rows"])  # the machine each row ran on
