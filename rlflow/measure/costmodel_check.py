@@ -46,9 +46,14 @@ def resolve_model(spec: str) -> tuple[str, Path]:
     return spec, Path(zoo.build(spec, zoo.default_cache_dir()).path)
 
 
-def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator) -> list[tuple[list[str], object]]:
-    """The original plus up to `sequences` distinct graphs, each from a random rewrite sequence of length 1..length."""
-    from rlflow.rewrites import RewriteError, apply, find_matches
+def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator,
+                  everywhere: bool = False) -> list[tuple[list[str], object]]:
+    """The original plus up to `sequences` distinct graphs, each from a random rewrite sequence of length 1..length.
+
+    With `everywhere`, a step is a random matching rule applied wherever it matches (`apply_all`): on a transformer
+    one rewrite changes its time by less than a measurement separates, a rule applied to every layer by several percent.
+    """
+    from rlflow.rewrites import RewriteError, apply, apply_all, find_matches
 
     found = [([], graph)]
     seen = {graph.fingerprint()}
@@ -60,6 +65,10 @@ def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator) 
             if not matches:
                 break
             match = matches[int(rng.integers(len(matches)))]
+            if everywhere:
+                current, done = apply_all(current, [m for m in matches if m.rule == match.rule])
+                applied += [str(m) for m in done]
+                continue
             try:
                 current = apply(current, match)
             except RewriteError:
@@ -94,7 +103,7 @@ def runnable(graphs: list[tuple[list[str], object]], settings: SessionSettings) 
 
 
 def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, sequences: int, length: int,
-                seed: int, rounds: int, repeats: int = 2) -> dict:
+                seed: int, rounds: int, repeats: int = 2, everywhere: bool = False) -> dict:
     """Estimates and measures the random-rewrite graphs of one model; returns its result record."""
     from rlflow.graph import load
     from tqdm import tqdm
@@ -103,7 +112,7 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     name, path = resolve_model(spec)
     graph = load(path)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    graphs, refused = runnable(random_graphs(graph, sequences, length, rng), settings)
+    graphs, refused = runnable(random_graphs(graph, sequences, length, rng, everywhere), settings)
 
     before = cost_model.stats.as_dict()
     cold = time.perf_counter()
@@ -253,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2,
                         help="independent measurement repeats; with 2 or more the report gives their rank agreement "
                              "(retest Spearman), the ceiling any estimate can reach")
+    parser.add_argument("--everywhere", action="store_true",
+                        help="each step applies a random rule wherever it matches (graphs a measurement separates)")
     parser.add_argument("--provider", default="cpu", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", default=None, help="cost table folder (default $RLFLOW_CACHE/costmodel)")
@@ -274,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                   cost_table=str(cost_model.path))
     for spec in args.models:
         result = check_model(spec, cost_model, settings, sequences=args.sequences, length=args.length,
-                             seed=args.seed, rounds=args.rounds, repeats=args.repeats)
+                             seed=args.seed, rounds=args.rounds, repeats=args.repeats, everywhere=args.everywhere)
         result.update(sequences=args.sequences, length=args.length, seed=args.seed, rounds=args.rounds,
-                      repeats=args.repeats)
+                      repeats=args.repeats, everywhere=args.everywhere)
         report["models"][result["model"]] = result
         rho = "n/a" if result["spearman"] is None else f"{result['spearman']:.3f}"
         print(f"{result['model']}: spearman {rho} over {result['graphs']} graphs "

@@ -336,3 +336,27 @@ def test_a_machine_the_project_has_measured_starts_from_its_shipped_table(tmp_pa
     assert len(CostModel(cache_dir=tmp_path / "cache")) == 1
     other = CostModel(SessionSettings(threads=2), cache_dir=tmp_path / "cache")  # another key: starts empty
     assert len(other) == 0
+
+
+def test_random_sequences_everywhere_apply_a_rule_at_each_of_its_matches():
+    """`costmodel_check --everywhere`: a step is one rule at every match, so a sequence's graphs differ by whole-model
+    rewrites (what a measurement separates on a transformer)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from rlflow.graph import load
+    from rlflow.measure.costmodel_check import random_graphs
+    from rlflow.rewrites import find_matches
+
+    export = Path(__file__).resolve().parents[1] / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"
+    graph = load(export, {"input_ids": (1, 8), "attention_mask": (1, 8)})
+    found = random_graphs(graph, sequences=4, length=1, rng=np.random.default_rng(0), everywhere=True)
+    assert len(found) > 1 and found[0] == ([], graph)
+    matches = find_matches(graph)
+    counts = []
+    for applied, _ in found[1:]:
+        (rule_name,) = {step.split("@")[0] for step in applied}  # one rule per one-step sequence
+        counts.append((len(applied), sum(m.rule == rule_name for m in matches)))
+    assert all(1 <= done <= there for done, there in counts)  # a match an earlier one used up is skipped
+    assert any(done > 1 for done, _ in counts)  # a rule at several places in one step
