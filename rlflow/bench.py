@@ -231,12 +231,13 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
                            for method in (*config.methods, *peers)], loaded=False)
     rows = []
+    settings = _settings_for(graph, settings)
     for method in (*config.methods, *peers):
         try:
             if method in peers:
-                row = _run_peer(graph, method, tools[method], _settings_for(graph, settings), config)
+                row = _run_peer(graph, method, tools[method], settings, config)
             else:
-                row = _run_method(graph, method, _settings_for(graph, settings), config)
+                row = _run_method(graph, method, settings, config)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
             log.debug("%s / %s failed", model.stem, method, exc_info=True)
             row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")

@@ -36,6 +36,14 @@ _SMALL_CONSTANT = 1024
 _COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"}
 
 
+def parse_dims(text: str) -> tuple[int, ...]:
+    """`d0,d1,...` -> a shape of positive integers (empty text: a scalar); ValueError otherwise."""
+    shape = tuple(int(d) for d in text.split(",")) if text.strip() else ()
+    if any(d <= 0 for d in shape):
+        raise ValueError(f"not a shape of positive integers: {text!r}")
+    return shape
+
+
 def parse_input_shapes(specs: Iterable[str]) -> dict[str, tuple[int, ...]]:
     """Parses `name:d0,d1,...` strings (the CLI's --input-shape) into a dict."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -44,9 +52,7 @@ def parse_input_shapes(specs: Iterable[str]) -> dict[str, tuple[int, ...]]:
         try:
             if not sep or not name:
                 raise ValueError
-            shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
-            if any(d <= 0 for d in shape):
-                raise ValueError
+            shape = parse_dims(dims)
         except ValueError:
             raise InputError(f"bad --input-shape '{spec}': expected name:d0,d1,... with positive integers") from None
         shapes[name] = shape

@@ -16,17 +16,9 @@ import os
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from rlflow.model_file import max_ir_version
-
-
-def _external(name: str, dims: list[int], location: str, offset: int, length: int) -> TensorProto:
-    tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=dims, data_location=TensorProto.EXTERNAL)
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        tensor.external_data.add(key=key, value=value)
-    return tensor
+from rlflow.model_file import max_ir_version, set_external_data
 
 
 def dense_chain(folder: str | os.PathLike, layers: int = 10, width: int = 8192, seed: int = 0) -> Path:
@@ -41,7 +33,9 @@ def dense_chain(folder: str | os.PathLike, layers: int = 10, width: int = 8192, 
             for name, shape, scale in ((f"W{k}", [width, width], width ** -0.5), (f"b{k}", [width], 0.1)):
                 values = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
                 data.write(values.tobytes())
-                weights.append(_external(name, shape, data_name, offset, values.nbytes))
+                tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape)
+                set_external_data(tensor, data_name, offset, values.nbytes)
+                weights.append(tensor)
                 offset += values.nbytes
                 del values
             nodes += [helper.make_node("Identity", [x], [f"i{k}"]),

@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError
+from rlflow.graph import parse_dims
 from rlflow.measure.timing import Ratio
 
 TEXT_SEQUENCES = (16, 128)
@@ -61,8 +62,8 @@ def parse_profile(text: str) -> Profile:
                 continue
             sep = "=" if "=" in item else ":"
             name, found, dims = item.rpartition(sep)
-            shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
-            if not found or not name.strip() or any(d <= 0 for d in shape) or name.strip() in shapes:
+            shape = parse_dims(dims)
+            if not found or not name.strip() or name.strip() in shapes:
                 raise ValueError
             shapes[name.strip()] = shape
         if not shapes:

@@ -297,12 +297,20 @@ def export_architecture(arch: Architecture, exporter: str):
                               dynamic_axes=_dynamic_axes(arch, names, tuple(outputs)), do_constant_folding=True)
             data = buffer.getvalue()
         else:
-            program = torch.onnx.export(wrapper, tuple(inputs.values()), dynamo=True, opset_version=opset,
-                                        input_names=names, output_names=outputs,
-                                        dynamic_shapes=_dynamic_shapes(arch, names), verbose=False)
-            data = program.model_proto.SerializeToString()
+            data = _dynamo_program(arch, wrapper, inputs).model_proto.SerializeToString()
     wrapper.eval()  # the TorchScript exporter restores the wrapper's previous training flag
     return data, wrapper
+
+
+def _dynamo_program(arch: Architecture, wrapper, inputs: dict):
+    """torch's dynamo export of the wrapped model at the section's opset, its dynamic shapes declared (an
+    ONNXProgram)."""
+    import torch
+
+    names = list(inputs)
+    return torch.onnx.export(wrapper, tuple(inputs.values()), dynamo=True, opset_version=EXPORTERS["dynamo"][0],
+                             input_names=names, output_names=list(_output_names(arch)),
+                             dynamic_shapes=_dynamic_shapes(arch, names), verbose=False)
 
 
 def export_to_file(arch: Architecture, path) -> None:
@@ -315,13 +323,9 @@ def export_to_file(arch: Architecture, path) -> None:
     from rlflow.model_file import max_ir_version
 
     wrapper = _wrap(_model(arch), arch)
-    inputs = _trace_inputs(arch)
-    names = list(inputs)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(wrapper, tuple(inputs.values()), dynamo=True, opset_version=EXPORTERS["dynamo"][0],
-                                    input_names=names, output_names=list(_output_names(arch)),
-                                    dynamic_shapes=_dynamic_shapes(arch, names), verbose=False)
+        program = _dynamo_program(arch, wrapper, _trace_inputs(arch))
     program.save(str(path), external_data=True)
     proto = onnx.load(str(path), load_external_data=False)
     proto.metadata_props.add(key=DEPLOYED_SHAPES_KEY, value=format_input_shapes(next(iter(arch.shapes.values()))))

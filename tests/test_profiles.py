@@ -13,7 +13,7 @@ import rlflow
 from rlflow.cli import main
 from rlflow.errors import InputError
 from rlflow.measure.timing import Ratio
-from rlflow.profiles import (Profile, arrange, combine, default_profiles, instantiate, parse_profile, read_profiles,
+from rlflow.profiles import (arrange, combine, default_profiles, instantiate, parse_profile, read_profiles,
                              slower)
 from tests.conftest import save, tiny_model
 from tests.test_optimize import _accept_first_candidate

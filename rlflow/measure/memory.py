@@ -43,7 +43,7 @@ def _per_model(graph) -> tuple[int, int]:
     """(bytes one measured model needs, bytes shared by all of them: the mapped weights' pages); sessions that share
     the mapped weights in place (`shares_weights`) add no copy of them."""
     mapped = mapped_bytes(graph)
-    copies = 0 if shares_weights(graph) else MAPPED_SESSION_COPIES
+    copies = 0 if mapped >= SHARE_WEIGHTS_BYTES else MAPPED_SESSION_COPIES  # `shares_weights`, without a second walk
     return SESSION_COPIES * (weight_bytes(graph) - mapped) + copies * mapped, mapped
 
 
