@@ -41,26 +41,33 @@ bench: $(STAMP)
 		--rounds $(BENCH_ROUNDS) $(if $(RAY),$(if $(filter local,$(RAY)),--ray,--ray $(RAY))) --out docs/results
 	$(BIN)/python -m rlflow.bench_wallclock models --out docs/results
 
-# The shipped agent (rlflow/agents/default.pt): the world-model agent (VAE + MDN-RNN, controller trained in the dream)
-# on seven -tiny zoo models, five architectures never seen (default.json lists them); about 10 minutes on 2 cores.
-# Its training report (sample efficiency against the PPO policy's run on the same models) goes to docs/results/agent/.
-AGENT_MODELS := squeezenet-1.1-tiny,resnet-18-tiny,resnet-50-tiny,resnext-50-32x4d-tiny,mobilenet-v2-tiny,bert-base-tiny,gpt2-small-tiny
-AGENT_HOLDOUT := inception-v3-tiny,densenet-121-tiny,vit-b-16-tiny,nasrnn-tiny,demo-block
-agent: $(STAMP)
-	$(BIN)/rlflow train --algo worldmodel --models $(AGENT_MODELS) --out docs/results/agent --run-dir build/agent/run \
-		--ppo-results docs/results/ppo.json
-	$(BIN)/python -m rlflow.controller.ship --checkpoint build/agent/run/worldmodel.pt \
-		--results docs/results/agent/worldmodel.json
+# The shipped agents are trained on the deployment section (issue #28): DistilBERT, Whisper-tiny's encoder and
+# DeiT-small, each from both torch exporters, at batch 1 (sequence 16), built into models/ when missing.  An action
+# applies a rule wherever it matches (--scope rule): one layer's fusion is within measurement noise, every layer's is
+# not.  BERT is held out whole (L2/H128, L4/H256 and MiniLM L12/H384, both exporters): docs/results/agent-deploy/.
+AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts
+AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts,bert-l4-h256-s16-dynamo,minilm-l12-h384-s16-ts,minilm-l12-h384-s16-dynamo
+AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
+AGENT_SEED ?= 0
 
-# The model-free baseline (rlflow/agents/ppo.pt, `--agent rlflow/agents/ppo.pt`): masked PPO on the same seven models,
-# then its evaluation against random walk into docs/results/ppo.json (about 5 + 15 minutes).
-AGENT_STEPS ?= 16000
+# The shipped agent (rlflow/agents/default.pt, what `rlflow optimize --method agent` plays): the world-model agent
+# (VAE + MDN-RNN, controller trained in the dream), its report (sample efficiency against the committed PPO baseline
+# run, docs/results/agent-deploy/ppo/) into docs/results/agent-deploy/seed$(AGENT_SEED)/.
+agent: $(STAMP)
+	$(BIN)/rlflow train --algo worldmodel $(AGENT_OPTIONS) --seed $(AGENT_SEED) \
+		--out docs/results/agent-deploy/seed$(AGENT_SEED) --run-dir build/agent/run \
+		--ppo-results docs/results/agent-deploy/ppo/ppo.json
+	$(BIN)/python -m rlflow.controller.ship --checkpoint build/agent/run/worldmodel.pt \
+		--results docs/results/agent-deploy/seed$(AGENT_SEED)/worldmodel.json
+
+# The model-free baseline (rlflow/agents/ppo.pt, `--agent rlflow/agents/ppo.pt`): masked PPO on the same models, its
+# results and learning curve into docs/results/agent-deploy/ppo/ (the world-model runs compare with them).
+AGENT_STEPS ?= 4096
 ppo-agent: $(STAMP)
-	$(BIN)/rlflow train --algo ppo --models $(AGENT_MODELS) --holdout $(AGENT_HOLDOUT) \
-		--total-steps $(AGENT_STEPS) --no-evaluate --out build/ppo-agent --run-dir build/ppo-agent/run
-	$(BIN)/python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt --results build/ppo-agent/ppo.json
-	$(BIN)/python -m rlflow.controller.evaluate --checkpoint rlflow/agents/ppo.pt \
-		--results build/ppo-agent/ppo.json --out docs/results
+	$(BIN)/rlflow train --algo ppo $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) \
+		--no-evaluate --out docs/results/agent-deploy/ppo --run-dir build/ppo-agent/run
+	$(BIN)/python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt \
+		--results docs/results/agent-deploy/ppo/ppo.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

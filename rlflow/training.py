@@ -151,8 +151,9 @@ def make_env(paths: typing.Sequence[Path], config, cost_model):
     from rlflow.env import RewriteEnv
 
     return RewriteEnv([str(p) for p in paths], reward=config.reward, cost_model=cost_model, settings=cost_model.settings,
-                      measure_every=config.measure_every, max_episode_steps=config.max_episode_steps,
-                      max_nodes=config.max_nodes, max_edges=config.max_edges, max_candidates=config.max_candidates)
+                      scope=config.scope, measure_every=config.measure_every,
+                      max_episode_steps=config.max_episode_steps, max_nodes=config.max_nodes,
+                      max_edges=config.max_edges, max_candidates=config.max_candidates)
 
 
 def plot_curve(episodes: list[dict], baseline: float | None, path: Path, title: str) -> None:
@@ -195,5 +196,6 @@ def write_ppo_results(result: dict, out: Path) -> None:
     write_text_atomic(out / "ppo.json", json.dumps(result, indent=1, default=str) + "\n")
     config = result["config"]
     plot_curve(result["curve"], result["train"]["random_policy_mean_return"], out / "ppo-learning-curve.png",
-               f"masked PPO on {len(config['models'])} -tiny zoo models, cost-model reward ({result['rules']} rules)")
+               f"masked PPO on {len(config['models'])} models, {config.get('reward', 'cost')} reward, "
+               f"{config.get('scope', 'match')} scope ({result['rules']} rules)")
     print(f"wrote {out / 'ppo.json'} and {out / 'ppo-learning-curve.png'}", flush=True)

@@ -196,3 +196,39 @@ def test_render_ansi(model_path, cost_model):
     env.reset(seed=0)
     env.step(0)
     assert "two-branch: step 1/50" in env.render()
+
+
+def repeated_layers_model() -> onnx.ModelProto:
+    """Two identical branches x -> Transpose -> Transpose -> Relu, added: the transpose pair matches twice."""
+    nodes = []
+    for b in ("a", "b"):
+        nodes += [helper.make_node("Transpose", ["x"], [f"{b}1"], perm=[1, 0], name=f"{b}_t1"),
+                  helper.make_node("Transpose", [f"{b}1"], [f"{b}2"], perm=[1, 0], name=f"{b}_t2"),
+                  helper.make_node("Relu", [f"{b}2"], [f"{b}3"], name=f"{b}_relu")]
+    nodes.append(helper.make_node("Add", ["a3", "b3"], ["y"], name="add"))
+    graph = helper.make_graph(nodes, "layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 16])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_rule_scope_applies_the_chosen_rule_everywhere_it_matches(tmp_path, cost_model):
+    path = tmp_path / "layers.onnx"
+    onnx.save(repeated_layers_model(), str(path))
+    one = small_env(str(path), cost_model, reward=node_count_ms)
+    one.reset(seed=0)
+    rule = one.candidates[0].rule
+    assert sum(m.rule == rule for m in one.candidates) == 2
+    everywhere = small_env(str(path), cost_model, reward=node_count_ms, scope="rule")
+    everywhere.reset(seed=0)
+    chosen = everywhere.candidates[1] if everywhere.candidates[1].rule == rule else everywhere.candidates[0]
+    _, reward, _, _, info = everywhere.step(everywhere.candidates.index(chosen))
+    assert len(info["applied"]) == 2 and info["applied"][0] == str(chosen)  # the chosen match first
+    assert not any(m.rule == rule for m in everywhere.candidates)
+    while any(m.rule == rule for m in one.candidates):  # the same graph, one match at a time
+        one.step(next(i for i, m in enumerate(one.candidates) if m.rule == rule))
+    assert one.fingerprint == everywhere.fingerprint and reward == pytest.approx(100.0 * 4 / 7)
+
+
+def test_unknown_scope_is_refused(model_path, cost_model):
+    with pytest.raises(ValueError, match="scope"):
+        small_env(model_path, cost_model, scope="layer")

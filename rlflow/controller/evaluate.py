@@ -166,6 +166,7 @@ def main(argv: typing.Sequence[str] | None = None) -> dict:
     result = json.loads(Path(args.results).read_text())
     policy, payload = load_checkpoint(args.checkpoint)
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
+    fields.setdefault("scope", "match")  # runs from before the rule scope applied one match per action
     config = SimpleNamespace(**fields)  # the training run's PPO Config, as ppo.json recorded it
     seed_everything(config.seed, config.threads)
     cost_model = CostModel()

@@ -68,8 +68,9 @@ def finetune(policy, graph: Graph, steps: int, *, settings=None, rules=None, cos
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     updates, stop = 0, "steps done"
     with cost_model.measuring_until(deadline):  # past it, groups the table lacks are estimated, not measured
+        trained = getattr(policy, "config", None) or {}  # the scope it was trained in (`load_checkpoint`)
         env = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings,
-                         max_episode_steps=config.max_episode_steps)
+                         scope=trained.get("scope", "match"), max_episode_steps=config.max_episode_steps)
         learner = Learner(adapted, env, config, np.random.default_rng(seed))
         while updates * ROLLOUT_STEPS < steps:
             if deadline is not None and time.monotonic() > deadline:

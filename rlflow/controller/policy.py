@@ -147,6 +147,7 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
                                               "version it was trained with")
     policy = CandidatePolicy(**payload["policy"])
     policy.load_state_dict(payload["model"])
+    policy.config = dict(payload["config"])  # the training run's settings: the agent search plays its scope
     return policy, payload
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlflow.env import MAX_EDGES, MAX_NODES
 from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything, write_ppo_results
 
 log = logging.getLogger("rlflow")
@@ -60,9 +61,11 @@ class Config:
         hidden: width of the graph network and heads.
         rounds: message-passing rounds.
         max_episode_steps: episode step limit (truncation).
-        max_nodes: observation node cap.
+        max_nodes: observation node cap (the deployment section's exports fit in the default).
         max_edges: observation edge cap.
         max_candidates: candidate cap (actions = this + terminate).
+        scope: what an action rewrites: "match" (the chosen match) or "rule" (its rule everywhere it matches); the
+            agent search plays the scope its checkpoint was trained in.
         reward: "cost" (cost model, every step) or "measure" (end-to-end every `measure_every` steps and at the end).
         measure_every: steps between measurements with reward="measure".
         seed: seeds torch, numpy, random and the environment.
@@ -102,9 +105,10 @@ class Config:
     hidden: int = 64
     rounds: int = 3
     max_episode_steps: int = 25
-    max_nodes: int = 512
-    max_edges: int = 1024
+    max_nodes: int = MAX_NODES
+    max_edges: int = MAX_EDGES
     max_candidates: int = 256
+    scope: typing.Literal["match", "rule"] = "match"
     reward: str = "cost"
     measure_every: int = 5
     seed: int = 0
@@ -287,6 +291,7 @@ def main(config: Config) -> dict:
         print(f"uniformly random policy: mean return {baseline:.2f} over {len(baseline_returns)} episodes", flush=True)
 
     policy = CandidatePolicy(len(RULES), config.hidden, config.rounds)
+    policy.config = asdict(config)  # the agent search (evaluation) plays the scope it was trained in
     num_updates = max(1, config.total_steps // config.num_steps)
     # the random episodes above are real steps too, but not training: the counters restart here
     learner = Learner(policy, env, config, rng, writer)

@@ -37,7 +37,7 @@ class WorldModelActor:
         from rlflow.worldmodel.agent import Memory
 
         self.agent = agent
-        self.config = dict(config or {})  # the training run's settings (the dream's, for fine-tuning)
+        self.config = dict(config or {})  # the training run's settings (the dream's, for fine-tuning; its scope)
         self.reward_range = reward_range  # (low, high) the dream's reward clip, from the training episodes
         self.n_rules = agent.n_rules
         for module in (agent.vision, agent.mdrnn, agent.policy, getattr(agent, "location", None)):

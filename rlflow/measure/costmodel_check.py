@@ -47,13 +47,16 @@ def resolve_model(spec: str) -> tuple[str, Path]:
 
 
 def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator,
-                  everywhere: bool = False) -> list[tuple[list[str], object]]:
+                  everywhere: bool = False, rules=None) -> list[tuple[list[str], object]]:
     """The original plus up to `sequences` distinct graphs, each from a random rewrite sequence of length 1..length.
 
     With `everywhere`, a step is a random matching rule applied wherever it matches (`apply_all`): on a transformer
     one rewrite changes its time by less than a measurement separates, a rule applied to every layer by several percent.
+    `rules`: the rules drawn from (default all; `rule_subset`).
     """
-    from rlflow.rewrites import RewriteError, apply, apply_all, find_matches
+    from rlflow.rewrites import RULES, RewriteError, apply, apply_all, find_matches
+
+    rules = RULES if rules is None else rules
 
     found = [([], graph)]
     seen = {graph.fingerprint()}
@@ -61,7 +64,7 @@ def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator,
         steps = int(rng.integers(1, length + 1))
         current, applied = graph, []
         for _ in range(steps):
-            matches = find_matches(current)
+            matches = find_matches(current, rules)
             if not matches:
                 break
             match = matches[int(rng.integers(len(matches)))]
@@ -79,6 +82,26 @@ def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator,
             seen.add(fingerprint)
             found.append((applied, current))
     return found
+
+
+def rule_subset(spec: str | None):
+    """The rules a `--rules` value names: a group of `rlflow.rewrites.GROUPS` or comma-separated rule names (None:
+    every rule).
+
+    Raises:
+        InputError: a name that is neither a group nor a rule.
+    """
+    from rlflow.errors import InputError
+    from rlflow.rewrites import GROUPS, RULES, rule
+
+    if not spec:
+        return RULES
+    if spec in GROUPS:
+        return GROUPS[spec]
+    try:
+        return tuple(rule(name.strip()) for name in spec.split(",") if name.strip())
+    except KeyError as exc:
+        raise InputError(f"--rules: {exc.args[0]}; give a group ({', '.join(GROUPS)}) or rule names") from None
 
 
 def runnable(graphs: list[tuple[list[str], object]], settings: SessionSettings) -> tuple[list, list[dict]]:
@@ -103,7 +126,7 @@ def runnable(graphs: list[tuple[list[str], object]], settings: SessionSettings) 
 
 
 def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, sequences: int, length: int,
-                seed: int, rounds: int, repeats: int = 2, everywhere: bool = False) -> dict:
+                seed: int, rounds: int, repeats: int = 2, everywhere: bool = False, rules=None) -> dict:
     """Estimates and measures the random-rewrite graphs of one model; returns its result record."""
     from rlflow.graph import load
     from tqdm import tqdm
@@ -112,7 +135,7 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     name, path = resolve_model(spec)
     graph = load(path)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    graphs, refused = runnable(random_graphs(graph, sequences, length, rng, everywhere), settings)
+    graphs, refused = runnable(random_graphs(graph, sequences, length, rng, everywhere, rules), settings)
 
     before = cost_model.stats.as_dict()
     cold = time.perf_counter()
@@ -233,9 +256,9 @@ def markdown(report: dict) -> str:
         "independent measurement repeats against each other: the ceiling that any estimate can reach. *Refused*: rewritten",
         "graphs onnxruntime would not build or run on the provider, left out of the check.",
         "",
-        "| model | graphs | refused | Spearman | retest Spearman | distinct estimates | significant | significant pairs ordered right | "
+        "| model | rewrites | graphs | refused | Spearman | retest Spearman | distinct estimates | significant | significant pairs ordered right | "
         "measured speedup range | estimate / measured ms (original) | warm graph_cost (ms) | time (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name in sorted(report["models"]):
         r = report["models"][name]
@@ -244,8 +267,9 @@ def markdown(report: dict) -> str:
         low, high = r["measured_speedup_range"]
         agree = "n/a" if r["significant_pair_agreement"] is None else \
             f"{r['significant_pair_agreement']:.2f} of {r['significant_pairs']}"
+        drawn = f"{r.get('rules', 'all')} rules{', everywhere' if r.get('everywhere') else ''}"
         lines.append(
-            f"| {name} | {r['graphs']} | {len(r.get('refused', []))} | {rho} | {retest} | {r['distinct_estimates']} | {r['significant_differences']} | {agree} | "
+            f"| {name} | {drawn} | {r['graphs']} | {len(r.get('refused', []))} | {rho} | {retest} | {r['distinct_estimates']} | {r['significant_differences']} | {agree} | "
             f"{low:.3f}-{high:.3f} | {r['original_estimate_ms']:.3f} / {r['original_measured_ms']:.3f} | "
             f"{r['graph_cost_ms_warm']:.1f} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -264,10 +288,18 @@ def main(argv: list[str] | None = None) -> int:
                              "(retest Spearman), the ceiling any estimate can reach")
     parser.add_argument("--everywhere", action="store_true",
                         help="each step applies a random rule wherever it matches (graphs a measurement separates)")
+    parser.add_argument("--rules", default=None,
+                        help="draw the rewrites from a rule group (such as fusion) or comma-separated rule names only")
     parser.add_argument("--provider", default="cpu", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", default=None, help="cost table folder (default $RLFLOW_CACHE/costmodel)")
     args = parser.parse_args(argv)
+    from rlflow.errors import RlflowError
+
+    try:
+        rules = rule_subset(args.rules)
+    except RlflowError as exc:
+        parser.exit(2, f"error: {exc}\n")
 
     import onnxruntime as ort
 
@@ -285,9 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                   cost_table=str(cost_model.path))
     for spec in args.models:
         result = check_model(spec, cost_model, settings, sequences=args.sequences, length=args.length,
-                             seed=args.seed, rounds=args.rounds, repeats=args.repeats, everywhere=args.everywhere)
+                             seed=args.seed, rounds=args.rounds, repeats=args.repeats, everywhere=args.everywhere,
+                             rules=rules)
         result.update(sequences=args.sequences, length=args.length, seed=args.seed, rounds=args.rounds,
-                      repeats=args.repeats, everywhere=args.everywhere)
+                      repeats=args.repeats, everywhere=args.everywhere, rules=args.rules or "all")
         report["models"][result["model"]] = result
         rho = "n/a" if result["spearman"] is None else f"{result['spearman']:.3f}"
         print(f"{result['model']}: spearman {rho} over {result['graphs']} graphs "

@@ -73,6 +73,12 @@ def apply_all(graph: Graph, matches: Sequence[Match], rules: Sequence[Rule] = RU
     return base.apply_all(graph, matches, rules)
 
 
+def apply_everywhere(graph: Graph, rule: Rule, matches: Sequence[Match], rules: Sequence[Rule] = RULES,
+                     deadline: float | None = None) -> tuple[Graph, list[Match]]:
+    """A new graph with `rule` applied at `matches` and wherever else it then matches, and the rewrites applied."""
+    return base.apply_everywhere(graph, rule, matches, rules, deadline)
+
+
 def match_counts(graph: Graph, rules: Sequence[Rule] = RULES) -> dict[str, int]:
     """How many matches each rule has in `graph` (every rule listed, zeros included), in rule order."""
     return {r.name: len(r.find(graph)) for r in rules}
@@ -87,4 +93,4 @@ def rule(name: str) -> Rule:
 
 
 __all__ = ["RULES", "GROUPS", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
-           "apply", "apply_all", "match_counts", "rule"]
+           "apply", "apply_all", "apply_everywhere", "match_counts", "rule"]

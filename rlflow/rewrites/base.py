@@ -7,6 +7,7 @@ either how to rewrite there (a Match carrying everything `rewrite` needs) or why
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Sequence
@@ -14,6 +15,8 @@ from typing import ClassVar, Iterable, Sequence
 import onnx_graphsurgeon as gs
 
 from rlflow.graph import Graph
+
+log = logging.getLogger("rlflow")
 
 CATEGORIES = ("merge", "algebra", "fold", "layout", "fusion", "cleanup")
 """merge: combine parallel work; algebra: identities that change the computation; fold: absorb constants into
@@ -205,6 +208,35 @@ def apply_all(graph: Graph, matches: Sequence[Match], rules: Sequence[Rule]) -> 
     if applied:
         result.finish_edit()
     return result, applied
+
+
+EVERYWHERE_LIMIT = 48
+"""Rewrites at most in one `apply_everywhere` (a rule that keeps creating matches of itself stops there)."""
+
+
+def apply_everywhere(graph: Graph, rule: Rule, matches: Sequence[Match], rules: Sequence[Rule],
+                     deadline: float | None = None) -> tuple[Graph, list[Match]]:
+    """`graph` with `rule` applied at all its matches, `matches` first (then found again after each pass, which moves
+    the other matches' nodes), at most EVERYWHERE_LIMIT rewrites; and the rewrites applied.  `graph` is untouched.
+
+    A network repeats its layers, so one decision usually holds for all of them.  A rewrite that raises ends the
+    passes there (one faulty rule must never stop a search): what was applied before it is kept.
+    """
+    import time
+
+    applied: list[Match] = []
+    matches = list(matches)
+    while matches and len(applied) < EVERYWHERE_LIMIT:
+        try:
+            graph, done = apply_all(graph, matches[: EVERYWHERE_LIMIT - len(applied)], rules)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.debug("skipping %s everywhere: %s", rule.name, exc)
+            break
+        applied += done
+        if not done or (deadline is not None and time.monotonic() > deadline):
+            break
+        matches = rule.find(graph)
+    return graph, applied
 
 
 def registry_version(rules: Sequence[Rule]) -> str:

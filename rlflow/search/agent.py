@@ -86,6 +86,7 @@ class CandidateActor:
 
     def __init__(self, policy):
         self.policy = policy
+        self.config = dict(getattr(policy, "config", None) or {})  # the training run's settings (`load_checkpoint`)
 
     def reset(self) -> None:
         pass
@@ -128,8 +129,10 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     stop, steps = "all rollouts done", 0
     loaded = time.monotonic()
     with measuring_until(cost_model, loaded + COST_TABLE_SHARE * max(search_deadline - loaded, 0.0)):
+        trained = actor.config  # its scope, and its episodes' length: what the actor learned to play
         env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings,
-                         max_episode_steps=config.length)
+                         scope=trained.get("scope", "match"),
+                         max_episode_steps=min(config.length, int(trained.get("max_episode_steps", config.length))))
         with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:
             for rollout in range(config.rollouts):
                 if time.monotonic() > search_deadline:

@@ -22,7 +22,7 @@ from rlflow.measure.memory import candidates_that_fit
 from rlflow.measure.profiled import compare_profiled, profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace, Ratio, compare, probe
-from rlflow.rewrites import GROUPS, RULES, Match, Rule, apply, apply_all, find_matches
+from rlflow.rewrites import GROUPS, RULES, Match, Rule, apply, apply_everywhere, find_matches
 
 log = logging.getLogger("rlflow")
 
@@ -106,10 +106,6 @@ def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[s
     return list(children(parent, rules, seen, deadline))
 
 
-EVERYWHERE_LIMIT = 48
-"""Rewrites at most in one `everywhere` candidate (a rule that keeps creating matches of itself stops there)."""
-
-
 def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
                deadline: float | None = None, matches: Sequence[Match] | None = None) -> Iterator[Candidate]:
     """For each rule that matches `parent` in two places or more: the graph with it applied wherever it matches.
@@ -127,7 +123,7 @@ def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] 
             return
         if len(by_rule[rule.name]) < 2:
             continue
-        graph, applied = _everywhere(parent.graph, rule, by_rule[rule.name], rules, deadline)
+        graph, applied = apply_everywhere(parent.graph, rule, by_rule[rule.name], rules, deadline)
         fingerprint = graph.fingerprint()
         if len(applied) < 2 or fingerprint in seen:
             continue
@@ -152,7 +148,7 @@ def all_fusions(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str]
         for rule in fusions:
             matches = rule.find(graph)
             if matches:
-                graph, done = _everywhere(graph, rule, matches, rules, deadline)
+                graph, done = apply_everywhere(graph, rule, matches, rules, deadline)
                 applied += done
                 used.update(m.rule for m in done)
         if len(applied) == before or (deadline is not None and time.monotonic() > deadline):
@@ -163,24 +159,6 @@ def all_fusions(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str]
     if seen is not None:
         seen.add(fingerprint)
     return Candidate(graph, tuple(applied), fingerprint)
-
-
-def _everywhere(graph: Graph, rule: Rule, matches: list[Match], rules: Sequence[Rule],
-                deadline: float | None) -> tuple[Graph, list[Match]]:
-    """`graph` with `rule` applied at all its matches (found again after each pass, which moves the other matches'
-    nodes), at most EVERYWHERE_LIMIT rewrites; and the rewrites applied."""
-    applied: list[Match] = []
-    while matches and len(applied) < EVERYWHERE_LIMIT:
-        try:
-            graph, done = apply_all(graph, matches[: EVERYWHERE_LIMIT - len(applied)], rules)
-        except Exception as exc:  # noqa: BLE001 - one faulty rule must never stop a search (as try_apply)
-            log.debug("skipping %s everywhere: %s", rule.name, exc)
-            break
-        applied += done
-        if not done or (deadline is not None and time.monotonic() > deadline):
-            break
-        matches = rule.find(graph)
-    return graph, applied
 
 
 @dataclass

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rlflow.env import MAX_EDGES, MAX_NODES
 from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything
 from rlflow.worldmodel.agent import Agent, AgentSpec, Memory, load_checkpoint, save_checkpoint
 
@@ -137,9 +138,10 @@ class Config(AgentSpec):
             horizon mostly compounds the world model's errors).
         ent_coef: controller's entropy bonus.
         max_episode_steps: episode step limit (real and dream).
-        max_nodes: observation node cap.
+        max_nodes: observation node cap (the deployment section's exports fit in the default).
         max_edges: observation edge cap.
         max_candidates: candidate cap.
+        scope: what a real action rewrites: "match" or "rule" (everywhere it matches; `rlflow.env.SCOPES`).
         seed: seeds torch, numpy, random.
         threads: torch threads (1: polite on shared machines).
         out: folder of worldmodel.json and the plots.
@@ -186,9 +188,10 @@ class Config(AgentSpec):
     controller_gamma: float = 0.99
     ent_coef: float = 0.01
     max_episode_steps: int = 25
-    max_nodes: int = 512
-    max_edges: int = 1024
+    max_nodes: int = MAX_NODES
+    max_edges: int = MAX_EDGES
     max_candidates: int = 256
+    scope: typing.Literal["match", "rule"] = "match"
     seed: int = 0
     threads: int = 1
     out: str = "docs/results"
@@ -586,7 +589,8 @@ def main(config: Config) -> dict:
                                                           ("max_episode_steps", int, config.max_episode_steps),
                                                           ("max_nodes", int, config.max_nodes),
                                                           ("max_edges", int, config.max_edges),
-                                                          ("max_candidates", int, config.max_candidates)])()
+                                                          ("max_candidates", int, config.max_candidates),
+                                                          ("scope", str, config.scope)])()
     env = make_env(paths, env_config, cost_model)
     dream_config = DreamPPOConfig(total_steps=config.dream_steps, num_envs=config.dream_envs,
                                   num_steps=config.dream_rollout, learning_rate=config.controller_lr,

@@ -134,3 +134,21 @@ def test_screening_cost_counts_the_input_as_one_more_model():
     per_model = 300.0 / 1000 * (15 + agent_module.SCREEN_OVERHEAD_RUNS)
     assert agent_module._screen_seconds(300.0, 15, 1) == pytest.approx(2 * per_model)
     assert agent_module._screen_seconds(300.0, 15, 4) == pytest.approx(5 * per_model)
+
+
+def test_the_agent_plays_the_scope_its_checkpoint_was_trained_in(tmp_path, zoo_paths, cost_model, policy, monkeypatch):
+    path = save_checkpoint(tmp_path / "rule.pt", policy, config={"scope": "rule", "max_episode_steps": 2})
+    loaded = load_agent(path)
+    assert loaded.config["scope"] == "rule" and load_agent(save_checkpoint(tmp_path / "old.pt", policy)).config == {}
+    scopes = []
+    real_play = agent_module._play
+
+    def spy_play(env, *args, **kwargs):
+        scopes.append((env.scope, env.max_episode_steps))
+        return real_play(env, *args, **kwargs)
+
+    monkeypatch.setattr(agent_module, "_play", spy_play)
+    agent_search(rlflow.load(zoo_paths["bert-base-tiny"]), SessionSettings(),
+                 AgentConfig(rollouts=1, length=3, top_k=1, rounds=3, time_limit=30), cost_model=cost_model,
+                 policy=loaded)
+    assert scopes == [("rule", 2)]  # the scope and the episode length it was trained with
