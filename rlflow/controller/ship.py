@@ -70,7 +70,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     from rlflow.worldmodel.replay import Replay
     from rlflow.worldmodel.agent import load_checkpoint, save_checkpoint
     from rlflow.worldmodel.train import dream_reward_range
-    from rlflow.zoo import names
+    from rlflow.zoo import DEPLOY, names
 
     agent, payload = load_checkpoint(checkpoint)
     run = json.loads(Path(results).read_text())
@@ -80,7 +80,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     path = save_checkpoint(out / f"{name}.pt", agent, config, reward_range=(low.tolist(), high.tolist()),
                            real_steps=payload["real_steps"])
     size = _within_budget(path)
-    trained = [m.removesuffix("-tiny") for m in config["models"]]
+    trained = {architecture(m) for m in config["models"]}
     meta = {
         "checkpoint": path.name,
         "bytes": size,
@@ -88,7 +88,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
         "trained_on": list(config["models"]),
-        "held_out": [m for m in names(include_tiny=False) if m not in trained],
+        "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
         "real_steps": payload["real_steps"],
         "train_seconds": run.get("wall_seconds"),
         "final_mean_return": run.get("final_reward_worldmodel"),
@@ -98,15 +98,27 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     return meta
 
 
+def architecture(model: str) -> str:
+    """The architecture a zoo name stands for: a deployment export's (DistilBERT-base at any sequence length, from
+    either exporter), else the name without its -tiny suffix (also for names the zoo does not know)."""
+    from rlflow.zoo import DEPLOY, get
+
+    try:
+        entry = get(model)
+    except ValueError:
+        return model.removesuffix("-tiny")
+    return dict(entry.config).get("architecture", model) if entry.family == DEPLOY else model.removesuffix("-tiny")
+
+
 def is_held_out(model: str, out: Path = AGENTS_DIR, name: str = "default") -> bool:
-    """Whether the shipped agent never trained on `model`'s architecture (a zoo name, with or without the -tiny
-    suffix): any model outside its training list counts, not only the ones its run set aside (nasnet-a-mobile, for
-    one, was in neither).  False when no agent metadata is there to say."""
+    """Whether the shipped agent never trained on `model`'s architecture (a zoo name: -tiny or not, a deployment
+    export at any shape or exporter): any model outside its training list counts, not only the ones its run set aside
+    (nasnet-a-mobile, for one, was in neither).  False when no agent metadata is there to say."""
     path = out / f"{name}.json"
     if not path.is_file():
         return False
-    trained = {m.removesuffix("-tiny") for m in json.loads(path.read_text())["trained_on"]}
-    return model.removesuffix("-tiny") not in trained
+    trained = {architecture(m) for m in json.loads(path.read_text())["trained_on"]}
+    return architecture(model) not in trained
 
 
 def main(argv: typing.Sequence[str] | None = None) -> dict:

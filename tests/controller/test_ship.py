@@ -56,3 +56,10 @@ def test_the_shipped_agent_loads_under_this_registry():
     ppo = DEFAULT_AGENT.with_name("ppo.pt")  # the model-free baseline ships beside it
     assert isinstance(load_agent(ppo), CandidatePolicy)
     assert json.loads(ppo.with_suffix(".json").read_text())["trained_on"] == meta["trained_on"]
+
+
+def test_a_deployment_export_counts_as_seen_at_any_shape_and_exporter(tmp_path):
+    (tmp_path / "default.json").write_text(json.dumps({"trained_on": ["distilbert-base-s16-ts", "resnet-18-tiny"]}))
+    assert not ship.is_held_out("distilbert-base-s128-dynamo", tmp_path)  # the same architecture
+    assert ship.is_held_out("bert-l2-h128-s16-ts", tmp_path) and not ship.is_held_out("resnet-18", tmp_path)
+    assert ship.architecture("my-model") == "my-model"  # a file the zoo does not know: its own name

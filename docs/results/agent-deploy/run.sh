@@ -18,7 +18,7 @@ fi
 set -- ${*:-0 1 2 3}
 while [ $# -gt 0 ]; do  # two seeds side by side, one core each
     for seed in $1 ${2:-}; do
-        $bin/rlflow train --algo worldmodel $options --seed "$seed" --out "$here/seed$seed" \
+        $bin/rlflow train --algo worldmodel $options --iterations 5 --seed "$seed" --out "$here/seed$seed" \
             --run-dir "build/agent-deploy/wm$seed" --ppo-results "$here/ppo/ppo.json" \
             > "build/agent-deploy/wm$seed.log" 2>&1 &
     done
