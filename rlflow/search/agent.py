@@ -2,7 +2,8 @@
 
 The agent (the world-model agent shipped as `rlflow/agents/default.pt`, see `rlflow.controller.wm_actor`, or a
 masked-PPO `rlflow.controller.policy.CandidatePolicy` such as `rlflow/agents/ppo.pt`) plays a few episodes
-of `rlflow/Rewrite-v0` on the model: the first greedily, stopping where the policy stops; the rest sampled from the
+of `rlflow/Rewrite-v0` on the model, in the scope it was trained in (one match or one rule wherever it matches per
+step, `rlflow.env.SCOPES`): the first greedily, stopping where the policy stops; the rest sampled from the
 policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops as soon as it is
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
 it has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
@@ -40,7 +41,8 @@ class AgentConfig:
     Attributes:
         agent: checkpoint path (None: the shipped agent).
         rollouts: episodes played (the first greedy, the others sampled without the terminate action).
-        length: rewrites per episode at most.
+        length: steps per episode at most (and at most as many as the agent's training episodes had; a step is one
+            rewrite, or one rule wherever it matches for an agent trained with `scope="rule"`).
         temperature: softness of the sampled episodes (1: the policy's own distribution).
         time_limit: seconds for the whole search, final measurements included.
         top_k: graphs measured end to end at the end.
