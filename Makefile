@@ -49,13 +49,17 @@ AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-e
 AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts,bert-l4-h256-s16-dynamo,minilm-l12-h384-s16-ts,minilm-l12-h384-s16-dynamo
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
 AGENT_SEED ?= 0
+AGENT_STEPS ?= 4096
+# The two trainers' options (docs/results/agent-deploy/run.sh reads them from here for its seeds)
+WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 5
+PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate
 
 # The shipped agent (rlflow/agents/default.pt, what `rlflow optimize --method agent` plays): the world-model agent
 # (VAE + MDN-RNN, controller trained in the dream), its report (sample efficiency against the committed PPO baseline
 # run, docs/results/agent-deploy/ppo/) into docs/results/agent-deploy/seed$(AGENT_SEED)/.  Five iterations: on these
 # 250-750-node graphs an iteration takes 10-30 minutes, most of it training V and the location scorer.
 agent: $(STAMP)
-	$(BIN)/rlflow train --algo worldmodel $(AGENT_OPTIONS) --iterations 5 --seed $(AGENT_SEED) \
+	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --seed $(AGENT_SEED) \
 		--out docs/results/agent-deploy/seed$(AGENT_SEED) --run-dir build/agent/run \
 		--ppo-results docs/results/agent-deploy/ppo/ppo.json
 	$(BIN)/python -m rlflow.controller.ship --checkpoint build/agent/run/worldmodel.pt \
@@ -63,10 +67,8 @@ agent: $(STAMP)
 
 # The model-free baseline (rlflow/agents/ppo.pt, `--agent rlflow/agents/ppo.pt`): masked PPO on the same models, its
 # results and learning curve into docs/results/agent-deploy/ppo/ (the world-model runs compare with them).
-AGENT_STEPS ?= 4096
 ppo-agent: $(STAMP)
-	$(BIN)/rlflow train --algo ppo $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) \
-		--no-evaluate --out docs/results/agent-deploy/ppo --run-dir build/ppo-agent/run
+	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --out docs/results/agent-deploy/ppo --run-dir build/ppo-agent/run
 	$(BIN)/python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt \
 		--results docs/results/agent-deploy/ppo/ppo.json
 

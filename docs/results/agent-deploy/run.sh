@@ -6,19 +6,18 @@
 set -euo pipefail
 here=docs/results/agent-deploy
 bin=.venv/bin
-models=$(sed -n 's/^AGENT_MODELS := //p' Makefile)
-heldout=$(sed -n 's/^AGENT_HOLDOUT := //p' Makefile)
-options="--models $models --scope rule --max-episode-steps 10 --zoo-dir models"
+makefile() {  # a variable of the Makefile, expanded: `make agent` and these runs train alike
+    make -s --no-print-directory --eval "print-$1: ; @echo \$($1)" "print-$1"
+}
 mkdir -p build/agent-deploy
 
 if [ ! -f "$here/ppo/ppo.json" ]; then  # the baseline every seed compares with (it fills the cost table)
-    $bin/rlflow train --algo ppo $options --holdout "$heldout" --total-steps 4096 --no-evaluate \
-        --out "$here/ppo" --run-dir build/agent-deploy/ppo
+    $bin/rlflow train --algo ppo $(makefile PPO_OPTIONS) --out "$here/ppo" --run-dir build/agent-deploy/ppo
 fi
 set -- ${*:-0 1 2 3}
 while [ $# -gt 0 ]; do  # two seeds side by side, one core each
     for seed in $1 ${2:-}; do
-        $bin/rlflow train --algo worldmodel $options --iterations 5 --seed "$seed" --out "$here/seed$seed" \
+        $bin/rlflow train --algo worldmodel $(makefile WORLDMODEL_OPTIONS) --seed "$seed" --out "$here/seed$seed" \
             --run-dir "build/agent-deploy/wm$seed" --ppo-results "$here/ppo/ppo.json" \
             > "build/agent-deploy/wm$seed.log" 2>&1 &
     done
