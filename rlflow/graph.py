@@ -111,6 +111,8 @@ class Graph:
         self.profiles: tuple = ()  # rlflow.profiles.Profile, when measured at several shapes (see measure.profiled)
         self.model_info = model_info
         self.source = source
+        # facts by tensor name that hold for the graph's clones and rewrites too: entry -> (stamp, {tensor name: fact})
+        self.lineage_cache: dict[str, tuple[object, Mapping[str, object] | None]] = {}
 
     # ----------------------------------------------------------------------------------------------- construction
     @classmethod
@@ -150,10 +152,15 @@ class Graph:
         return graph
 
     def clone(self) -> "Graph":
-        """A deep copy of the structure; constant arrays are shared (rules never edit arrays in place)."""
+        """A deep copy of the structure; constant arrays are shared (rules never edit arrays in place).
+
+        `lineage_cache` is carried over (its entries are replaced, never edited): its facts are keyed by tensor name,
+        and a name keeps its value along the lineage, since a rewrite keeps the value of every tensor it keeps the name
+        of and `fresh_name` never hands out a name a fact is held for (`rlflow.rewrites.util.dynamic_axes`)."""
         copy = Graph(self.gs.copy(), interface=self.interface, input_shapes=dict(self.input_shapes),
                      model_info=self.model_info, source=self.source)
         copy.profiles = self.profiles
+        copy.lineage_cache = dict(self.lineage_cache)
         return copy
 
     def _subgraphs(self) -> list[gs.Graph]:
@@ -416,14 +423,16 @@ class Graph:
         return any(t is tensor for t in self.gs.outputs)
 
     def fresh_name(self, hint: str) -> str:
-        """A tensor or node name not used yet."""
+        """A tensor or node name not used yet, nor held by a `lineage_cache` fact (a tensor an earlier graph of the
+        lineage had and a rewrite removed: its name must not come back with another value)."""
         used = getattr(self, "_used_names", None)
         if used is None:
             used = set(self.gs.tensors()) | {n.name for n in self.gs.nodes}
             self._used_names = used
+        held = [facts for _, facts in self.lineage_cache.values() if facts]
         k = 0
         name = hint
-        while name in used:
+        while name in used or any(name in facts for facts in held):
             k += 1
             name = f"{hint}_{k}"
         used.add(name)

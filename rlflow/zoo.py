@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlflow import zoo_deploy
+from rlflow.torch_threads import torch_threads
 from rlflow.zoo_base import _PACKAGE, MODELS_DIR, SEED, Export
 from rlflow.zoo_base import models_package as _models
 
@@ -288,9 +289,7 @@ def _export_zoo_model(entry: ZooEntry) -> Export:
 
     common = importlib.import_module(f"{_models().__name__}.common")
     builder = importlib.import_module(f"{_PACKAGE}.{entry.module}")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-identical batch-norm calibration, and polite on shared machines
-    try:
+    with torch_threads(1):  # bit-identical batch-norm calibration, and polite on shared machines
         torch.manual_seed(SEED)
         model = builder.build(dict(entry.config))
         common.init_weights(model, SEED, "transformer" if entry.family == "transformer" else "cnn")
@@ -301,8 +300,6 @@ def _export_zoo_model(entry: ZooEntry) -> Export:
             expected = model(*inputs.values())
         expected = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
         data = common.export(model, inputs, list(entry.output_names))
-    finally:
-        torch.set_num_threads(threads)
     return Export(onnx.load_from_string(data), {k: v.numpy() for k, v in inputs.items()}, expected,
                   common.EXPORTER, common.OPSET)
 

@@ -347,11 +347,25 @@ def bootstrap_ratio(baseline: np.ndarray, candidate: np.ndarray, confidence: flo
     if len(members) == 1:
         medians = np.median(ratios[rng.integers(0, len(ratios), size=(resamples, len(ratios)))], axis=1)
     else:
-        medians = np.empty(resamples)
-        for k in range(resamples):
-            chosen = rng.integers(0, len(members), size=len(members))
-            medians[k] = np.median(np.concatenate([ratios[rng.choice(members[g], size=len(members[g]))]
-                                                   for g in chosen]))
+        medians = _two_stage_medians(ratios, members, rng, resamples)
     alpha = (1 - confidence) / 2
     low, high = np.quantile(medians, [alpha, 1 - alpha])
     return Ratio(float(np.median(ratios)), float(low), float(high), confidence)
+
+
+def _two_stage_medians(ratios: np.ndarray, members: list[np.ndarray], rng: np.random.Generator,
+                       resamples: int) -> np.ndarray:
+    """Medians of `resamples` two-stage resamples: as many blocks as there are, drawn with replacement, then each
+    drawn block's own number of rounds drawn with replacement from it.  All resamples at once (a loop over them took
+    0.2 s per ratio, a tenth of the agent search's measurement on a small model)."""
+    sizes = np.array([len(m) for m in members])
+    width = int(sizes.max())
+    padded = np.stack([np.pad(ratios[m], (0, width - len(m))) for m in members])  # (blocks, width)
+    chosen = rng.integers(0, len(members), size=(resamples, len(members)))
+    size = sizes[chosen][..., None]  # (resamples, blocks, 1)
+    within = np.minimum((rng.random((resamples, len(members), width)) * size).astype(int), size - 1)
+    drawn = padded[chosen[..., None], within]  # (resamples, blocks, width): the first `size` of each row are real
+    if (sizes == width).all():
+        return np.median(drawn.reshape(resamples, -1), axis=1)
+    drawn = np.where(np.arange(width) < size, drawn, np.nan)
+    return np.nanmedian(drawn.reshape(resamples, -1), axis=1)

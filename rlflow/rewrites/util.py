@@ -1,7 +1,6 @@
 """Small graph queries shared by rules: who produces and reads a tensor, constants, attribute defaults, shapes."""
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -163,9 +162,6 @@ def has_dynamic_inputs(graph: Graph) -> bool:
     return False
 
 
-_dynamic_cache: "weakref.WeakKeyDictionary[Graph, tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
-
-
 def dynamic_axes(graph: Graph, tensor: gs.Tensor) -> tuple[bool, ...] | None:
     """Which dimensions of `tensor` follow the model's dynamic input dimensions (True) rather than being fixed.
 
@@ -178,12 +174,13 @@ def dynamic_axes(graph: Graph, tensor: gs.Tensor) -> tuple[bool, ...] | None:
     if not has_dynamic_inputs(graph):
         return (False,) * len(shape)
     key = tuple(n.name for n in graph.gs.nodes)
-    cached = _dynamic_cache.get(graph)
-    # A rewrite keeps the value of every tensor it keeps the name of, so an edited graph's answer for a tensor seen
-    # before still holds: `apply_all` checks each of 12 layers' matches on one graph without 12 more inferences.
+    cached = graph.lineage_cache.get("dynamic_axes")
+    # A rewrite keeps the value of every tensor it keeps the name of, so an edited graph's (or a rewritten clone's)
+    # answer for a tensor seen before still holds: `apply_all` checks each of 12 layers' matches on one graph without
+    # 12 more inferences, and the matches of a rewritten graph are found without one.
     if cached is None or (cached[0] != key and (cached[1] is None or tensor.name not in cached[1])):
         cached = (key, _moved_shapes(graph))
-        _dynamic_cache[graph] = cached
+        graph.lineage_cache["dynamic_axes"] = cached
     moved = cached[1]
     if moved is None:
         return (True,) * len(shape)

@@ -6,7 +6,8 @@ of `rlflow/Rewrite-v0` on the model, in the scope it was trained in (one match o
 step, `rlflow.env.SCOPES`): the first greedily, stopping where the policy stops; the rest sampled from the
 policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops as soon as it is
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
-it has visited (inverse rules would otherwise loop).  The graphs the episodes end on, then those the cost model ranks
+it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row leave the
+graphs to measure unchanged (`AgentConfig.patience`).  The graphs the episodes end on, then those the cost model ranks
 best, are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
 faster wins, else the input is kept.  When not even one fits (a large model), the input is kept too, and the reason
 says what time limit would measure them: handing an unmeasured graph to the final measurement of `rlflow.optimize`
@@ -29,6 +30,7 @@ from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measuring_until,
                                      select_measured)
+from rlflow.torch_threads import torch_threads
 
 DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "agents" / "default.pt"
 """The shipped agent (package data): the world-model agent of `make agent` (see the README)."""
@@ -48,6 +50,9 @@ class AgentConfig:
         top_k: graphs measured end to end at the end.
         rounds: interleaved rounds of those measurements.
         seed: sampling, inputs and round order.
+        patience: rollouts in a row that leave the `top_k` graphs to measure unchanged end the rollouts early (0:
+            play all `rollouts` or until the limit); the agent's point is to be quick, and a rollout that changes
+            nothing only costs time.
     """
 
     agent: str | None = None
@@ -58,6 +63,7 @@ class AgentConfig:
     top_k: int = 4
     rounds: int = 15
     seed: int = 0
+    patience: int = 3
 
 
 def load_agent(path: str | os.PathLike | None = None):
@@ -130,11 +136,14 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     endings: list[str] = []
     stop, steps = "all rollouts done", 0
     loaded = time.monotonic()
-    with measuring_until(cost_model, loaded + COST_TABLE_SHARE * max(search_deadline - loaded, 0.0)):
+    # the policy on one torch thread: its forward passes are too small to gain from more (see `torch_threads`)
+    with measuring_until(cost_model, loaded + COST_TABLE_SHARE * max(search_deadline - loaded, 0.0)), torch_threads(1):
         trained = actor.config  # its scope, and its episodes' length: what the actor learned to play
         env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings,
                          scope=trained.get("scope", "match"),
                          max_episode_steps=min(config.length, int(trained.get("max_episode_steps", config.length))))
+        original_cost, original = cost_model.graph_cost(graph), graph.fingerprint()
+        chosen, unchanged = [], 0  # the graphs the measurement would get, and for how many rollouts they have held
         with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:
             for rollout in range(config.rollouts):
                 if time.monotonic() > search_deadline:
@@ -145,14 +154,20 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                 endings.append(ending)
                 steps += taken
                 bar.update(1)
-        original_cost = cost_model.graph_cost(graph)
+                now = [c.fingerprint for c in _pool(visited, endings, original_cost, original, config.top_k)]
+                unchanged = unchanged + 1 if now == chosen else 0
+                chosen = now
+                if config.patience and unchanged >= config.patience:
+                    stop = (f"settled: {config.patience} rollouts in a row changed none of the graphs to measure "
+                            f"({len(endings)} of {config.rollouts} played)")
+                    break
     cost_model.save()
     table = coverage(cost_model)
     late = cost_table_lines(table)
-    if len(endings) < config.rollouts:
+    if stop == "time limit":
         late.append(f"agent: {len(endings)} of {config.rollouts} rollouts played ({steps} rewrites) before the "
                     f"limit{'; the last one cut short' if time.monotonic() > search_deadline and endings else ''}")
-    pool = _pool(visited, endings, original_cost, graph.fingerprint(), config.top_k)
+    pool = _pool(visited, endings, original_cost, original, config.top_k)
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster",

@@ -58,13 +58,30 @@ def test_rollouts_never_revisit_a_graph_and_only_estimated_faster_graphs_are_mea
     for fingerprints in played:  # each episode's graphs are all different, and none is the start again
         rewritten = fingerprints[:-1]  # the last step may be terminate, which keeps the graph
         assert start not in rewritten and len(set(rewritten)) == len(rewritten)
-    pool, costs, original_cost = pools[0]
+    pool, costs, original_cost = pools[-1]  # the last: what was measured (each rollout also asks, to settle)
     assert len(pool) <= 2 and all(costs[c.fingerprint] < original_cost for c in pool)
     assert result.candidates_measured <= len(pool)
     if result.applied:
         assert result.graph.fingerprint() in {c.fingerprint for c in pool}
     else:
         assert result.graph is graph
+
+
+
+@pytest.mark.parametrize("patience, played", [(2, 2), (0, 5)])
+def test_rollouts_stop_once_they_leave_the_graphs_to_measure_unchanged(zoo_paths, cost_model, policy, monkeypatch,
+                                                                       patience, played):
+    """`patience` rollouts in a row that change nothing to measure end the rollouts (0: every rollout is played); a
+    pool that never changes is the case where every rollout after the first is wasted time."""
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    calls = []
+    real_play = agent_module._play
+    monkeypatch.setattr(agent_module, "_play", lambda *args, **kwargs: calls.append(1) or real_play(*args, **kwargs))
+    monkeypatch.setattr(agent_module, "_pool", lambda *args: [])
+    config = AgentConfig(rollouts=5, length=3, rounds=3, time_limit=60, patience=patience)
+    result = agent_search(graph, SessionSettings(), config, cost_model=cost_model, policy=policy)
+    assert len(calls) == played
+    assert result.stop_reason.startswith("settled: 2 rollouts in a row" if patience else "all rollouts done")
 
 
 def test_time_limit_is_honoured(zoo_paths, cost_model, policy):

@@ -121,3 +121,25 @@ def test_a_session_that_falls_back_to_the_cpu_is_refused_not_mislabelled():
     with pytest.raises(ProviderError, match="fell back to CPUExecutionProvider"):
         create_session(model, SessionSettings(provider="CUDAExecutionProvider"))
     assert create_session(model, SessionSettings()).get_providers() == ["CPUExecutionProvider"]
+
+
+
+def test_block_bootstrap_draws_as_the_two_stage_procedure_says():
+    """Blocks drawn with replacement, then each drawn block's own number of rounds from it: the interval matches a
+    plain loop doing exactly that, with blocks of unequal size (a block cut short by a deadline)."""
+    rng = np.random.default_rng(2)
+    base = 1.0 + 0.01 * rng.standard_normal(17)
+    groups = np.array([0] * 6 + [1] * 6 + [2] * 5)
+    other = base / (np.array([1.0, 1.05, 1.10])[groups] + 0.01 * rng.standard_normal(17))  # sessions differ
+    ratios = base / other
+    members = [np.flatnonzero(groups == g) for g in range(3)]
+    loop = np.random.default_rng(3)
+    reference = []
+    for _ in range(4000):
+        chosen = loop.integers(0, 3, size=3)
+        reference.append(np.median(np.concatenate([ratios[loop.choice(members[g], size=len(members[g]))]
+                                                   for g in chosen])))
+    low, high = np.quantile(reference, [0.025, 0.975])
+    ratio = bootstrap_ratio(base, other, groups=groups, resamples=4000)
+    assert ratio.median == float(np.median(ratios))
+    assert abs(ratio.low - low) < 0.004 and abs(ratio.high - high) < 0.004

@@ -102,3 +102,20 @@ def test_apply_all_keeps_what_a_subgraph_reads_from_outside():
     batch, applied = apply_all(g, matches)
     assert applied == matches and batch.fingerprint() == _replayed(g, matches).fingerprint()
     assert verify(g.to_model(static=True), batch.to_model(static=True), seeds=(0,)).ok
+
+
+def test_a_rewritten_graph_reuses_its_parents_dynamic_axes_and_they_are_right(bert):
+    """`dynamic_axes` answers a rewritten clone from its parent's inference (`Graph.lineage_cache`): every tensor's
+    answer must equal a fresh inference on the rewritten graph."""
+    from rlflow.rewrites.util import dynamic_axes
+
+    for tensor in bert.gs.tensors().values():
+        dynamic_axes(bert, tensor)  # the parent's inference, cached
+    fused = all_fusions(Candidate(bert, (), bert.fingerprint())).graph
+    assert "dynamic_axes" in fused.lineage_cache
+    fresh = fused.clone()
+    fresh.lineage_cache.clear()
+    tensors = fused.gs.tensors()
+    answers = {name: dynamic_axes(fused, t) for name, t in tensors.items()}
+    assert answers == {name: dynamic_axes(fresh, t) for name, t in fresh.gs.tensors().items()}
+    assert any(axes and any(axes) for axes in answers.values()), "the export's batch and sequence axes are dynamic"
