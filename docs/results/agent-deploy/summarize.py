@@ -113,7 +113,8 @@ def _deploy_rows() -> dict:
     return {key: row for key, (row, _) in module._rows().items()}, module._cell
 
 
-OTHER_AGENTS = {"heldout-seed1": "world-model seed 1", "heldout-ppo": "PPO (rlflow/agents/ppo.pt)"}
+OTHER_AGENTS = {"heldout-fast": "shipped agent, faster search (2026-11-26)", "heldout-seed1": "world-model seed 1",
+                "heldout-ppo": "PPO (rlflow/agents/ppo.pt)"}
 """Bench folders of `--methods agent --agent ...` runs on the same models, and their column names."""
 
 
