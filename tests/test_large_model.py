@@ -195,6 +195,22 @@ def test_proto_over_the_limit_hands_its_weights_over(monkeypatch, external_model
     np.testing.assert_allclose(y, x @ numpy_helper.to_array(reference.graph.initializer[0]), rtol=1e-5)
 
 
+def test_a_model_measured_again_and_again_is_serialized_once_where_that_is_all_a_session_needs(monkeypatch,
+                                                                                                external_model):
+    """`session_source`: an in-memory proto becomes its bytes (every session of `compare` would serialize it again);
+    weights in files, or a proto over the limit, keep the proto, for `inference_session` to hand them over."""
+    path, reference = external_model
+    source = session_module.session_source(reference)
+    assert source == reference.SerializeToString()
+    x = np.ones((2, 64), np.float32)
+    (y,) = run_session(create_session(source), ["y"], {"x": x})
+    np.testing.assert_allclose(y, x @ numpy_helper.to_array(reference.graph.initializer[0]), rtol=1e-5)
+    mapped = load(path).to_model()
+    assert session_module.session_source(mapped) is mapped
+    monkeypatch.setattr(session_module, "PROTO_LIMIT", 1000)
+    assert session_module.session_source(reference) is reference
+
+
 def test_output_never_overwrites_the_inputs_data(external_model):
     path, _ = external_model
     graph = load(path)

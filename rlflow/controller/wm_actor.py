@@ -105,7 +105,7 @@ def load_actor(path) -> tuple[WorldModelActor, dict]:
     one, or is from another rule registry; see `rlflow.worldmodel.agent.load_checkpoint`)."""
     from rlflow.worldmodel.agent import load_checkpoint
 
-    agent, payload = load_checkpoint(path)
+    agent, payload = load_checkpoint(path, optimisers=False)  # it only acts
     return WorldModelActor(agent, payload.get("config"), payload.get("reward_range")), payload
 
 

@@ -16,7 +16,7 @@ import onnx
 
 from rlflow.errors import ProviderError
 from rlflow.measure.inputs import random_inputs
-from rlflow.measure.session import SessionSettings, cannot_run, create_session, ort_feeds
+from rlflow.measure.session import SessionSettings, cannot_run, create_session, ort_feeds, session_source
 
 MIN_ROUND_SECONDS = 0.01
 """Each model runs enough times per round to take at least this long, so clock resolution never matters."""
@@ -288,6 +288,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     blocks = blocks or min(5, max(1, rounds // 6))
     per_block = max(1, rounds // blocks)
     feeds = random_inputs(models[0], seed, shapes)
+    sources = [session_source(m) if isinstance(m, onnx.ModelProto) else m for m in models]  # serialized once
     rng = np.random.default_rng(seed)
     times: list[list[float]] = [[] for _ in models]
     block_of_round: list[int] = []
@@ -299,7 +300,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         runners: list[Runner | None] = [None] * len(models)
         for i in rng.permutation(len(models)):
             start = time.perf_counter()
-            runners[i] = Runner(models[i], settings, feeds)
+            runners[i] = Runner(sources[i], settings, feeds)
             if pace is not None:
                 pace.observe("session", time.perf_counter() - start)
         try:

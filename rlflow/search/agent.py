@@ -8,7 +8,8 @@ policy's choice among rewrites, never stopping early (trained on a cost-model re
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
 it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row leave the
 graphs to measure unchanged (`AgentConfig.patience`).  The graphs the episodes end on, then those the cost model ranks
-best, are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
+best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out model's groups),
+are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
 faster wins, else the input is kept.  When not even one fits (a large model), the input is kept too, and the reason
 says what time limit would measure them: handing an unmeasured graph to the final measurement of `rlflow.optimize`
 would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate after a 5 s search).
@@ -170,7 +171,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     pool = _pool(visited, endings, original_cost, original, config.top_k)
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
-                            f"{stop}; no graph the agent reached is estimated faster",
+                            f"{stop}; no graph the agent reached is estimated faster, and every episode ended "
+                            "where it began",
                             candidates_estimated=len(visited), not_reached=late, cost_table=table)
     seconds_left = start + config.time_limit - time.monotonic()
     affordable = _affordable(seconds_left, original_cost, config.rounds, len(pool))
@@ -242,12 +244,16 @@ def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: 
 
 def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], original_cost: float,
           original: str, top_k: int) -> list[Candidate]:
-    """What to measure: the episodes' end graphs, then the best-estimated others; only those estimated faster."""
+    """What to measure: the episodes' end graphs estimated faster, then the best-estimated others, then, where fewer
+    than `top_k` are estimated faster, the other end graphs (the policy's own choice against the cost model's: on a
+    model the table knows badly, such as MiniLM's 384-wide layers where it prices skip-LayerNormalization fusion 12%
+    slower and end-to-end measurement finds it 1% faster, the estimates alone would leave nothing to measure)."""
     faster = {fp: pair for fp, pair in visited.items() if fp != original and pair[0] < original_cost}
     chosen = list(dict.fromkeys(fp for fp in endings if fp in faster))
     by_cost = sorted(faster, key=lambda fp: faster[fp][0])
     chosen += [fp for fp in by_cost if fp not in chosen]
-    return [faster[fp][1] for fp in chosen[:top_k]]
+    chosen += [fp for fp in dict.fromkeys(endings) if fp != original and fp not in chosen and fp in visited]
+    return [visited[fp][1] for fp in chosen[:top_k]]
 
 
 __all__ = ["AgentConfig", "CandidateActor", "DEFAULT_AGENT", "agent_search", "as_actor", "load_agent"]

@@ -52,9 +52,13 @@ class AgentSpec:
 
 class Agent:
     """V, M, the controller and the location scorer (None with `learn_location` off) with their optimisers (what a
-    checkpoint holds besides the replay and curves)."""
+    checkpoint holds besides the replay and curves).
 
-    def __init__(self, spec: AgentSpec, n_rules: int):
+    `optimisers=False` leaves the optimisers out (None), for an agent that only acts: building the first Adam imports
+    torch._dynamo, 2 s of every agent search's 10 s limit.
+    """
+
+    def __init__(self, spec: AgentSpec, n_rules: int, optimisers: bool = True):
         from rlflow.controller.latent import LatentPolicy
         from rlflow.worldmodel.location import LocationScorer, match_width
         from rlflow.worldmodel.mdrnn import MDRNN
@@ -67,16 +71,16 @@ class Agent:
                            spec.reward_ensemble, location_flag=spec.learn_location, markov_reward=spec.markov_reward,
                            match_features=match_width(spec.match_input, spec.hidden) if spec.learn_location else 0)
         self.policy = LatentPolicy(spec.latent_size + spec.rnn_hidden, n_rules + 1, spec.controller_hidden)
-        self.vision_opt = torch.optim.Adam(self.vision.parameters(), lr=spec.vae_lr)
-        self.mdrnn_opt = torch.optim.Adam(self.mdrnn.parameters(), lr=spec.mdrnn_lr)
-        self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=spec.controller_lr, eps=1e-5)
         self.location = LocationScorer(n_rules, spec.hidden, spec.rounds) if spec.learn_location else None
-        self.location_opt = (torch.optim.Adam(self.location.parameters(), lr=spec.location_lr)
-                             if self.location is not None else None)
+        adam = torch.optim.Adam if optimisers else lambda *args, **kwargs: None
+        self.vision_opt = adam(self.vision.parameters(), lr=spec.vae_lr)
+        self.mdrnn_opt = adam(self.mdrnn.parameters(), lr=spec.mdrnn_lr)
+        self.policy_opt = adam(self.policy.parameters(), lr=spec.controller_lr, eps=1e-5)
+        self.location_opt = adam(self.location.parameters(), lr=spec.location_lr) if self.location is not None else None
 
     def _parts(self) -> tuple[str, ...]:
-        parts = ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt")
-        return parts + ("location", "location_opt") if self.location is not None else parts
+        parts = ("vision", "mdrnn", "policy", "vision_opt", "mdrnn_opt", "policy_opt", "location", "location_opt")
+        return tuple(name for name in parts if getattr(self, name) is not None)
 
     def state_dict(self) -> dict:
         data = {name: getattr(self, name).state_dict() for name in self._parts()}
@@ -105,8 +109,9 @@ def save_checkpoint(path: str | os.PathLike, agent: Agent, config, **extra) -> P
     return save_checkpoint_atomic(payload, path)
 
 
-def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[Agent, dict]:
-    """The agent stored at `path` and the whole checkpoint.
+def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None,
+                    optimisers: bool = True) -> tuple[Agent, dict]:
+    """The agent stored at `path` and the whole checkpoint; `optimisers=False`: an agent that only acts (see `Agent`).
 
     Raises:
         RlflowError: missing file, not a world-model checkpoint, or another rule registry or observation version
@@ -116,7 +121,7 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
                                       algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
     # checkpoints from before the learned location used the first match, from before match_input no description
     stored = {"learn_location": False, "match_input": "none", **payload["config"]}
-    agent = Agent(AgentSpec.of(stored), len(payload["rules"]))
+    agent = Agent(AgentSpec.of(stored), len(payload["rules"]), optimisers=optimisers)
     agent.load_state_dict(payload["agent"])
     return agent, payload
 

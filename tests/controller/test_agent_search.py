@@ -1,5 +1,5 @@
-"""The agent as a search method: rollouts never revisit a graph, only estimated-faster graphs are measured, the
-time limit holds, and a missing or foreign checkpoint is refused with a clear message."""
+"""The agent as a search method: rollouts never revisit a graph, estimated-faster graphs are measured first, then the
+episodes' end graphs, the time limit holds, and a missing or foreign checkpoint is refused with a clear message."""
 from __future__ import annotations
 
 import time
@@ -59,13 +59,31 @@ def test_rollouts_never_revisit_a_graph_and_only_estimated_faster_graphs_are_mea
         rewritten = fingerprints[:-1]  # the last step may be terminate, which keeps the graph
         assert start not in rewritten and len(set(rewritten)) == len(rewritten)
     pool, costs, original_cost = pools[-1]  # the last: what was measured (each rollout also asks, to settle)
-    assert len(pool) <= 2 and all(costs[c.fingerprint] < original_cost for c in pool)
+    faster = [c.fingerprint for c in pool if costs[c.fingerprint] < original_cost]
+    assert len(pool) <= 2 and [c.fingerprint for c in pool[:len(faster)]] == faster  # estimated faster first
+    assert all(c.fingerprint in {f[-1] for f in played} for c in pool[len(faster):])  # then the episodes' ends
     assert result.candidates_measured <= len(pool)
     if result.applied:
         assert result.graph.fingerprint() in {c.fingerprint for c in pool}
     else:
         assert result.graph is graph
 
+
+
+def test_the_pool_takes_estimated_faster_graphs_first_then_the_episodes_ends():
+    """The cost model ranks what to measure, but where it estimates fewer than `top_k` graphs faster the policy's own
+    end graphs fill the pool (a table that misprices a fusion must not leave nothing to measure); the input never."""
+    def candidate(fp):
+        return agent_module.Candidate(None, (), fp)
+
+    visited = {fp: (cost, candidate(fp)) for fp, cost in
+               {"start": 10.0, "end-slower": 11.0, "end-faster": 9.0, "faster": 8.0, "slower": 12.0}.items()}
+    endings = ["end-slower", "end-faster", "start"]
+    pool = agent_module._pool(visited, endings, 10.0, "start", top_k=4)
+    assert [c.fingerprint for c in pool] == ["end-faster", "faster", "end-slower"]
+    assert [c.fingerprint for c in agent_module._pool(visited, endings, 10.0, "start", top_k=2)] == [
+        "end-faster", "faster"]
+    assert agent_module._pool(visited, ["start"], 7.0, "start", top_k=4) == []
 
 
 @pytest.mark.parametrize("patience, played", [(2, 2), (0, 5)])

@@ -107,15 +107,26 @@ def test_apply_all_keeps_what_a_subgraph_reads_from_outside():
 def test_a_rewritten_graph_reuses_its_parents_dynamic_axes_and_they_are_right(bert):
     """`dynamic_axes` answers a rewritten clone from its parent's inference (`Graph.lineage_cache`): every tensor's
     answer must equal a fresh inference on the rewritten graph."""
-    from rlflow.rewrites.util import dynamic_axes
+    from rlflow.rewrites.util import _moved_skeleton, _onnx_moved, _with_symbolic, dynamic_axes
 
     for tensor in bert.gs.tensors().values():
         dynamic_axes(bert, tensor)  # the parent's inference, cached
     fused = all_fusions(Candidate(bert, (), bert.fingerprint())).graph
     assert "dynamic_axes" in fused.lineage_cache
-    fresh = fused.clone()
+    fresh, eager = fused.clone(), fused.clone()
     fresh.lineage_cache.clear()
+    # the whole graph's inference, onnxruntime's symbolic one included, as every answer came before it was lazy
+    skeleton = _moved_skeleton(eager)
+    eager.lineage_cache["dynamic_axes"] = ((tuple(n.name for n in eager.gs.nodes), True),
+                                           _with_symbolic(skeleton, _onnx_moved(skeleton)))
     tensors = fused.gs.tensors()
     answers = {name: dynamic_axes(fused, t) for name, t in tensors.items()}
     assert answers == {name: dynamic_axes(fresh, t) for name, t in fresh.gs.tensors().items()}
+    assert answers == {name: dynamic_axes(eager, t) for name, t in eager.gs.tensors().items()}
     assert any(axes and any(axes) for axes in answers.values()), "the export's batch and sequence axes are dynamic"
+    # a fused operator's output is inferred through the node that makes it, from the parent's facts
+    probe = all_fusions(Candidate(bert, (), bert.fingerprint())).graph
+    fused_output = next(node.outputs[0] for node in probe.gs.nodes if node.domain == "com.microsoft")
+    assert dynamic_axes(probe, fused_output) == answers[fused_output.name]
+    stamp, facts = probe.lineage_cache["dynamic_axes"]
+    assert fused_output.name in facts and stamp[0] != tuple(n.name for n in probe.gs.nodes), "no whole-graph inference"

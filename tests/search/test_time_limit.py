@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import onnx
 import pytest
 
 import rlflow
@@ -56,6 +57,8 @@ def fake(monkeypatch):
             clock.now += SESSION * (BESIDE if state.alive else 1.0)
             state.sessions += 1
             state.alive += 1
+            if isinstance(model, bytes):  # `compare` serializes a model once for all its sessions
+                model = onnx.load_from_string(model)
             self.seconds = RUN_PER_NODE * len(model.graph.node)
 
         def __del__(self):

@@ -62,6 +62,14 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
         for (k, a), (_, b) in zip(getattr(agent, name).state_dict().items(),
                                   getattr(reloaded, name).state_dict().items()):
             assert torch.equal(a, b), k
+    # an agent that only acts (the agent search's) loads the same networks without optimisers (building them imports
+    # torch._dynamo: seconds of a search's limit)
+    acting, _ = load_checkpoint(again, optimisers=False)
+    assert all(getattr(acting, f"{name}_opt") is None for name in ("vision", "mdrnn", "policy", "location"))
+    for name in ("vision", "mdrnn", "policy", "location"):
+        for (k, a), (_, b) in zip(getattr(agent, name).state_dict().items(),
+                                  getattr(acting, name).state_dict().items()):
+            assert torch.equal(a, b), k
     with pytest.raises(RlflowError, match="rule registry"):
         load_checkpoint(again, registry_version="not-this-one")
     # a checkpoint from before the location scorer (no learn_location in its config) loads as it was trained: no
