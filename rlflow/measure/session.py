@@ -137,19 +137,25 @@ def inference_session(model: onnx.ModelProto, options, providers: Sequence[str],
     Weights kept as external data (as rlflow loads them), or a proto over protobuf's 2 GB limit, are handled by
     `_session_with_weights_aside`; onnxruntime's own errors pass through.
     """
-    if external_tensors(model) or model.ByteSize() > PROTO_LIMIT:
+    source = session_source(model)
+    if not isinstance(source, bytes):
         return _session_with_weights_aside(model, options, providers, share_weights)
-    return _ort().InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+    return _ort().InferenceSession(source, sess_options=options, providers=providers)
 
 
 def session_source(model: onnx.ModelProto) -> onnx.ModelProto | bytes:
-    """What to build a model's sessions from when several are built (`create_session` takes either): its serialized
-    bytes where `inference_session` would only serialize it, else the proto itself.  Serializing a 600-node
-    transformer and checking its size took 0.14 s per session, a third of an interleaved comparison's time on BERT-L4
-    (two sessions per model), for the same bytes each time."""
+    """What a model's sessions are built from (`create_session` takes either): its serialized bytes where its weights
+    are all inside and it is under PROTO_LIMIT, else the proto itself, for `_session_with_weights_aside`.
+
+    `compare` takes it once per model for all of the model's sessions: serializing a 600-node transformer and checking
+    its size took 0.14 s per session, a third of an interleaved comparison's time on BERT-L4 (two sessions per model).
+    """
     if external_tensors(model):
         return model
-    data = model.SerializeToString()
+    try:
+        data = model.SerializeToString()  # once: its length is the size check (ByteSize cost as much again)
+    except ValueError:  # protobuf refuses a message over 2 GB
+        return model
     return model if len(data) > PROTO_LIMIT else data
 
 

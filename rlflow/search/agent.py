@@ -10,8 +10,9 @@ it has visited (inverse rules would otherwise loop), and the rollouts end early 
 graphs to measure unchanged (`AgentConfig.patience`).  The graphs the episodes end on, then those the cost model ranks
 best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out model's groups),
 are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
-faster wins, else the input is kept.  When not even one fits (a large model), the input is kept too, and the reason
-says what time limit would measure them: handing an unmeasured graph to the final measurement of `rlflow.optimize`
+faster wins, else the input is kept.  The input is timed first (`measurement_reserve`), so that the rollouts stop in
+time for that measurement.  When not even one candidate fits (a large model), the input is kept too, without a
+rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final measurement of `rlflow.optimize`
 would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate after a 5 s search).
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
@@ -29,8 +30,9 @@ from rlflow.errors import InputError
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measuring_until,
-                                     select_measured)
+from rlflow.measure.timing import Pace
+from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measurement_reserve,
+                                     measuring_until, select_measured)
 from rlflow.torch_threads import torch_threads
 
 DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "agents" / "default.pt"
@@ -129,7 +131,15 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
 
     config = config or AgentConfig()
     start = time.monotonic()
-    search_deadline = start + ROLLOUT_SHARE * config.time_limit
+    pace = Pace()  # the input probed first: the measurement's share is then known, and it need not probe again
+    reserve = max((1 - ROLLOUT_SHARE) * config.time_limit,
+                  measurement_reserve(graph, settings, config.time_limit, pace, config.seed))
+    search_deadline = start + config.time_limit - reserve
+    if time.monotonic() >= search_deadline:  # a large model: measuring one candidate takes all the limit or more
+        return SearchResult(graph, [], 0, time.monotonic() - start,
+                            f"no time for rollouts: measuring one candidate against the input takes about "
+                            f"{reserve:.0f} s of the {config.time_limit:.0f} s limit; a time limit of about "
+                            f"{2 * reserve:.0f} s would leave the rollouts their share")
     actor = as_actor(policy if policy is not None else load_agent(config.agent))
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     generator = torch.Generator().manual_seed(config.seed)
@@ -187,14 +197,15 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                             cost_table=table)
     result = select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
                              deadline=start + config.time_limit, start=start, stop_reason=stop,
-                             estimated=len(visited))
+                             estimated=len(visited), pace=pace)
     result.not_reached[:0] = late
     result.cost_table = table
     return result
 
 
 ROLLOUT_SHARE = 0.5
-"""Share of the time limit, from the search's start, in which rollouts start; the rest measures their graphs."""
+"""Share of the time limit, from the search's start, in which rollouts start; the rest measures their graphs (more
+where a probe of the input says measuring one candidate takes more: `measurement_reserve`)."""
 
 COST_TABLE_SHARE = 0.5
 """Share of the rollout time left once the agent is loaded in which groups the cost table lacks are measured; past it

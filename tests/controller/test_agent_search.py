@@ -165,6 +165,19 @@ def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit
     assert f"would measure {len(offered)})" in result.stop_reason and result.candidates_unmeasured == len(offered)
 
 
+def test_a_model_whose_measurement_takes_the_whole_limit_plays_no_rollout(zoo_paths, cost_model, policy, monkeypatch):
+    """The input is probed first: where measuring one candidate against it would take the limit, the agent is not
+    even loaded, the input is kept, and the reason says what limit would do."""
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    monkeypatch.setattr(agent_module, "measurement_reserve", lambda *args: 12.0)
+    monkeypatch.setattr(agent_module, "_play", lambda *args, **kwargs: pytest.fail("no rollout fits"))
+    monkeypatch.setattr(agent_module, "load_agent", lambda *args: pytest.fail("nothing to load the agent for"))
+    result = agent_search(graph, SessionSettings(), AgentConfig(time_limit=10), cost_model=cost_model)
+    assert result.graph is graph and result.applied == [] and result.candidates_measured == 0
+    assert result.stop_reason.startswith("no time for rollouts: measuring one candidate against the input takes about 12 s")
+    assert "a time limit of about 24 s" in result.stop_reason
+
+
 def test_screening_cost_counts_the_input_as_one_more_model():
     per_model = 300.0 / 1000 * (15 + agent_module.SCREEN_OVERHEAD_RUNS)
     assert agent_module._screen_seconds(300.0, 15, 1) == pytest.approx(2 * per_model)
