@@ -3,8 +3,8 @@
 Reads `seed*/worldmodel.json` (each `rlflow train --algo worldmodel ... --seed N --ppo-results ppo/ppo.json`) and
 writes `seeds.md` (per seed, then median and range, and which targets hold on how many seeds) and
 `sample-efficiency.png` (every seed's greedy real return against real steps, PPO's training curve beside them).
-Reads `heldout/results.json` (`rlflow bench` of the shipped agent and greedy on the held-out models), the other
-agents' runs (`OTHER_AGENTS`) and the deployment section's TASO-style, random-walk and peer rows
+Reads the paired bench runs of the shipped agent and greedy (`PAIRED_RUNS`), `heldout/results.json` (the first such
+run), the other agents' runs (`OTHER_AGENTS`) and the deployment section's TASO-style, random-walk and peer rows
 (`docs/results/deploy/`) and writes `heldout.md`.
 
     python docs/results/agent-deploy/summarize.py
@@ -176,6 +176,39 @@ def heldout_markdown(bench: dict, others: dict[str, dict], deploy: dict, cell) -
     return "\n".join(lines) + "\n"
 
 
+PAIRED_RUNS = {"heldout-1126": "run 1", "heldout-1126-repeat": "run 2"}
+"""Bench folders where the shipped agent and greedy ran together (`--methods agent,greedy`), with the agent search of
+2026-11-26 (an agent loaded without optimisers, the input timed first, the episodes' end graphs measured where the cost
+table estimates too few graphs faster); the same command twice, as the machine's noise moves single runs."""
+
+
+def paired_markdown(runs: dict[str, dict], cell) -> str:
+    """One table over the paired runs: per model and run, the agent, greedy, and whether the target holds."""
+    rows = {name: {(r["model"], r["method"]): r for r in run["rows"]} for name, run in runs.items()}
+    models = list(dict.fromkeys(model for run in rows.values() for model, _ in run))
+    lines = ["## The shipped agent against greedy, the same bench run (2026-11-26)", "",
+             "`rlflow bench models/{bert-l2-h128,bert-l4-h256,minilm-l12-h384}-s16-{ts,dynamo}.onnx --methods "
+             "agent,greedy --threads 1 --rounds 12 --out docs/results/agent-deploy/<folder>`, run twice ("
+             + ", ".join(f"`{name}/`" for name in runs) + "), alone on the machine. Each agent is judged against "
+             "the greedy of its own run.", "",
+             "| model | " + "".join(f"{PAIRED_RUNS.get(n, n)}: agent | greedy | target | " for n in runs),
+             "|---|" + "---|" * (3 * len(runs))]
+    lines[-2] = lines[-2].rstrip()
+    held = {name: [0, 0] for name in runs}
+    for model in models:
+        cells = []
+        for name in runs:
+            agent, greedy = rows[name].get((model, "agent")), rows[name].get((model, "greedy"))
+            verdict = _target(agent, greedy)
+            held[name][0] += verdict is not None
+            held[name][1] += verdict == "holds"
+            cells += [_timed(cell, agent), _timed(cell, greedy), verdict or "n/a (greedy found no gain)"]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {PAIRED_RUNS.get(n, n)}: greedy finds a gain on {gains} models; the target holds on {hits}."
+                     for n, (gains, hits) in held.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     runs = _runs()
     (HERE / "seeds.md").write_text(markdown(runs))
@@ -186,7 +219,14 @@ def main() -> None:
         deploy, cell = _deploy_rows()
         others = {name: json.loads((HERE / name / "results.json").read_text()) for name in OTHER_AGENTS
                   if (HERE / name / "results.json").exists()}
-        (HERE / "heldout.md").write_text(heldout_markdown(json.loads(bench.read_text()), others, deploy, cell))
+        paired = {name: json.loads((HERE / name / "results.json").read_text()) for name in PAIRED_RUNS
+                  if (HERE / name / "results.json").exists()}
+        text = heldout_markdown(json.loads(bench.read_text()), others, deploy, cell)
+        if paired:
+            title, rest = text.split("\n", 1)
+            text = (f"{title}\n\n{paired_markdown(paired, cell)}\n## Earlier runs, against one greedy run "
+                    f"(2026-11-25)\n{rest}")
+        (HERE / "heldout.md").write_text(text)
         print(f"wrote {HERE / 'heldout.md'}")
 
 
