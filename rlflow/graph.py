@@ -4,36 +4,33 @@ A `Graph` wraps an editable onnx-graphsurgeon graph in which every tensor has a 
 are fixed for measurement (from `input_shapes`, else the deployed shapes the model's metadata gives, else 1 with a
 warning).  It also remembers the model's original
 interface (input and output names, element types, dynamic dimensions) so that a written model keeps it.
+
+Two parts live beside it: shape inference (`rlflow.shapes`) and the structural hash that tells graphs apart
+(`rlflow.fingerprint`).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import weakref
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper, shape_inference
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from onnx import helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from rlflow import shapes as _shapes
 from rlflow.errors import InputError
-from rlflow.model_file import (any_mapped, check_model, external_array, external_reference, mapped_place,
-                               max_ir_version, read_model, resolve_external_data, save_model)
+from rlflow.fingerprint import fingerprint as _fingerprint
+from rlflow.model_file import (any_mapped, check_model, external_array, external_reference, max_ir_version,
+                               read_model, resolve_external_data, save_model)
 
 log = logging.getLogger("rlflow")
 
 MIN_OPSET = 13
 """Models below this opset are converted up on load, so rules meet one form of Split, Squeeze and friends."""
-
-_SMALL_CONSTANT = 1024
-"""Constants up to this many elements keep their values during shape inference (Reshape targets, Slice bounds)."""
-
-_COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"}
 
 
 def parse_dims(text: str) -> tuple[int, ...]:
@@ -223,105 +220,8 @@ class Graph:
 
     # ------------------------------------------------------------------------------------------------- shapes
     def infer_shapes(self) -> None:
-        """Refreshes the shape and element type of every tensor with onnx shape inference at the fixed input shapes.
-
-        Large constants travel as typed graph inputs instead of initializers, so inference never copies weights.
-        Where onnx leaves a shape open, onnxruntime's symbolic shape inference completes it: exporters compute
-        positions, masks and reshape targets from `Shape` of the inputs, which onnx's data propagation does not follow
-        through a `Slice` of a constant (a BERT export left 110 tensors without a shape, and every fusion that checks
-        shapes refused the model), while the symbolic pass resolves them all at the fixed input shapes.
-        """
-        tensors = self.gs.tensors()
-        skeleton = self._skeleton()
-        self._apply_inferred(skeleton, tensors)
-        if any(not isinstance(t, gs.Constant) and (t.dtype is None or self.shape(t) is None)
-               for t in tensors.values()):
-            self._apply_inferred(skeleton, tensors, symbolic=True)
-
-    def _infer_locally(self, nodes: list[gs.Node]) -> bool:
-        """Shapes for the outputs of `nodes` alone, from the known shapes of their inputs; False when that is not enough.
-
-        Shape inference is local for standard operators, so after a rewrite only the nodes it added need it; a value
-        computed elsewhere (a Reshape target from a Shape chain, an outer tensor of a subgraph) makes this give up, and
-        the caller falls back to the whole graph.
-        """
-        model = self.local_model(nodes, lambda t: self.shape(t) if t.dtype is not None else None)
-        if model is None:
-            return False
-        produced = {t.name: t for node in nodes for t in node.outputs}
-        self._apply_inferred(model, produced)
-        return all(t.dtype is not None and self.shape(t) is not None for t in produced.values())
-
-    def local_model(self, nodes: list[gs.Node], shape_of) -> onnx.ModelProto | None:
-        """`nodes` (in topological order) alone as a model for shape inference: the tensors they read and do not
-        produce become typed inputs of shape `shape_of(tensor)` (small constants: initializers, with their values);
-        None when `shape_of` does not know one (None) or an input has no element type."""
-        produced = {t.name for node in nodes for t in node.outputs}
-        inputs, initializers, seen = [], [], set()
-        for node in nodes:
-            for tensor in node.inputs:
-                if tensor.name in produced or tensor.name in seen or tensor.name == "":
-                    continue
-                seen.add(tensor.name)
-                if isinstance(tensor, gs.Constant):
-                    if tensor.values.size <= _SMALL_CONSTANT:
-                        initializers.append(OnnxExporter.export_tensor_proto(tensor))
-                        continue
-                    shape = tuple(tensor.values.shape)
-                else:
-                    shape = shape_of(tensor)
-                if tensor.dtype is None or shape is None:
-                    return None
-                elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
-                inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(shape)))
-        graph = helper.make_graph([OnnxExporter.export_node(n) for n in nodes], "local", inputs,
-                                  [helper.make_empty_tensor_value_info(name) for name in produced],
-                                  initializer=initializers)
-        return helper.make_model(graph, opset_imports=self._opset_imports(), ir_version=max_ir_version())
-
-    @staticmethod
-    def _apply_inferred(skeleton: onnx.ModelProto, tensors: Mapping[str, gs.Tensor], symbolic: bool = False) -> None:
-        """Runs shape inference on `skeleton` (onnx's, or onnxruntime's symbolic one) and copies the element types and
-        static shapes found to `tensors`.  A shape inference leaves open does not erase one already known: rewrites
-        preserve values, so a tensor that survives one keeps its shape."""
-        try:
-            if symbolic:
-                inferred = symbolic_shapes(skeleton)
-            else:
-                inferred = shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
-        except Exception as exc:  # noqa: BLE001 - inference errors are reported, not fatal: ORT checks later
-            log.debug("%sshape inference failed: %s", "symbolic " if symbolic else "", exc)
-            return
-        for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
-            tensor = tensors.get(vi.name)
-            if tensor is None or isinstance(tensor, gs.Constant):
-                continue
-            ttype = vi.type.tensor_type
-            if not ttype.elem_type:
-                continue
-            tensor.dtype = helper.tensor_dtype_to_np_dtype(ttype.elem_type)
-            if ttype.HasField("shape"):
-                dims = [d.dim_value if d.HasField("dim_value") else None for d in ttype.shape.dim]
-                if None not in dims:
-                    tensor.shape = dims
-                elif tensor.shape is None or any(not isinstance(d, (int, np.integer)) for d in tensor.shape):
-                    tensor.shape = None
-
-    def _skeleton(self) -> onnx.ModelProto:
-        nodes = [OnnxExporter.export_node(n) for n in self.gs.nodes]
-        inputs = [OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in self.gs.inputs]
-        initializers = []
-        for tensor in self.gs.tensors().values():
-            if not isinstance(tensor, gs.Constant):
-                continue
-            if tensor.values.size <= _SMALL_CONSTANT:
-                initializers.append(OnnxExporter.export_tensor_proto(tensor))
-            else:
-                elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
-                inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(tensor.shape)))
-        outputs = [helper.make_empty_tensor_value_info(t.name) for t in self.gs.outputs]
-        graph = helper.make_graph(nodes, "skeleton", inputs, outputs, initializer=initializers)
-        return helper.make_model(graph, opset_imports=self._opset_imports(), ir_version=max_ir_version())
+        """Refreshes the shape and element type of every tensor at the fixed input shapes (`rlflow.shapes`)."""
+        _shapes.infer_shapes(self)
 
     def shape(self, tensor: gs.Tensor) -> tuple[int, ...] | None:
         """The static shape of a tensor, or None where inference could not tell."""
@@ -331,7 +231,8 @@ class Graph:
         return tuple(int(d) for d in shape)
 
     # ------------------------------------------------------------------------------------------------- export
-    def _opset_imports(self) -> list[onnx.OperatorSetIdProto]:
+    def opset_imports(self) -> list[onnx.OperatorSetIdProto]:
+        """The model's opset imports, com.microsoft added where a rule emitted a contrib operator."""
         versions = dict(self.model_info["opset_import"])
         for node in self.gs.nodes:  # rules may emit contrib operators
             if node.domain == "com.microsoft":
@@ -353,7 +254,7 @@ class Graph:
         model = gs.export_onnx(self._export_view(), do_type_check=False)
         info = self.model_info
         del model.opset_import[:]
-        model.opset_import.extend(self._opset_imports())
+        model.opset_import.extend(self.opset_imports())
         model.ir_version = max_ir_version()
         model.producer_name = info["producer_name"] or "rlflow"
         model.producer_version = info["producer_version"]
@@ -382,23 +283,9 @@ class Graph:
 
     # ----------------------------------------------------------------------------------------------- identity
     def fingerprint(self) -> str:
-        """A structural hash: equal for graphs that differ only in node and tensor names (or commutative operand order)."""
-        digests: dict[str, bytes] = {}
-        for index, tensor in enumerate(self.gs.inputs):
-            digests[tensor.name] = _digest("input", index, tensor.dtype, tensor.shape)
-        for tensor in self.gs.tensors().values():
-            if isinstance(tensor, gs.Constant):
-                digests[tensor.name] = _constant_digest(tensor)
-        digests[""] = _digest("absent")
-        for node in self.gs.nodes:
-            operands = [digests.get(t.name, _digest("unknown", t.name)) for t in node.inputs]
-            if node.op in _COMMUTATIVE:
-                operands.sort()
-            attrs = sorted((k, _attr_repr(v)) for k, v in node.attrs.items())
-            base = _digest(node.domain, node.op, attrs, *operands)
-            for k, tensor in enumerate(node.outputs):
-                digests[tensor.name] = _digest(base, k)
-        return hashlib.blake2b(b"".join(digests[t.name] for t in self.gs.outputs), digest_size=16).hexdigest()
+        """A structural hash: equal for graphs that differ only in node and tensor names (or commutative operand order;
+        `rlflow.fingerprint`)."""
+        return _fingerprint(self)
 
     # ------------------------------------------------------------------------------------- editing helpers for rules
     def node_map(self) -> dict[str, gs.Node]:
@@ -533,7 +420,7 @@ class Graph:
         self.gs.cleanup(remove_unused_graph_inputs=False).toposort()
         self._used_names = None
         fresh = [n for n in self.gs.nodes if any(t.dtype is None or self.shape(t) is None for t in n.outputs)]
-        if fresh and not self._infer_locally(fresh):
+        if fresh and not _shapes.infer_locally(self, fresh):
             self.infer_shapes()
 
     # ------------------------------------------------------------------------------------------------- summary
@@ -552,23 +439,6 @@ class Graph:
 
 
 # ----------------------------------------------------------------------------------------------------- helpers
-def symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto:
-    """onnxruntime's symbolic shape inference, keeping what it found where it could not finish.
-
-    Its `infer_shapes` raises when any shape stays open, and first saves the model as `sym_shape_infer_temp.onnx` in
-    the working directory: a tool must not write there, and a partial answer is still worth having.  So its steps
-    are run here one by one (they are not public API: a change in them is caught by the caller, and shapes stay open).
-    """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-    inference = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
-    inference._preprocess(skeleton)
-    while inference.run_:
-        inference._infer_impl()
-    inference._update_output_from_vi()
-    return inference.out_mp_
-
-
 def _exports_as_is(tensor: gs.Constant) -> bool:
     """Whether gs would export a constant with its values' own element type (not a requested export type)."""
     export = tensor.export_dtype
@@ -643,55 +513,3 @@ def _copy(proto):
     clone = type(proto)()
     clone.CopyFrom(proto)
     return clone
-
-
-def _digest(*parts) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    for part in parts:
-        h.update(part if isinstance(part, bytes) else repr(part).encode())
-        h.update(b"\x00")
-    return h.digest()
-
-
-_constant_digests: dict[int, tuple[weakref.ref, bytes]] = {}
-_mapped_digests: dict[tuple, bytes] = {}
-
-
-def _constant_digest(tensor: gs.Constant) -> bytes:
-    """Hash of a constant's values, cached per array: clones share arrays, so re-hashing weights would dominate.
-
-    The cache holds weak references only, so it never keeps a dropped graph's weights alive.  Weights mapped from a
-    file are also cached by their place in it, so a graph rebuilt from an export (the environment does) is not
-    hashed again: gigabytes take seconds.
-    """
-    values = tensor.values
-    cached = _constant_digests.get(id(values))
-    if cached is not None and cached[0]() is values:
-        return cached[1]
-    array = np.asarray(values)
-    mapped = mapped_place(values)
-    place = (*mapped, str(array.dtype), array.shape) if mapped else None
-    digest = _mapped_digests.get(place) if place else None
-    if digest is None:
-        values_hash = hashlib.blake2b(np.ascontiguousarray(array).reshape(-1).view(np.uint8), digest_size=16).digest()
-        digest = _digest("const", str(array.dtype), array.shape, values_hash)
-        if place:
-            _mapped_digests[place] = digest
-    try:
-        ref = weakref.ref(values)
-    except TypeError:
-        return digest
-    if len(_constant_digests) > 100_000:
-        _constant_digests.clear()
-    _constant_digests[id(values)] = (ref, digest)
-    return digest
-
-
-def _attr_repr(value) -> str:
-    if isinstance(value, gs.Constant):
-        return repr((str(value.values.dtype), value.values.shape, value.values.tobytes()))
-    if isinstance(value, gs.Graph):
-        return repr(gs.export_onnx(value, do_type_check=False).graph.SerializeToString())
-    if isinstance(value, np.ndarray):
-        return repr((str(value.dtype), value.shape, value.tobytes()))
-    return repr(value)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import onnx
 
+from rlflow import shapes
 from rlflow.graph import Graph
 from rlflow.rewrites import RULES, apply, find_matches
 from rlflow.rewrites.base import Match, Rule
@@ -112,7 +113,7 @@ def _finish_parts(graph: Graph) -> dict[str, float]:
     t2 = clock()
     clone.infer_shapes()
     t3 = clock()
-    skeleton = clone._skeleton()  # infer_shapes = this export of the nodes to a proto + onnx's inference + copy-back
+    skeleton = shapes.skeleton(clone)  # infer_shapes = this export of the nodes to a proto + onnx's inference + copy-back
     t4 = clock()
     onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
     t5 = clock()
@@ -219,7 +220,7 @@ def report(figures: dict) -> str:
         f"|   - gs cleanup | {_ms(parts['cleanup'])} | | |",
         f"|   - gs toposort | {_ms(parts['toposort'])} | | |",
         f"|   - Graph.infer_shapes | {_ms(parts['infer_shapes'])} | | |",
-        f"|     - Graph._skeleton (nodes to a proto) | {_ms(parts['infer_shapes.skeleton'])} | | |",
+        f"|     - shapes.skeleton (nodes to a proto) | {_ms(parts['infer_shapes.skeleton'])} | | |",
         f"|     - onnx.shape_inference | {_ms(parts['infer_shapes.onnx'])} | | |",
         "",
         f"apply p90 {_ms(app['p90_s']).strip()}, max {_ms(app['max_s']).strip()}; by rule: "

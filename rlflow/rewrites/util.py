@@ -8,7 +8,8 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, shape_inference
 
-from rlflow.graph import Graph, symbolic_shapes
+from rlflow.graph import Graph
+from rlflow.shapes import local_model, skeleton, symbolic_shapes
 
 MS = "com.microsoft"
 """onnxruntime's contrib operator domain, which the contrib fusions emit and the unfusing inverses root at."""
@@ -256,7 +257,7 @@ def _moved_locally(graph: Graph, tensor: gs.Tensor, facts: dict[str, tuple]) -> 
 
     if not place(tensor) or not nodes:
         return None
-    model = graph.local_model(nodes, lambda t: facts.get(t.name))
+    model = local_model(graph, nodes, lambda t: facts.get(t.name))
     if model is None:
         return None
     try:
@@ -281,34 +282,34 @@ def _answers(moved: dict[str, tuple] | None, name: str, *, own: bool, symbolic: 
 
 def _moved_skeleton(graph: Graph) -> onnx.ModelProto:
     """`graph` without its weights' values (typed inputs instead), every dynamic input dimension one larger."""
-    skeleton = graph._skeleton()
+    moved = skeleton(graph)
     interface = {vi.name: vi for vi in graph.interface[0]}
-    for vi in skeleton.graph.input:
+    for vi in moved.graph.input:
         original = interface.get(vi.name)
         if original is None:
             continue
         for dim, orig in zip(vi.type.tensor_type.shape.dim, original.type.tensor_type.shape.dim):
             if not (orig.HasField("dim_value") and orig.dim_value > 0):
                 dim.dim_value = dim.dim_value + 1
-    return skeleton
+    return moved
 
 
-def _onnx_moved(skeleton: onnx.ModelProto) -> dict[str, tuple] | None:
-    """onnx's shapes of the skeleton's tensors, None where it refuses the other sizes (be conservative)."""
+def _onnx_moved(model: onnx.ModelProto) -> dict[str, tuple] | None:
+    """onnx's shapes of the tensors of `model` (a skeleton), None where it refuses the other sizes (be conservative)."""
     try:
-        return _shapes_of(shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True))
+        return _shapes_of(shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True))
     except Exception:  # noqa: BLE001 - see the docstring
         return None
 
 
-def _with_symbolic(skeleton: onnx.ModelProto, moved: dict[str, tuple]) -> dict[str, tuple]:
+def _with_symbolic(model: onnx.ModelProto, moved: dict[str, tuple]) -> dict[str, tuple]:
     """`moved` (a new dict) completed by onnxruntime's symbolic inference, which knows its contrib operators and
     follows Shape chains further; what onnx found is kept where the symbolic one knows no more."""
     moved = dict(moved)
-    if not any(None in moved.get(out, (None,)) for node in skeleton.graph.node for out in node.output if out):
+    if not any(None in moved.get(out, (None,)) for node in model.graph.node for out in node.output if out):
         return moved
     try:
-        symbolic = _shapes_of(symbolic_shapes(skeleton))
+        symbolic = _shapes_of(symbolic_shapes(model))
     except Exception:  # noqa: BLE001 - what onnx found is kept; the rest counts as dynamic
         symbolic = {}
     for name, shape in symbolic.items():
