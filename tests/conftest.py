@@ -7,6 +7,22 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_rlflow_cache(tmp_path_factory):
+    """The session's rlflow caches (cost tables, zoo builds) in a folder of its own, for the command-line runs too:
+    the suite must not write its measurements, taken beside pytest's own load, into the cost table that real runs and
+    trainings read (~/.cache/rlflow; one suite run added entries to it)."""
+    import os
+
+    before = os.environ.get("RLFLOW_CACHE")
+    os.environ["RLFLOW_CACHE"] = str(tmp_path_factory.mktemp("rlflow-cache"))
+    yield
+    if before is None:
+        os.environ.pop("RLFLOW_CACHE", None)
+    else:
+        os.environ["RLFLOW_CACHE"] = before
+
+
 def save(model: onnx.ModelProto, path) -> str:
     """Saves with an IR version onnxruntime accepts."""
     model.ir_version = min(model.ir_version, 10)
