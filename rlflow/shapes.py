@@ -1,9 +1,9 @@
 """Shape inference for `rlflow.graph.Graph` (the `graph` of every function here): every tensor gets a static shape and
 an element type.
 
-Whole graphs go through onnx's inference, then onnxruntime's symbolic one where onnx leaves shapes open (`infer_shapes`);
-after a rewrite only the nodes it added are inferred, from the known shapes of their inputs (`infer_locally`).  Both
-run on a *skeleton*: the nodes with the large constants as typed inputs, so inference never copies weights.
+Whole graphs go through onnx's inference, then onnxruntime's symbolic one where onnx leaves shapes open
+(`infer_shapes`); after a rewrite only the nodes it added are inferred, from the known shapes of their inputs
+(`infer_locally`).  Both run on a *skeleton*: the nodes with the large constants as typed inputs, so inference never copies weights.
 `rlflow.rewrites.util.dynamic_axes` runs the same machinery at other input sizes.
 """
 from __future__ import annotations

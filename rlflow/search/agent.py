@@ -12,8 +12,9 @@ best, only those estimated faster, then the other end graphs (the cost table can
 are measured end to end against the input, as many as the time limit affords; the fastest that is measurably
 faster wins, else the input is kept.  The input is timed first (`measurement_reserve`), so that the rollouts stop in
 time for that measurement.  When not even one candidate fits (a large model), the input is kept too, without a
-rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final measurement of `rlflow.optimize`
-would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate after a 5 s search).
+rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final
+measurement of `rlflow.optimize` would cost that measurement anyway, outside the limit (BERT-base: 35 s of
+verification and gate after a 5 s search).
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
 from __future__ import annotations
@@ -29,8 +30,8 @@ from tqdm import tqdm
 from rlflow.errors import InputError
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
-from rlflow.rewrites import RULES, Rule
 from rlflow.measure.timing import Pace
+from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measurement_reserve,
                                      measuring_until, select_measured)
 from rlflow.torch_threads import torch_threads

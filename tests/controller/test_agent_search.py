@@ -174,7 +174,8 @@ def test_a_model_whose_measurement_takes_the_whole_limit_plays_no_rollout(zoo_pa
     monkeypatch.setattr(agent_module, "load_agent", lambda *args: pytest.fail("nothing to load the agent for"))
     result = agent_search(graph, SessionSettings(), AgentConfig(time_limit=10), cost_model=cost_model)
     assert result.graph is graph and result.applied == [] and result.candidates_measured == 0
-    assert result.stop_reason.startswith("no time for rollouts: measuring one candidate against the input takes about 12 s")
+    assert result.stop_reason.startswith("no time for rollouts: measuring one candidate against the input takes "
+                                         "about 12 s")
     assert "a time limit of about 24 s" in result.stop_reason
 
 

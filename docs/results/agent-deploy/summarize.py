@@ -3,9 +3,9 @@
 Reads `seed*/worldmodel.json` (each `rlflow train --algo worldmodel ... --seed N --ppo-results ppo/ppo.json`) and
 writes `seeds.md` (per seed, then median and range, and which targets hold on how many seeds) and
 `sample-efficiency.png` (every seed's greedy real return against real steps, PPO's training curve beside them).
-Reads the paired bench runs of the shipped agent and greedy (`PAIRED_RUNS`), `heldout/results.json` (the first such
-run), the other agents' runs (`OTHER_AGENTS`) and the deployment section's TASO-style, random-walk and peer rows
-(`docs/results/deploy/`) and writes `heldout.md`.
+Reads the paired bench runs of the shipped agent and greedy (`PAIRED_RUNS`) and of every agent (`AGENT_RUNS`),
+`heldout/results.json` (their first run, 2026-11-25), the other agents' runs (`OTHER_AGENTS`) and the deployment
+section's TASO-style, random-walk and peer rows (`docs/results/deploy/`) and writes `heldout.md`.
 
     python docs/results/agent-deploy/summarize.py
 """
@@ -209,6 +209,45 @@ def paired_markdown(runs: dict[str, dict], cell) -> str:
     return "\n".join(lines) + "\n"
 
 
+AGENT_RUNS = {"heldout-1126": "seed 0 (shipped), run 1", "heldout-1126-repeat": "seed 0 (shipped), run 2",
+              "heldout-1126-seed1": "seed 1", "heldout-1126-seed2": "seed 2", "heldout-1126-seed3": "seed 3",
+              "heldout-1126-ppo": "PPO"}
+"""Paired runs (`--methods agent,greedy --agent ...`) of every agent: the world-model seeds (shipped to scratch folders
+with `rlflow.controller.ship`) and the PPO policy, each judged against the greedy of its own run."""
+
+
+def agents_markdown(runs: dict[str, dict]) -> str:
+    """Per model and agent: the agent's and its run's greedy median and seconds, and the target's verdict; then per
+    agent, on how many models greedy finds a gain and the target holds."""
+    rows = {name: {(r["model"], r["method"]): r for r in run["rows"]} for name, run in runs.items()}
+    models = list(dict.fromkeys(model for run in rows.values() for model, _ in run))
+    lines = ["## Every agent against greedy in its own run (2026-11-26)", "",
+             "The same bench command with `--agent` set to each world-model seed and to the PPO policy, one run "
+             "each (" + ", ".join(f"`{name}/`" for name in runs) + "). Each cell: the agent's median speedup and "
+             "search seconds against those of the greedy run beside it, and the target's verdict.", "",
+             "| model | " + " | ".join(AGENT_RUNS.get(n, n) for n in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    held = {name: [0, 0, 0] for name in runs}
+    for model in models:
+        cells = []
+        for name in runs:
+            agent, greedy = rows[name].get((model, "agent")), rows[name].get((model, "greedy"))
+            verdict = _target(agent, greedy)
+            held[name][0] += verdict is not None
+            held[name][1] += verdict is not None and "speedup" not in verdict
+            held[name][2] += verdict == "holds"
+            if agent is None or greedy is None:
+                cells.append("")
+                continue
+            cells.append(f"{agent['speedup']:.3f} vs {greedy['speedup']:.3f}, {agent['search_seconds']:.1f} vs "
+                         f"{greedy['search_seconds']:.1f} s: {verdict or 'n/a'}")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    lines += ["", "| agent | greedy finds a gain on | the agent's interval reaches greedy's median on | target holds on "
+                  "(that, in a fifth of greedy's time) |", "|---|---:|---:|---:|"]
+    lines += [f"| {AGENT_RUNS.get(n, n)} | {gains} | {reached} | {hits} |" for n, (gains, reached, hits) in held.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     runs = _runs()
     (HERE / "seeds.md").write_text(markdown(runs))
@@ -222,10 +261,13 @@ def main() -> None:
         paired = {name: json.loads((HERE / name / "results.json").read_text()) for name in PAIRED_RUNS
                   if (HERE / name / "results.json").exists()}
         text = heldout_markdown(json.loads(bench.read_text()), others, deploy, cell)
+        agents = {name: json.loads((HERE / name / "results.json").read_text()) for name in AGENT_RUNS
+                  if (HERE / name / "results.json").exists()}
         if paired:
             title, rest = text.split("\n", 1)
-            text = (f"{title}\n\n{paired_markdown(paired, cell)}\n## Earlier runs, against one greedy run "
-                    f"(2026-11-25)\n{rest}")
+            text = (f"{title}\n\n{paired_markdown(paired, cell)}\n"
+                    + (f"{agents_markdown(agents)}\n" if len(agents) > len(paired) else "")
+                    + f"## Earlier runs, against one greedy run (2026-11-25)\n{rest}")
         (HERE / "heldout.md").write_text(text)
         print(f"wrote {HERE / 'heldout.md'}")
 
