@@ -176,6 +176,24 @@ def heldout_markdown(bench: dict, others: dict[str, dict], deploy: dict, cell) -
     return "\n".join(lines) + "\n"
 
 
+def _judged(runs: dict[str, dict]) -> tuple[list[str], dict, dict]:
+    """The models of paired runs (`--methods agent,greedy`), per model and run (agent row, greedy row, verdict of
+    `_target`), and per run how many models greedy finds a gain on, the agent's interval reaches greedy's median on,
+    and the whole target holds on."""
+    rows = {name: {(r["model"], r["method"]): r for r in run["rows"]} for name, run in runs.items()}
+    models = list(dict.fromkeys(model for run in rows.values() for model, _ in run))
+    judged, counts = {}, {name: [0, 0, 0] for name in runs}
+    for model in models:
+        for name in runs:
+            agent, greedy = rows[name].get((model, "agent")), rows[name].get((model, "greedy"))
+            verdict = _target(agent, greedy)
+            judged[model, name] = (agent, greedy, verdict)
+            counts[name][0] += verdict is not None
+            counts[name][1] += verdict is not None and "speedup" not in verdict
+            counts[name][2] += verdict == "holds"
+    return models, judged, counts
+
+
 PAIRED_RUNS = {"heldout-1126": "run 1", "heldout-1126-repeat": "run 2"}
 """Bench folders where the shipped agent and greedy ran together (`--methods agent,greedy`), with the agent search of
 2026-11-26 (an agent loaded without optimisers, the input timed first, the episodes' end graphs measured where the cost
@@ -184,28 +202,22 @@ table estimates too few graphs faster); the same command twice, as the machine's
 
 def paired_markdown(runs: dict[str, dict], cell) -> str:
     """One table over the paired runs: per model and run, the agent, greedy, and whether the target holds."""
-    rows = {name: {(r["model"], r["method"]): r for r in run["rows"]} for name, run in runs.items()}
-    models = list(dict.fromkeys(model for run in rows.values() for model, _ in run))
+    models, judged, counts = _judged(runs)
     lines = ["## The shipped agent against greedy, the same bench run (2026-11-26)", "",
              "`rlflow bench models/{bert-l2-h128,bert-l4-h256,minilm-l12-h384}-s16-{ts,dynamo}.onnx --methods "
              "agent,greedy --threads 1 --rounds 12 --out docs/results/agent-deploy/<folder>`, run twice ("
              + ", ".join(f"`{name}/`" for name in runs) + "), alone on the machine. Each agent is judged against "
              "the greedy of its own run.", "",
-             "| model | " + "".join(f"{PAIRED_RUNS.get(n, n)}: agent | greedy | target | " for n in runs),
+             "| model | " + " | ".join(f"{PAIRED_RUNS.get(n, n)}: agent | greedy | target" for n in runs) + " |",
              "|---|" + "---|" * (3 * len(runs))]
-    lines[-2] = lines[-2].rstrip()
-    held = {name: [0, 0] for name in runs}
     for model in models:
         cells = []
         for name in runs:
-            agent, greedy = rows[name].get((model, "agent")), rows[name].get((model, "greedy"))
-            verdict = _target(agent, greedy)
-            held[name][0] += verdict is not None
-            held[name][1] += verdict == "holds"
+            agent, greedy, verdict = judged[model, name]
             cells += [_timed(cell, agent), _timed(cell, greedy), verdict or "n/a (greedy found no gain)"]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += [""] + [f"- {PAIRED_RUNS.get(n, n)}: greedy finds a gain on {gains} models; the target holds on {hits}."
-                     for n, (gains, hits) in held.items()]
+                     for n, (gains, _, hits) in counts.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -219,32 +231,24 @@ with `rlflow.controller.ship`) and the PPO policy, each judged against the greed
 def agents_markdown(runs: dict[str, dict]) -> str:
     """Per model and agent: the agent's and its run's greedy median and seconds, and the target's verdict; then per
     agent, on how many models greedy finds a gain and the target holds."""
-    rows = {name: {(r["model"], r["method"]): r for r in run["rows"]} for name, run in runs.items()}
-    models = list(dict.fromkeys(model for run in rows.values() for model, _ in run))
+    models, judged, counts = _judged(runs)
     lines = ["## Every agent against greedy in its own run (2026-11-26)", "",
              "The same bench command with `--agent` set to each world-model seed and to the PPO policy, one run "
              "each (" + ", ".join(f"`{name}/`" for name in runs) + "). Each cell: the agent's median speedup and "
              "search seconds against those of the greedy run beside it, and the target's verdict.", "",
              "| model | " + " | ".join(AGENT_RUNS.get(n, n) for n in runs) + " |",
              "|---|" + "---|" * len(runs)]
-    held = {name: [0, 0, 0] for name in runs}
     for model in models:
         cells = []
         for name in runs:
-            agent, greedy = rows[name].get((model, "agent")), rows[name].get((model, "greedy"))
-            verdict = _target(agent, greedy)
-            held[name][0] += verdict is not None
-            held[name][1] += verdict is not None and "speedup" not in verdict
-            held[name][2] += verdict == "holds"
-            if agent is None or greedy is None:
-                cells.append("")
-                continue
-            cells.append(f"{agent['speedup']:.3f} vs {greedy['speedup']:.3f}, {agent['search_seconds']:.1f} vs "
+            agent, greedy, verdict = judged[model, name]
+            cells.append("" if agent is None or greedy is None else
+                         f"{agent['speedup']:.3f} vs {greedy['speedup']:.3f}, {agent['search_seconds']:.1f} vs "
                          f"{greedy['search_seconds']:.1f} s: {verdict or 'n/a'}")
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     lines += ["", "| agent | greedy finds a gain on | the agent's interval reaches greedy's median on | target holds on "
                   "(that, in a fifth of greedy's time) |", "|---|---:|---:|---:|"]
-    lines += [f"| {AGENT_RUNS.get(n, n)} | {gains} | {reached} | {hits} |" for n, (gains, reached, hits) in held.items()]
+    lines += [f"| {AGENT_RUNS.get(n, n)} | {gains} | {reached} | {hits} |" for n, (gains, reached, hits) in counts.items()]
     return "\n".join(lines) + "\n"
 
 
