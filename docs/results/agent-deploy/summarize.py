@@ -246,9 +246,10 @@ def agents_markdown(runs: dict[str, dict]) -> str:
                          f"{agent['speedup']:.3f} vs {greedy['speedup']:.3f}, {agent['search_seconds']:.1f} vs "
                          f"{greedy['search_seconds']:.1f} s: {verdict or 'n/a'}")
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
-    lines += ["", "| agent | greedy finds a gain on | the agent's interval reaches greedy's median on | target holds on "
-                  "(that, in a fifth of greedy's time) |", "|---|---:|---:|---:|"]
-    lines += [f"| {AGENT_RUNS.get(n, n)} | {gains} | {reached} | {hits} |" for n, (gains, reached, hits) in counts.items()]
+    lines += ["", "| agent | greedy finds a gain on | the agent's interval reaches greedy's median on | target holds "
+                  "on (that, in a fifth of greedy's time) |", "|---|---:|---:|---:|"]
+    lines += [f"| {AGENT_RUNS.get(n, n)} | {gains} | {reached} | {hits} |"
+              for n, (gains, reached, hits) in counts.items()]
     return "\n".join(lines) + "\n"
 
 
