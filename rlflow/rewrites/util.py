@@ -211,13 +211,13 @@ def _moved(graph: Graph, tensor: gs.Tensor) -> dict[str, tuple] | None:
             moved = {**moved, **local}
             graph.lineage_cache["dynamic_axes"] = (stamp, moved)
             return moved
+    model = _moved_skeleton(graph)
     if not own:  # no facts yet, or an ancestor's that do not answer: this graph's own, onnx's first
-        moved = _onnx_moved(_moved_skeleton(graph))
-        stamp = (key, False)
-        graph.lineage_cache["dynamic_axes"] = (stamp, moved)
+        moved = _onnx_moved(model)
+        graph.lineage_cache["dynamic_axes"] = ((key, False), moved)
         if _answers(moved, name, own=True, symbolic=False):
             return moved
-    moved = _with_symbolic(_moved_skeleton(graph), moved)
+    moved = _with_symbolic(model, moved)
     graph.lineage_cache["dynamic_axes"] = ((key, True), moved)
     return moved
 
