@@ -51,44 +51,86 @@ class GraphRunner(Runner):
             self._binding.bind_ortvalue_output(name, value)
 
 
-def measure(path: Path, rounds: int, blocks: int, seed: int) -> dict:
-    """The captured configuration's speedup over the plain CUDA session, with its largest relative output error."""
+def _error(got: np.ndarray, want: np.ndarray) -> float:
+    """Relative norm error of floating outputs; inf where other outputs differ at all."""
+    if np.issubdtype(want.dtype, np.floating):
+        scale = max(float(np.linalg.norm(want)), 1e-12)
+        return float(np.linalg.norm(got.astype(np.float64) - want)) / scale
+    return 0.0 if np.array_equal(got, want) else math.inf
+
+
+def _outputs(runner: Runner, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A runner's outputs: a captured one's from its last replay, a plain one's from one more run."""
+    if isinstance(runner, GraphRunner):
+        return {name: value.numpy() for name, value in runner.buffers.items()}
+    inputs = {i.name for i in runner.session.get_inputs()}
+    values = runner.session.run(runner.outputs, {k: v for k, v in feeds.items() if k in inputs})
+    return dict(zip(runner.outputs, values))
+
+
+CONFIGURATIONS = ("plain", "captured", "rewritten", "rewritten_captured")
+"""What `measure` times: the input as a plain CUDA session and captured, and with `rewritten` the same two of it."""
+
+
+def measure(path: Path, rounds: int, blocks: int, seed: int, rewritten: Path | None = None) -> dict:
+    """The captured configuration's speedup over the plain CUDA session, with its largest relative output error.
+
+    With `rewritten` (rlflow's output for the same model), it is timed too, plain and captured, in the same rounds: a
+    rewrite that saves launches is worth less once one launch replays the whole graph, and this says how much.
+    """
     settings = SessionSettings(provider=PROVIDER)
-    model = load(path).to_model(static=True)
-    feeds = random_inputs(model, seed)
-    plain = inference_session(model, session_options(settings), [PROVIDER])
+    models = [load(path).to_model(static=True)]
+    if rewritten is not None:
+        models.append(load(rewritten).to_model(static=True))
+    feeds = random_inputs(models[0], seed)
+    plain = inference_session(models[0], session_options(settings), [PROVIDER])
     names = [o.name for o in plain.get_outputs()]
     expected = dict(zip(names, plain.run(names, feeds)))
     del plain
+    configurations = CONFIGURATIONS[: 2 * len(models)]
     rng = np.random.default_rng(seed)
-    times: list[list[float]] = [[], []]
+    times: list[list[float]] = [[] for _ in configurations]
     block_of_round: list[int] = []
-    error = 0.0
+    errors = dict.fromkeys(configurations[1:], 0.0)
     runs = None
     for block in range(blocks):
-        runners = [Runner(model, settings, feeds), GraphRunner(model, settings, feeds, expected)]
+        runners = [runner for model in models
+                   for runner in (Runner(model, settings, feeds), GraphRunner(model, settings, feeds, expected))]
         for runner in runners:
             for _ in range(5):
                 runner.run()
-        for name, value in runners[1].buffers.items():
-            got, want = value.numpy(), expected[name]
-            if np.issubdtype(want.dtype, np.floating):
-                scale = max(float(np.linalg.norm(want)), 1e-12)
-                error = max(error, float(np.linalg.norm(got.astype(np.float64) - want)) / scale)
-            elif not np.array_equal(got, want):
-                error = math.inf
+        for label, runner in zip(configurations[1:], runners[1:]):
+            outputs = _outputs(runner, feeds)
+            errors[label] = max([errors[label], *(_error(outputs[name], want) for name, want in expected.items())])
         if runs is None:
             runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(max(r.time(1) for r in runners), 1e-9)))
         for _ in range(max(1, rounds // blocks)):
-            for i in rng.permutation(2):
+            for i in rng.permutation(len(runners)):
                 times[i].append(runners[i].time(runs))
             block_of_round.append(block)
         del runners
-    ratio = bootstrap_ratio(np.asarray(times[0]), np.asarray(times[1]), rng=rng, groups=np.asarray(block_of_round))
-    return {"model": path.stem, "status": "ok", "plain_ms": float(np.median(times[0]) * 1e3),
-            "cuda_graph_ms": float(np.median(times[1]) * 1e3), "speedup": ratio.median, "speedup_low": ratio.low,
-            "speedup_high": ratio.high, "max_rel_error": error, "rounds": len(times[0]), "runs_per_round": runs,
-            "blocks": blocks}
+    series = {label: np.asarray(t) for label, t in zip(configurations, times)}
+    groups = np.asarray(block_of_round)
+
+    def ratio(baseline: str, candidate: str):
+        return bootstrap_ratio(series[baseline], series[candidate], rng=rng, groups=groups)
+
+    captured = ratio("plain", "captured")
+    row = {"model": path.stem, "status": "ok", "plain_ms": float(np.median(series["plain"]) * 1e3),
+           "cuda_graph_ms": float(np.median(series["captured"]) * 1e3), "speedup": captured.median,
+           "speedup_low": captured.low, "speedup_high": captured.high, "max_rel_error": errors["captured"],
+           "rounds": len(times[0]), "runs_per_round": runs, "blocks": blocks}
+    if rewritten is not None:
+        row["rewritten"] = str(rewritten)
+        row["rewritten_ms"] = float(np.median(series["rewritten"]) * 1e3)
+        row["rewritten_captured_ms"] = float(np.median(series["rewritten_captured"]) * 1e3)
+        for key, (baseline, candidate) in {"rewrite_plain": ("plain", "rewritten"),
+                                           "rewrite_captured": ("captured", "rewritten_captured"),
+                                           "both": ("plain", "rewritten_captured")}.items():
+            r = ratio(baseline, candidate)
+            row[key] = {"median": r.median, "low": r.low, "high": r.high}
+        row["rewritten_max_rel_error"] = max(errors["rewritten"], errors["rewritten_captured"])
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,12 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rewritten", metavar="SUFFIX", default=None,
+                        help="also time MODEL's rewritten version, the file beside it named STEM + SUFFIX "
+                             "(e.g. .rlflow.onnx), plain and captured; models without one are timed alone")
     args = parser.parse_args(argv)
     rows = []
     for path in args.models:
         start = time.monotonic()
         try:
-            row = measure(path, args.rounds, args.blocks, args.seed)
+            beside = path.with_name(path.stem + args.rewritten) if args.rewritten else None
+            row = measure(path, args.rounds, args.blocks, args.seed,
+                          beside if beside is not None and beside.exists() else None)
         except Exception as exc:  # noqa: BLE001 - a model the capture cannot take is a row, not the end of the run
             row = {"model": path.stem, "status": "not applicable",
                    "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"}

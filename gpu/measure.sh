@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurement, started detached by `gpu/remote.sh measure`; each step writes its results as it goes, and
 # `gpu/remote.sh collect` bundles whatever is there.  Order: what the acceptance needs first.
-# Settings (environment): GPU_PROVIDER (cuda; with another, e.g. cpu, the CUDA graph step is skipped, so that the
-# script can be rehearsed without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT, GPU_ROUNDS,
-# GPU_SEQUENCES.  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
+# Settings (environment): GPU_STEPS (which steps, in order: bench cuda-graph costcheck [default], optimize),
+# GPU_PROVIDER (cuda; with another, e.g. cpu, the CUDA graph steps are skipped, so that the script can be rehearsed
+# without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT, GPU_ROUNDS, GPU_SEQUENCES.
+# The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
+# plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
+# has whole rows.  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
 #   mkdir -p /tmp/k/site /tmp/k/src      # what `remote.sh install` copies: the files a device call carries
 #   git ls-files -z --cached --others --exclude-standard rlflow gpu models | xargs -0 cp --parents -t /tmp/k/src
 #   RLFLOW_KIT=/tmp/k PYTHON=$PWD/.venv/bin/python GPU_PROVIDER=cpu GPU_ZOO="squeezenet-1.1-tiny resnet-18-tiny" \
@@ -29,20 +32,37 @@ step "zoo build with the machine's own torch"
 "$PY" -m rlflow.cli zoo build $ZOO --out "$KIT/models" 2>&1 | tee "$R/zoo-build.txt"
 
 if [[ $PROVIDER == cuda ]]; then binding=", CUDA with IOBinding"; else binding=", provider $PROVIDER"; fi
-step "bench: greedy and TASO-style search, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
-"$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" --threads 1 \
-  --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} --out "$R/bench"
-
-if [[ $PROVIDER == cuda ]]; then
-  step "CUDA graph capture as a peer configuration"
-  "$PY" gpu/cuda_graph_peer.py $MODELS --out "$R/cuda-graph.json"
-else
-  step "CUDA graph capture skipped (provider $PROVIDER)"
-fi
-
-step "cost table: random rewrite sequences, estimates against end-to-end measurement"
-"$PY" -m rlflow.measure.costmodel_check $MODELS --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} --length 4 \
-  --rounds 10 --repeats 2 --out "$R/costmodel-check.json"
+for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
+  case $STEP in
+    bench)
+      step "bench: greedy and TASO-style search, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
+      "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \
+        --threads 1 --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} --out "$R/bench" ;;
+    cuda-graph)
+      if [[ $PROVIDER == cuda ]]; then
+        step "CUDA graph capture as a peer configuration"
+        "$PY" gpu/cuda_graph_peer.py $MODELS --out "$R/cuda-graph.json"
+      else
+        step "CUDA graph capture skipped (provider $PROVIDER)"
+      fi ;;
+    costcheck)
+      step "cost table: random rewrite sequences, estimates against end-to-end measurement"
+      "$PY" -m rlflow.measure.costmodel_check $MODELS --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} \
+        --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" ;;
+    optimize)
+      mkdir -p "$R/optimize"
+      for m in $ZOO; do
+        step "optimize $m: greedy, ${GPU_TIME_LIMIT:-10} s$binding"
+        "$PY" -m rlflow.cli optimize "$KIT/models/$m.onnx" --method greedy --provider "$PROVIDER" --threads 1 \
+          --time-limit ${GPU_TIME_LIMIT:-10} -o "$KIT/models/$m.rlflow.onnx" --json "$R/optimize/$m.json"
+        if [[ $PROVIDER == cuda ]]; then
+          step "$m and its rewrite, plain and captured"
+          "$PY" gpu/cuda_graph_peer.py "$KIT/models/$m.onnx" --rewritten .rlflow.onnx --out "$R/optimize/$m.captured.json"
+        fi
+      done ;;
+    *) echo "unknown step $STEP (steps: bench cuda-graph costcheck optimize)" >&2 ;;
+  esac
+done
 
 step done
 touch "$R/DONE"
