@@ -14,6 +14,10 @@ plus at most 64 MiB in all, so the kit:
 
     python gpu/kit.py                # downloads into build/gpukit/, writes .gpukit/
     python gpu/kit.py --rehearse     # also reassembles the parts here and checks the archive, as the device will
+    python gpu/kit.py --split-only   # re-split the archive already in build/gpukit/ for the working tree as it is now
+
+The parts must fit beside the working tree, which grows between leases (25 MiB when the first kit was made, 35 MiB a
+day later): split again before a lease (`--split-only` takes seconds; packing takes minutes).
 
 The project itself travels with the working tree (PYTHONPATH), so it needs no wheel of its own.
 """
@@ -160,14 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python gpu/kit.py", description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=ROOT / "build" / "gpukit", help="downloads and the archive")
     parser.add_argument("--rehearse", action="store_true", help="reassemble and unpack the parts here afterwards")
+    parser.add_argument("--split-only", action="store_true",
+                        help="skip downloading and packing: split the archive already in --work for the current tree")
     args = parser.parse_args(argv)
     work: Path = args.work
-    wheels = download(work / "wheels")
-    site = work / "site"
-    skipped = unpack(wheels, site)
     archive = work / "kit.tar.xz"
-    print(f"packing {len(wheels)} wheels ({skipped / 2**20:.0f} MiB of unused libraries left out); xz takes a minute or two")
-    subprocess.run(["tar", "-cf", str(archive), "-I", "xz -6 -T0", "-C", str(work), "site"], check=True)
+    if args.split_only:
+        if not archive.exists():
+            raise SystemExit(f"gpu kit: {archive} does not exist; run python gpu/kit.py first")
+        wheels = sorted((work / "wheels").glob("*.whl"))
+    else:
+        wheels = download(work / "wheels")
+        skipped = unpack(wheels, work / "site")
+        print(f"packing {len(wheels)} wheels ({skipped / 2**20:.0f} MiB of unused libraries left out); "
+              "xz takes a minute or two")
+        subprocess.run(["tar", "-cf", str(archive), "-I", "xz -6 -T0", "-C", str(work), "site"], check=True)
     KIT_DIR.mkdir(exist_ok=True)
     tree = tree_bytes()
     part_bytes = CALL_LIMIT - tree - MARGIN

@@ -38,6 +38,8 @@ case "${1:-}" in
     "$PY" gpu/check_cuda.py
     ;;
   measure)
+    # a warm machine keeps an earlier run's results (and its DONE, which would end `collect` at once): set them aside
+    if [[ -d "$RESULTS" ]]; then mv "$RESULTS" "$RESULTS-$(date -u +%H%M%S)"; fi
     mkdir -p "$RESULTS"
     kit_env
     setsid nohup bash "$KIT/src/gpu/measure.sh" > "$RESULTS/log.txt" 2>&1 < /dev/null &

@@ -131,3 +131,126 @@ def test_install_unpacks_a_matching_kit_and_runs_the_check(device):
     assert (kit_dir / "site" / "stub.py").read_text() == "STUB = 1\n"
     assert (kit_dir / "src" / "gpu" / "check_cuda.py").exists()
     assert "stub check 1" in result.stdout  # the check ran with the kit's site/ on PYTHONPATH
+
+
+def test_measure_sets_an_earlier_runs_results_aside(device, tmp_path):
+    """On a warm machine the last run's DONE would end `collect` at once and its files would mix with the new run's."""
+    run, repo, kit_dir, digest = device
+    (repo / ".gpukit" / "SHA256").write_text(digest + "\n")
+    assert run("install").returncode == 0
+    (kit_dir / "src" / "gpu" / "measure.sh").write_text(
+        'sleep 1; echo new > "$RLFLOW_KIT/results/new.txt"; touch "$RLFLOW_KIT/results/DONE"\n')
+    (kit_dir / "results").mkdir()
+    (kit_dir / "results" / "DONE").touch()
+    (kit_dir / "results" / "old.txt").write_text("old\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(["bash", str(REMOTE), "measure", "--wait", "30"], capture_output=True, text=True, cwd=repo,
+                            env={**os.environ, "RLFLOW_KIT": str(kit_dir), "PYTHON": sys.executable, "OUT": str(out)})
+    assert result.returncode == 0, result.stderr
+    assert "measurement finished" in result.stdout
+    assert sorted(p.name for p in (kit_dir / "results").iterdir()) == ["DONE", "log.txt", "new.txt"]
+    earlier = [p for p in kit_dir.iterdir() if p.name.startswith("results-")]
+    assert len(earlier) == 1 and (earlier[0] / "old.txt").read_text() == "old\n"
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert "results/new.txt" in tar.getnames() and "results/old.txt" not in tar.getnames()
+
+
+def test_the_optimize_step_rehearses_without_a_gpu(tmp_path):
+    """`GPU_STEPS=optimize` with another provider: the model is built, optimized and its report written; the
+    captured comparison, which needs CUDA, is skipped."""
+    kit_dir = tmp_path / "kit"
+    (kit_dir / "site").mkdir(parents=True)
+    (kit_dir / "src").symlink_to(ROOT)
+    env = {**os.environ, "RLFLOW_KIT": str(kit_dir), "PYTHON": sys.executable, "GPU_PROVIDER": "cpu",
+           "GPU_STEPS": "optimize", "GPU_ZOO": "squeezenet-1.1-tiny", "GPU_TIME_LIMIT": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(["bash", str(ROOT / "gpu" / "measure.sh")], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = kit_dir / "results"
+    assert (results / "DONE").exists()
+    assert sorted(p.name for p in (results / "optimize").iterdir()) == ["squeezenet-1.1-tiny.json"]
+    report = json.loads((results / "optimize" / "squeezenet-1.1-tiny.json").read_text())
+    assert report["settings"]["provider"] == "CPUExecutionProvider"
+    assert (kit_dir / "models" / "squeezenet-1.1-tiny.rlflow.onnx").exists()
+
+
+def _captured_row(model: str, status: str = "ok") -> dict:
+    if status != "ok":
+        return {"model": model, "status": status, "error": "Fail: [ONNXRuntimeError] : 1 : FAIL : This session "
+                "cannot use the graph capture feature as requested by the user  as all compute graph nodes have not "
+                "been partitioned to the CUDAExecutionProvider"}
+    ratio = {"median": 1.5, "low": 1.4, "high": 1.6}
+    return {"model": model, "status": "ok", "speedup": 2.0, "speedup_low": 1.9, "speedup_high": 2.1,
+            "rewrite_plain": ratio, "rewrite_captured": {"median": 1.3, "low": 1.2, "high": 1.35},
+            "both": {"median": 2.6, "low": 2.5, "high": 2.7}, "rewritten_max_rel_error": 3e-4}
+
+
+def test_summarize_optimize_tables_each_model_and_says_why_capture_was_refused(tmp_path):
+    spec = importlib.util.spec_from_file_location("summarize_optimize", ROOT / "gpu" / "summarize_optimize.py")
+    summarize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summarize)
+    folder = tmp_path / "results"
+    (folder / "optimize").mkdir(parents=True)
+    for model, status in (("alpha", "ok"), ("beta", "not applicable")):
+        report = {"speedup": {"median": 1.7, "low": 1.6, "high": 1.8},
+                  "latency_ms": {"before": {"median_ms": 2.0}, "after": {"median_ms": 1.2}},
+                  "seconds": {"search": 12.5}, "applied": ["attention-fusion@a", "attention-fusion@b", "bias-gelu@c"]}
+        (folder / "optimize" / f"{model}.json").write_text(json.dumps(report))
+        (folder / "optimize" / f"{model}.captured.json").write_text(json.dumps({"rows": [_captured_row(model, status)]}))
+    (folder / "environment.json").write_text(json.dumps({"device": "Test GPU"}))
+    assert summarize.main([str(folder)]) == 0
+    lines = (folder / "optimize.md").read_text().splitlines()
+    assert len(lines) == 4
+    assert lines[2].startswith("| alpha | 1.700 [1.600, 1.800] | 2.000 -> 1.200 | 12.5 | attention-fusion 2, bias-gelu 1 |")
+    assert "| 1.300 [1.200, 1.350] | 2.600 [2.500, 2.700] | 3.0e-04 |" in lines[2]
+    assert "capture refused: onnxruntime placed some nodes on the CPU" in lines[3]
+    assert (folder / "optimize.png").stat().st_size > 0
+    assert summarize.main([str(tmp_path / "empty")]) == 2
+
+
+def test_split_only_without_an_archive_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="kit.tar.xz does not exist; run python gpu/kit.py first"):
+        kit.main(["--split-only", "--work", str(tmp_path)])
+
+
+def test_the_captured_comparison_times_a_rewrite_in_the_same_rounds(matmul_model, tmp_path, monkeypatch):
+    """The bookkeeping of `cuda_graph_peer.measure --rewritten` on the CPU provider, with a stand-in for the captured
+    runner (capture itself needs CUDA): four configurations per round, the three ratios, and output errors."""
+    import onnx
+    from rlflow.measure.timing import Runner
+
+    sys.path.insert(0, str(ROOT / "gpu"))
+    try:
+        import cuda_graph_peer as peer
+    finally:
+        sys.path.remove(str(ROOT / "gpu"))
+
+    class CapturedStandIn(Runner):
+        def __init__(self, model, settings, feeds, outputs):
+            super().__init__(model, settings, feeds)
+            self._feeds = {k: v for k, v in feeds.items() if k in {i.name for i in self.session.get_inputs()}}
+
+        @property
+        def buffers(self):
+            import onnxruntime as ort
+            values = self.session.run(self.outputs, self._feeds)
+            return {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in zip(self.outputs, values)}
+
+    monkeypatch.setattr(peer, "PROVIDER", "CPUExecutionProvider")
+    monkeypatch.setattr(peer, "GraphRunner", CapturedStandIn)
+    original, rewritten = tmp_path / "m.onnx", tmp_path / "m.rlflow.onnx"
+    onnx.save(matmul_model, original)
+    onnx.save(matmul_model, rewritten)
+    row = peer.measure(original, rounds=4, blocks=2, seed=0, rewritten=rewritten)
+    assert row["status"] == "ok" and row["rounds"] == 4 and row["rewritten"] == str(rewritten)
+    for key in ("rewrite_plain", "rewrite_captured", "both"):
+        assert row[key]["low"] <= row[key]["median"] <= row[key]["high"]
+    assert row["max_rel_error"] == 0.0 and row["rewritten_max_rel_error"] == 0.0
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(matmul_model)
+    wrong.graph.initializer[0].raw_data = (onnx.numpy_helper.to_array(wrong.graph.initializer[0]) * 2).tobytes()
+    onnx.save(wrong, rewritten)
+    assert peer.measure(original, rounds=2, blocks=1, seed=0, rewritten=rewritten)["rewritten_max_rel_error"] > 0.1
+    alone = peer.measure(original, rounds=4, blocks=2, seed=0)
+    assert "rewrite_plain" not in alone and alone["rounds"] == 4

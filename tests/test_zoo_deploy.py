@@ -170,3 +170,23 @@ def test_deployment_models_build(name):
     model = onnx.load(result.path, load_external_data=False)
     props = {p.key: p.value for p in model.metadata_props}
     assert parse_input_shapes(props["rlflow.input_shapes"].split(";")) == zoo.get(name).input_shapes
+
+
+def test_cli_builds_the_other_models_when_one_fails_and_exits_1(monkeypatch, tmp_path, capsys):
+    built = []
+
+    def fake(name, out, force=False):
+        if name == "gpt2-decode-kv128-ts":
+            raise RuntimeError("Invalid input name: past_key_values.9.value\nmore detail")
+        built.append(name)
+        return zoo.BuildResult(name, tmp_path / f"{name}.onnx", True, 0.0, 1, 1, 1)
+
+    monkeypatch.setattr(zoo, "build", fake)
+    assert main(["zoo", "build", "bert-l2-h128-s16-ts", "gpt2-decode-kv128-ts", "deit-small-b1-ts",
+                 "--out", str(tmp_path)]) == 1
+    assert built == ["bert-l2-h128-s16-ts", "deit-small-b1-ts"]
+    assert capsys.readouterr().err.splitlines() == [
+        "error: gpt2-decode-kv128-ts: RuntimeError: Invalid input name: past_key_values.9.value",
+        "error: 1 of 3 models not built: gpt2-decode-kv128-ts"]
+    assert main(["zoo", "build", "gpt2-decode-kv128-ts", "--out", str(tmp_path)]) == 1  # alone: as before, one line
+    assert capsys.readouterr().err.startswith("error: internal error (RuntimeError: Invalid input name")
