@@ -20,7 +20,7 @@ from rlflow.errors import InputError
 from rlflow.graph import Graph, deployed_shapes
 from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
-from rlflow.measure.session import SessionSettings, resolve_provider
+from rlflow.measure.session import PROVIDERS, SessionSettings, resolve_provider
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import Verification, verify
@@ -145,7 +145,23 @@ class Result:
         }
 
 
-def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str = "agent",
+def default_method(provider: str, agent: str | os.PathLike | None = None) -> tuple[str, str | None]:
+    """The search `rlflow optimize` runs when none is named, with the reason where it is not the agent: the agent
+    where it was trained for `provider` (an onnxruntime provider name), else greedy search.
+
+    The shipped agent was trained on the CPU with a CPU cost table; on CUDA (an H200, docs/results/gpu/h200-1126)
+    greedy search made nine transformers 1.14-1.85x faster in 2-20 s.
+    """
+    from rlflow.search.agent import trained_provider
+
+    trained = trained_provider(agent)
+    if PROVIDERS.get(trained) == provider:
+        return "agent", None
+    which = "the given agent" if agent is not None else "the shipped agent"
+    return "greedy", f"{which} is trained for {trained}, not {provider}; --method agent runs it anyway"
+
+
+def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str | None = None,
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
              agent: str | os.PathLike | None = None, finetune: int = 0, ops: str = "all",
@@ -156,7 +172,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         model: a path to an .onnx file or a Graph.
         provider: `auto` (CUDA when usable, else CPU), `cpu` or `cuda`.
         threads: onnxruntime intra-op threads used for every measurement.
-        method: search method (see METHODS).
+        method: search method (see METHODS); None: `default_method` for the provider.
         time_limit: seconds for the search (None: `DEFAULT_TIME_LIMITS`); the final verification and measurement
             come on top.
         input_shapes: fixes dynamic input dimensions for measurement (the written model keeps them dynamic).
@@ -179,21 +195,27 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         InputError: the model cannot be loaded.
         ProviderError: the provider is unavailable or cannot run the model.
     """
-    if method not in METHODS:
+    if method is not None and method not in METHODS:
         raise InputError(f"unknown method '{method}': choose from {', '.join(METHODS)}")
-    if finetune < 0 or (finetune and method != "agent"):
+    if finetune < 0 or (finetune and method not in (None, "agent")):
         raise InputError("--finetune takes a number of steps >= 0 and adapts method 'agent' only")
     if ops not in OPS:
         raise InputError(f"unknown operator set '{ops}': choose from {', '.join(OPS)}")
     if ops == "standard":
         rules = [r for r in rules if not r.contrib]
     start = time.monotonic()
+    graph, given = _load(model, input_shapes, profiles)
+    predicted_peak = check_fits(graph)
+    resolved = resolve_provider(provider)
+    method_reason = None
+    if method is None:
+        method, method_reason = ("agent", None) if finetune else default_method(resolved, agent)
+        if method_reason:
+            log.info("method %s: %s", method, method_reason)
     limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     gate_seconds = gate_budget(time_limit)
-    graph, given = _load(model, input_shapes, profiles)
-    predicted_peak = check_fits(graph)
-    settings = SessionSettings(provider=resolve_provider(provider), threads=threads, share_weights=shares_weights(graph))
+    settings = SessionSettings(provider=resolved, threads=threads, share_weights=shares_weights(graph))
     if settings.share_weights:
         log.info("large weights (%.1f GiB): sessions share them in place, without pre-packing; %.1f GiB predicted for "
                  "weights with candidates measured one at a time", weight_bytes(graph) / 2**30, predicted_peak / 2**30)
@@ -213,7 +235,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         if limited:
             time_limit = max(0.0, time_limit - (time.monotonic() - start))
     search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
-    recorded = {**settings.as_dict(), "method": method, "time_limit": time_limit, "seed": seed,
+    recorded = {**settings.as_dict(), "method": method, "method_reason": method_reason, "time_limit": time_limit,
+                "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "profiles": [p.as_dict() for p in graph.profiles],
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,

@@ -58,7 +58,8 @@ def format_report(result: Result) -> str:
                      f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
                      f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
     lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
-                 f"method {s['method']}, operators {s.get('ops', 'all')}, seed {s['seed']}, "
+                 f"method {s['method']}{_why(s.get('method_reason'))}, operators {s.get('ops', 'all')}, "
+                 f"seed {s['seed']}, "
                  f"input shapes {s['input_shapes']}")
     return "\n".join(lines)
 
@@ -76,6 +77,11 @@ def _profile_lines(profiles: list[dict]) -> list[str]:
             line += f", output {p['output_ms']:.3f} ms, {r['median']:.3f}x [{r['low']:.3f}, {r['high']:.3f}]"
         lines.append(line)
     return lines
+
+
+def _why(reason: str | None) -> str:
+    """A default choice's reason, in brackets after it."""
+    return f" ({reason})" if reason else ""
 
 
 def _signed(value: float | None) -> str:

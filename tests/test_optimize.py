@@ -67,6 +67,37 @@ def test_library_call_and_report(tmp_path, matmul_model):
     assert verify(matmul_model, onnx.load(str(out)), shapes=[{"x": (4, 8)}]).ok
 
 
+def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else_greedy(tmp_path):
+    """The shipped agent learnt on the CPU; on CUDA the default is greedy search (docs/results/gpu/h200-1126)."""
+    import shutil
+
+    from rlflow.optimize import default_method
+    from rlflow.search.agent import DEFAULT_AGENT, trained_provider
+
+    assert trained_provider() == "cpu"
+    assert default_method("CPUExecutionProvider") == ("agent", None)
+    assert default_method("CUDAExecutionProvider") == (
+        "greedy", "the shipped agent is trained for cpu, not CUDAExecutionProvider; --method agent runs it anyway")
+    bare = tmp_path / "bare.pt"  # no provenance file beside it: the checkpoint's own training config answers
+    shutil.copy(DEFAULT_AGENT.with_name("ppo.pt"), bare)
+    assert trained_provider(bare) == "cpu"
+    cuda = tmp_path / "cuda.pt"
+    shutil.copy(bare, cuda)
+    cuda.with_suffix(".json").write_text(json.dumps({"provider": "cuda"}))
+    assert default_method("CUDAExecutionProvider", cuda) == ("agent", None)
+    assert default_method("CPUExecutionProvider", cuda)[0] == "greedy"
+
+
+def test_a_default_method_other_than_the_agent_is_reported_with_its_reason(tmp_path, matmul_model, monkeypatch):
+    module = importlib.import_module("rlflow.optimize")  # `rlflow.optimize` the attribute is the function
+    monkeypatch.setattr(module, "default_method", lambda provider, agent=None: ("greedy", "a stated reason"))
+    result = rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), time_limit=1, rounds=5)
+    assert result.settings["method"] == "greedy" and result.settings["method_reason"] == "a stated reason"
+    assert "method greedy (a stated reason), operators all" in format_report(result)
+    explicit = rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), method="greedy", time_limit=1, rounds=5)
+    assert explicit.settings["method_reason"] is None and "method greedy, operators" in format_report(explicit)
+
+
 def test_kept_input_reports_speedup_exactly_one(tmp_path, matmul_model):
     """The output is the input: a self-comparison would only show session noise, so none is reported."""
     path = save(matmul_model, tmp_path / "m.onnx")

@@ -93,6 +93,26 @@ def load_agent(path: str | os.PathLike | None = None):
     return policy.eval()
 
 
+def trained_provider(path: str | os.PathLike | None = None) -> str:
+    """The provider (`cpu` or `cuda`) the agent at `path` (default: the shipped one) was trained for: from the
+    provenance file beside it (`<name>.json`, written by `rlflow.controller.ship`), else from the checkpoint's own
+    training config (a torch load); `cpu` for a checkpoint that predates the setting."""
+    import json
+
+    path = Path(path) if path is not None else DEFAULT_AGENT
+    provenance = path.with_suffix(".json")
+    if provenance.is_file():
+        recorded = json.loads(provenance.read_text()).get("provider")
+        if recorded:
+            return recorded
+    if not path.is_file():
+        raise InputError(f"{path}: no such agent checkpoint")
+    import torch
+
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    return (payload.get("config") or {}).get("provider", "cpu")
+
+
 class CandidateActor:
     """A masked-PPO candidate policy behind the actor interface of `WorldModelActor` (it keeps no memory)."""
 

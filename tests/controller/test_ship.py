@@ -31,6 +31,7 @@ def test_ship_writes_weights_without_optimizer_and_provenance(tmp_path):
     assert payload["optimizer"] is None and meta["bytes"] == (tmp_path / "agents" / "ppo.pt").stat().st_size
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in shipped.state_dict().items())
     assert meta["held_out"] == ["vit-b-16-tiny", "demo-block"] and meta["trained_on"] == ["resnet-18-tiny"]
+    assert meta["provider"] == "cpu"  # what `rlflow optimize` reads to choose its default method
     agents = tmp_path / "agents"
     assert not ship.is_held_out("resnet-18", agents, "ppo") and not ship.is_held_out("resnet-18-tiny", agents, "ppo")
     assert ship.is_held_out("vit-b-16", agents, "ppo") and ship.is_held_out("demo-block", agents, "ppo")
