@@ -1,5 +1,8 @@
 """onnxruntime's CUDA graph capture as a peer configuration: the same model, replayed as one captured CUDA graph.
 
+(`rlflow optimize --cuda-graph` measures its search and its verdict this way; this script weighs the setting itself,
+and with `--rewritten` an output of rlflow beside its input, both ways.)
+
 At batch 1 a GPU spends much of a model's time launching kernels; `enable_cuda_graph` captures the whole run once and
 replays it with one launch.  It is not a graph rewrite but a session setting every onnxruntime user can turn on, so it
 is the configuration rlflow's rewrites must be weighed against on CUDA.  It applies only when every node runs on the
@@ -30,27 +33,6 @@ from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner, bootstrap_ratio
 PROVIDER = "CUDAExecutionProvider"
 
 
-class GraphRunner(Runner):
-    """A CUDA session with graph capture, inputs and outputs preallocated on the device (`buffers`); it runs and
-    times as a `Runner` bound to the device does."""
-
-    def __init__(self, model, settings: SessionSettings, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]):
-        import onnxruntime as ort
-
-        self.settings = settings
-        self.session = inference_session(model, session_options(settings), [(PROVIDER, {"enable_cuda_graph": "1"})])
-        self._binding = self.session.io_binding()
-        names = {i.name for i in self.session.get_inputs()}
-        self.inputs = {k: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", 0)
-                       for k, v in feeds.items() if k in names}
-        for name, value in self.inputs.items():
-            self._binding.bind_ortvalue_input(name, value)
-        self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(list(like.shape), like.dtype, "cuda", 0)
-                        for name, like in outputs.items()}
-        for name, value in self.buffers.items():
-            self._binding.bind_ortvalue_output(name, value)
-
-
 def _error(got: np.ndarray, want: np.ndarray) -> float:
     """Relative norm error of floating outputs; inf where other outputs differ at all."""
     if np.issubdtype(want.dtype, np.floating):
@@ -61,7 +43,7 @@ def _error(got: np.ndarray, want: np.ndarray) -> float:
 
 def _outputs(runner: Runner, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """A runner's outputs: a captured one's from its last replay, a plain one's from one more run."""
-    if isinstance(runner, GraphRunner):
+    if runner.buffers is not None:
         return {name: value.numpy() for name, value in runner.buffers.items()}
     inputs = {i.name for i in runner.session.get_inputs()}
     values = runner.session.run(runner.outputs, {k: v for k, v in feeds.items() if k in inputs})
@@ -79,6 +61,7 @@ def measure(path: Path, rounds: int, blocks: int, seed: int, rewritten: Path | N
     rewrite that saves launches is worth less once one launch replays the whole graph, and this says how much.
     """
     settings = SessionSettings(provider=PROVIDER)
+    captured = SessionSettings(provider=PROVIDER, cuda_graph=True)
     models = [load(path).to_model(static=True)]
     if rewritten is not None:
         models.append(load(rewritten).to_model(static=True))
@@ -95,7 +78,7 @@ def measure(path: Path, rounds: int, blocks: int, seed: int, rewritten: Path | N
     runs = None
     for block in range(blocks):
         runners = [runner for model in models
-                   for runner in (Runner(model, settings, feeds), GraphRunner(model, settings, feeds, expected))]
+                   for runner in (Runner(model, settings, feeds), Runner(model, captured, feeds))]
         for runner in runners:
             for _ in range(5):
                 runner.run()
@@ -115,10 +98,10 @@ def measure(path: Path, rounds: int, blocks: int, seed: int, rewritten: Path | N
     def ratio(baseline: str, candidate: str):
         return bootstrap_ratio(series[baseline], series[candidate], rng=rng, groups=groups)
 
-    captured = ratio("plain", "captured")
+    capture = ratio("plain", "captured")
     row = {"model": path.stem, "status": "ok", "plain_ms": float(np.median(series["plain"]) * 1e3),
-           "cuda_graph_ms": float(np.median(series["captured"]) * 1e3), "speedup": captured.median,
-           "speedup_low": captured.low, "speedup_high": captured.high, "max_rel_error": errors["captured"],
+           "cuda_graph_ms": float(np.median(series["captured"]) * 1e3), "speedup": capture.median,
+           "speedup_low": capture.low, "speedup_high": capture.high, "max_rel_error": errors["captured"],
            "rounds": len(times[0]), "runs_per_round": runs, "blocks": blocks}
     if rewritten is not None:
         row["rewritten"] = str(rewritten)

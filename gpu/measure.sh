@@ -6,7 +6,8 @@
 # without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT, GPU_ROUNDS, GPU_SEQUENCES.
 # The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
-# has whole rows.  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
+# has whole rows.  GPU_CUDA_GRAPH=1 makes it `rlflow optimize --cuda-graph` (the search and its verdict measured with
+# CUDA graph capture), written as STEM.rlflow-cg.onnx and optimize/STEM-cg.json.  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
 #   mkdir -p /tmp/k/site /tmp/k/src      # what `remote.sh install` copies: the files a device call carries
 #   git ls-files -z --cached --others --exclude-standard rlflow gpu models | xargs -0 cp --parents -t /tmp/k/src
 #   RLFLOW_KIT=/tmp/k PYTHON=$PWD/.venv/bin/python GPU_PROVIDER=cpu GPU_ZOO="squeezenet-1.1-tiny resnet-18-tiny" \
@@ -51,13 +52,17 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
         --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" ;;
     optimize)
       mkdir -p "$R/optimize"
+      capture=(); cg=""
+      if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then capture=(--cuda-graph); cg="-cg"; fi
       for m in $ZOO; do
-        step "optimize $m: greedy, ${GPU_TIME_LIMIT:-10} s$binding"
+        step "optimize $m: greedy, ${GPU_TIME_LIMIT:-10} s$binding ${capture[*]}"
         "$PY" -m rlflow.cli optimize "$KIT/models/$m.onnx" --method greedy --provider "$PROVIDER" --threads 1 \
-          --time-limit ${GPU_TIME_LIMIT:-10} -o "$KIT/models/$m.rlflow.onnx" --json "$R/optimize/$m.json"
+          --time-limit ${GPU_TIME_LIMIT:-10} "${capture[@]}" -o "$KIT/models/$m.rlflow$cg.onnx" \
+          --json "$R/optimize/$m$cg.json"
         if [[ $PROVIDER == cuda ]]; then
           step "$m and its rewrite, plain and captured"
-          "$PY" gpu/cuda_graph_peer.py "$KIT/models/$m.onnx" --rewritten .rlflow.onnx --out "$R/optimize/$m.captured.json"
+          "$PY" gpu/cuda_graph_peer.py "$KIT/models/$m.onnx" --rewritten ".rlflow$cg.onnx" \
+            --out "$R/optimize/$m$cg.captured.json"
         fi
       done ;;
     *) echo "unknown step $STEP (steps: bench cuda-graph costcheck optimize)" >&2 ;;

@@ -53,11 +53,15 @@ def cli() -> None:
 @click.option("--ops", type=click.Choice(["all", "standard"]), default="all", show_default=True,
               help="Operators the output may use: all (onnxruntime's contrib fusions too) or standard (default ONNX "
                    "domain only, for models that must also run on other runtimes).")
+@click.option("--cuda-graph", is_flag=True,
+              help="CUDA only: measure every model as onnxruntime's captured CUDA graph (enable_cuda_graph, inputs "
+                   "and outputs bound on the device), the way to run the output; needs fixed shapes and every node "
+                   "on CUDA.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
 def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, profile_specs,
-             profiles_file, ops, json_path, seed, quiet) -> None:
+             profiles_file, ops, cuda_graph, json_path, seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
     from rlflow.graph import parse_input_shapes
@@ -71,7 +75,8 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
         raise RlflowError("the output path is the input path; rlflow never overwrites its input")
     result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
                  input_shapes=parse_input_shapes(input_shapes), seed=seed, progress=not quiet, agent=agent,
-                 finetune=finetune, ops=ops, profiles=given_profiles(profile_specs, profiles_file))
+                 finetune=finetune, ops=ops, profiles=given_profiles(profile_specs, profiles_file),
+                 cuda_graph=cuda_graph)
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}

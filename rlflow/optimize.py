@@ -20,6 +20,7 @@ from rlflow.errors import InputError
 from rlflow.graph import Graph, deployed_shapes
 from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
+from rlflow.measure.profiled import export_at
 from rlflow.measure.session import PROVIDERS, SessionSettings, resolve_provider
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
@@ -165,7 +166,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
              agent: str | os.PathLike | None = None, finetune: int = 0, ops: str = "all",
-             profiles: Sequence[Profile] | None = None) -> Result:
+             profiles: Sequence[Profile] | None = None, cuda_graph: bool = False) -> Result:
     """Optimises a model for the target execution provider.
 
     Args:
@@ -190,6 +191,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
             `input_shapes`: candidates are scored by their weighted geometric mean speedup, and the output is kept
             only when that is measurably above 1 and no profile is measurably slower.  Without either, and without
             shapes in the model's metadata, a text model gets `default_profiles`.
+        cuda_graph: CUDA only: every measurement, the search's and the final one, runs the models as onnxruntime's
+            captured CUDA graphs (`SessionSettings.cuda_graph`), the configuration to deploy the output in.
 
     Raises:
         InputError: the model cannot be loaded.
@@ -207,6 +210,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     graph, given = _load(model, input_shapes, profiles)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
+    if cuda_graph and resolved != PROVIDERS["cuda"]:
+        raise InputError(f"--cuda-graph needs the CUDA provider; this run's is {resolved}")
     method_reason = None
     if method is None:
         method, method_reason = ("agent", None) if finetune else default_method(resolved, agent)
@@ -215,15 +220,17 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     gate_seconds = gate_budget(time_limit)
-    settings = SessionSettings(provider=resolved, threads=threads, share_weights=shares_weights(graph))
+    settings = SessionSettings(provider=resolved, threads=threads, share_weights=shares_weights(graph),
+                               cuda_graph=cuda_graph)
     if settings.share_weights:
         log.info("large weights (%.1f GiB): sessions share them in place, without pre-packing; %.1f GiB predicted for "
                  "weights with candidates measured one at a time", weight_bytes(graph) / 2**30, predicted_peak / 2**30)
     # the provider must run the input as the user has it, at every profile (ProviderError otherwise); the primary
     # profile's latency is the report's when the input is kept; each pace (session and run times) plans the final
-    # measurement at its profile
+    # measurement at its profile.  Captured, the input runs as every measurement runs it, its static export: with
+    # dynamic shapes onnxruntime computes shapes on the CPU, and refuses the capture (BERT-L4 on an H200)
     paces = [Pace() for _ in graph.profiles or [None]]
-    input_timings = [check_and_time(given, settings, seed=seed, pace=pace,
+    input_timings = [check_and_time(export_at(graph, p) if cuda_graph else given, settings, seed=seed, pace=pace,
                                     shapes=dict(p.shapes) if p else graph.input_shapes)
                      for p, pace in zip(graph.profiles or [None], paces)]
     input_timing = input_timings[0]

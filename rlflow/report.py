@@ -57,7 +57,9 @@ def format_report(result: Result) -> str:
         lines.append(f"  finetune    {tuned['steps']} {where} steps, {tuned['updates']} PPO updates in "
                      f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
                      f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
-    lines.append(f"  settings    {s['provider']}, {s['threads']} thread(s), graph optimisation '{s['opt_level']}', "
+    capture = ", CUDA graph capture" if s.get("cuda_graph") else ""
+    lines.append(f"  settings    {s['provider']}{capture}, {s['threads']} thread(s), "
+                 f"graph optimisation '{s['opt_level']}', "
                  f"method {s['method']}{_why(s.get('method_reason'))}, operators {s.get('ops', 'all')}, "
                  f"seed {s['seed']}, "
                  f"input shapes {s['input_shapes']}")

@@ -215,30 +215,24 @@ def test_split_only_without_an_archive_says_so(tmp_path):
 
 
 def test_the_captured_comparison_times_a_rewrite_in_the_same_rounds(matmul_model, tmp_path, monkeypatch):
-    """The bookkeeping of `cuda_graph_peer.measure --rewritten` on the CPU provider, with a stand-in for the captured
-    runner (capture itself needs CUDA): four configurations per round, the three ratios, and output errors."""
+    """The bookkeeping of `cuda_graph_peer.measure --rewritten` on the CPU provider, the captured sessions standing
+    in as plain ones (capture itself needs CUDA): four configurations per round, the three ratios, output errors."""
     import onnx
-    from rlflow.measure.timing import Runner
+    from rlflow.measure.session import SessionSettings
 
     sys.path.insert(0, str(ROOT / "gpu"))
     try:
         import cuda_graph_peer as peer
     finally:
         sys.path.remove(str(ROOT / "gpu"))
+    made = []
 
-    class CapturedStandIn(Runner):
-        def __init__(self, model, settings, feeds, outputs):
-            super().__init__(model, settings, feeds)
-            self._feeds = {k: v for k, v in feeds.items() if k in {i.name for i in self.session.get_inputs()}}
+    def on_the_cpu(provider, cuda_graph=False):
+        made.append((provider, cuda_graph))
+        return SessionSettings()
 
-        @property
-        def buffers(self):
-            import onnxruntime as ort
-            values = self.session.run(self.outputs, self._feeds)
-            return {n: ort.OrtValue.ortvalue_from_numpy(v) for n, v in zip(self.outputs, values)}
-
+    monkeypatch.setattr(peer, "SessionSettings", on_the_cpu)
     monkeypatch.setattr(peer, "PROVIDER", "CPUExecutionProvider")
-    monkeypatch.setattr(peer, "GraphRunner", CapturedStandIn)
     original, rewritten = tmp_path / "m.onnx", tmp_path / "m.rlflow.onnx"
     onnx.save(matmul_model, original)
     onnx.save(matmul_model, rewritten)
@@ -252,5 +246,6 @@ def test_the_captured_comparison_times_a_rewrite_in_the_same_rounds(matmul_model
     wrong.graph.initializer[0].raw_data = (onnx.numpy_helper.to_array(wrong.graph.initializer[0]) * 2).tobytes()
     onnx.save(wrong, rewritten)
     assert peer.measure(original, rounds=2, blocks=1, seed=0, rewritten=rewritten)["rewritten_max_rel_error"] > 0.1
+    assert made[:2] == [("CPUExecutionProvider", False), ("CPUExecutionProvider", True)]
     alone = peer.measure(original, rounds=4, blocks=2, seed=0)
     assert "rewrite_plain" not in alone and alone["rounds"] == 4

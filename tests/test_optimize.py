@@ -225,3 +225,47 @@ def test_runs_on_names_the_contrib_operators_of_the_output():
     fused = apply(graph, rule("attention-fusion").find(graph)[0])
     assert runtimes(fused) == "onnxruntime only (com.microsoft operators: MultiHeadAttention)"
     assert runtimes(graph) == "any ONNX runtime (standard operators only)"
+
+
+def test_cuda_graph_without_cuda_is_one_clear_error(tmp_path, matmul_model, capsys):
+    path = save(matmul_model, tmp_path / "m.onnx")
+    with pytest.raises(rlflow.errors.InputError, match="--cuda-graph needs the CUDA provider; this run's is "
+                                                      "CPUExecutionProvider"):
+        rlflow.optimize(path, provider="cpu", cuda_graph=True)
+    assert main(["optimize", str(path), "--provider", "cpu", "--cuda-graph"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --cuda-graph needs the CUDA provider; this run's is CPUExecutionProvider"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # nothing written
+
+
+def test_the_report_says_when_it_was_measured_with_cuda_graph_capture(tmp_path, matmul_model):
+    result = rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), method="greedy", time_limit=1, rounds=5)
+    assert "cuda_graph" not in result.settings and "CPUExecutionProvider, 1 thread(s)" in format_report(result)
+    result.settings["cuda_graph"] = True
+    assert "CPUExecutionProvider, CUDA graph capture, 1 thread(s)" in format_report(result)
+
+
+@pytest.mark.parametrize("cuda_graph, first_dim", [(True, 2), (False, "batch")])
+def test_with_cuda_graph_the_input_is_timed_as_its_static_export(tmp_path, matmul_model, monkeypatch, cuda_graph,
+                                                                 first_dim):
+    """A dynamic input computes its shapes on the CPU, and onnxruntime refuses to capture it (BERT-L4 on an H200):
+    captured, the input is checked and timed as the search and the final measurement run it."""
+    module = importlib.import_module("rlflow.optimize")
+    monkeypatch.setattr(module, "resolve_provider", lambda name: "CUDAExecutionProvider")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def check_and_time(model, settings, **kwargs):
+        seen.append((model, settings))
+        raise Stop
+
+    monkeypatch.setattr(module, "check_and_time", check_and_time)
+    with pytest.raises(Stop):
+        rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), method="greedy", cuda_graph=cuda_graph,
+                        input_shapes={"x": (2, 8)})
+    model, settings = seen[0]
+    assert settings.cuda_graph is cuda_graph
+    dim = model.graph.input[0].type.tensor_type.shape.dim[0]
+    assert (dim.dim_value if dim.HasField("dim_value") else dim.dim_param) == first_dim

@@ -58,6 +58,10 @@ class SessionSettings:
         share_weights: sessions use the weights mapped from the model's external-data file in place (one mapping for
             the whole process) and do not pre-pack them; for models whose weights are a large share of memory
             (`SHARE_WEIGHTS_BYTES`), where every session's own copy made a 2.5 GiB model peak at 6x its size.
+        cuda_graph: CUDA only: onnxruntime captures a run as one CUDA graph and replays it (`enable_cuda_graph`), with
+            inputs and outputs at fixed device addresses (`rlflow.measure.timing.Runner`). At batch 1 on an H100 the
+            setting alone made the zoo 1.28-4.31x faster (docs/results/gpu), so a rewrite for such a deployment must
+            be measured with it on.
     """
 
     provider: str = "CPUExecutionProvider"
@@ -65,15 +69,22 @@ class SessionSettings:
     opt_level: str = "all"
     execution_mode: str = "sequential"
     share_weights: bool = False
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.opt_level not in OPT_LEVELS:
             raise ValueError(f"opt_level must be one of {OPT_LEVELS}")
         if self.threads < 0:
             raise ValueError("threads must be >= 0 (0 lets onnxruntime choose)")
+        if self.cuda_graph and self.provider != PROVIDERS["cuda"]:
+            raise ValueError(f"CUDA graph capture needs the {PROVIDERS['cuda']}, not {self.provider}")
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The settings as recorded; `cuda_graph` only when on, so that records made before it existed still match."""
+        recorded = asdict(self)
+        if not self.cuda_graph:
+            del recorded["cuda_graph"]
+        return recorded
 
 
 def session_options(settings: SessionSettings, profile_prefix: str | None = None):
@@ -113,7 +124,8 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     ort = _ort()
     settings = settings or SessionSettings(provider=provider or "CPUExecutionProvider")
     options = session_options(settings, profile_prefix)
-    providers = [settings.provider] + (["CPUExecutionProvider"] if settings.provider != "CPUExecutionProvider" else [])
+    first = (settings.provider, {"enable_cuda_graph": "1"}) if settings.cuda_graph else settings.provider
+    providers = [first] + (["CPUExecutionProvider"] if settings.provider != "CPUExecutionProvider" else [])
     try:
         if isinstance(model, onnx.ModelProto):
             session = inference_session(model, options, providers, share_weights=settings.share_weights)
@@ -123,6 +135,9 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     except ProviderError:
         raise
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises several private exception types
+        if settings.cuda_graph and "graph capture" in str(exc):
+            raise ProviderError("onnxruntime cannot capture this model as one CUDA graph: it places some of its "
+                                "nodes on the CPU; measure without CUDA graph capture") from None
         raise cannot_run(settings, exc) from None
     if session.get_providers()[0] != settings.provider:
         # onnxruntime-gpu whose CUDA libraries do not load logs it and runs on the CPU: a timing would be mislabelled

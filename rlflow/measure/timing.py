@@ -169,7 +169,8 @@ class Runner:
     """One model ready to run repeatedly: a session and its inputs, bound to the device on CUDA.
 
     On CUDA, inputs and outputs are bound to the GPU once (IOBinding) so host-device copies stay out of timings, and
-    each run ends with a synchronisation before the clock is read.
+    each run ends with a synchronisation before the clock is read.  With CUDA graph capture (`settings.cuda_graph`)
+    the outputs are preallocated too (`buffers`): a replayed graph writes where it wrote when captured.
     """
 
     def __init__(self, model: onnx.ModelProto | bytes, settings: SessionSettings, feeds: Mapping[str, np.ndarray]):
@@ -178,15 +179,24 @@ class Runner:
         names = {i.name for i in self.session.get_inputs()}
         self.feeds = ort_feeds({k: v for k, v in feeds.items() if k in names})
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.buffers = None
         self._binding = None
         if settings.provider == "CUDAExecutionProvider":
             import onnxruntime as ort
 
             binding = self.session.io_binding()
-            for name, value in self.feeds.items():
-                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", 0))
-            for name in self.outputs:
-                binding.bind_output(name, "cuda")
+            self._inputs = {name: ort.OrtValue.ortvalue_from_numpy(value.numpy(), "cuda", 0)
+                            for name, value in self.feeds.items()}  # kept: a captured graph reads these addresses
+            for name, value in self._inputs.items():
+                binding.bind_ortvalue_input(name, value)
+            if settings.cuda_graph:
+                self.buffers = {name: ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda", 0)
+                                for name, shape, dtype in output_specs(self.session)}
+                for name, value in self.buffers.items():
+                    binding.bind_ortvalue_output(name, value)
+            else:
+                for name in self.outputs:
+                    binding.bind_output(name, "cuda")
             self._binding = binding
 
     def run(self) -> None:
@@ -202,6 +212,31 @@ class Runner:
         for _ in range(runs):
             self.run()
         return (time.perf_counter() - start) / runs
+
+
+ONNX_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+                 "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+                 "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
+"""numpy types of the onnxruntime output types a preallocated buffer can hold."""
+
+
+def output_specs(session) -> list[tuple[str, list[int], type]]:
+    """Each output's name, fixed shape and numpy type, for buffers allocated before the first run.
+
+    Raises:
+        ProviderError: an output's shape is not fixed in the model (export it with static shapes, or give
+            --input-shape), or its type has no buffer here.
+    """
+    specs = []
+    for output in session.get_outputs():
+        if not all(isinstance(d, int) and d >= 0 for d in output.shape):
+            raise ProviderError(f"CUDA graph capture needs every output's shape fixed; {output.name} is "
+                                f"{list(output.shape)}")
+        if output.type not in ONNX_TO_NUMPY:
+            raise ProviderError(f"CUDA graph capture: output {output.name} has type {output.type}, which rlflow "
+                                "cannot preallocate")
+        specs.append((output.name, list(output.shape), ONNX_TO_NUMPY[output.type]))
+    return specs
 
 
 def _stats(label: str, seconds: Sequence[float], warmup: int, settings: SessionSettings) -> Timing:

@@ -143,3 +143,26 @@ def test_block_bootstrap_draws_as_the_two_stage_procedure_says():
     ratio = bootstrap_ratio(base, other, groups=groups, resamples=4000)
     assert ratio.median == float(np.median(ratios))
     assert abs(ratio.low - low) < 0.004 and abs(ratio.high - high) < 0.004
+
+
+def test_cuda_graph_capture_is_a_cuda_setting_and_needs_fixed_output_shapes(matmul_model):
+    """What can be checked without a GPU: the setting is refused elsewhere, and a captured runner's output buffers
+    come from the session's fixed output shapes (a dynamic one is one clear error)."""
+    import onnxruntime as ort
+
+    from rlflow.errors import ProviderError
+    from rlflow.measure.session import SessionSettings
+    from rlflow.measure.timing import output_specs
+
+    with pytest.raises(ValueError, match="CUDA graph capture needs the CUDAExecutionProvider"):
+        SessionSettings(cuda_graph=True)
+    assert SessionSettings(provider="CUDAExecutionProvider", cuda_graph=True).as_dict()["cuda_graph"] is True
+    dynamic = ort.InferenceSession(matmul_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ProviderError, match=r"needs every output's shape fixed; y is \['batch', 4\]"):
+        output_specs(dynamic)
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(matmul_model)
+    for value in (*fixed.graph.input, *fixed.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_value = 2
+    session = ort.InferenceSession(fixed.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert output_specs(session) == [("y", [2, 4], np.float32)]
