@@ -112,6 +112,29 @@ def _nan_guard(graph: Graph, context: gs.Node) -> tuple[gs.Node, list[gs.Node]] 
     return softmax, [where, isnan]
 
 
+MASK_FILL = -1e9
+"""A masked score at or below this gets probability 0 in float32 whether it is replaced (`Where`) or added to (a bias):
+exp underflows long before, for any score short of 1e8."""
+
+
+def _where_mask(graph: Graph, where: gs.Node) -> tuple[gs.Tensor, np.ndarray] | None:
+    """For a causal mask written as `Where(C, fill, scores)` or `Where(C, scores, fill)` with C a constant and fill a
+    constant far below any score (`MASK_FILL`), as models that `masked_fill` a fixed triangle export it: (the scores,
+    the additive bias that gives the same probabilities: fill where masked, 0 elsewhere).  None when some row of the
+    mask has every key masked: there `Where` gives equal scores and a bias would not."""
+    condition = constant_input(where, 0)
+    if condition is None or condition.dtype != np.bool_ or len(where.inputs) != 3:
+        return None
+    for fill_at, scores_at, masked in ((1, 2, condition), (2, 1, ~condition)):
+        fill = scalar(constant_input(where, fill_at))
+        if fill is not None and fill <= MASK_FILL and constant_input(where, scores_at) is None:
+            if masked.ndim < 2 or masked.all(axis=-1).any():
+                return None
+            bias = np.where(masked, np.float32(fill), np.float32(0)).astype(np.float32)
+            return where.inputs[scores_at], bias
+    return None
+
+
 class _Heads(NamedTuple):
     """Keys or values split into heads ([B, H, T, Dh]) as attention reads them."""
 
@@ -179,6 +202,7 @@ class _Found(NamedTuple):
     key: _Heads
     value: _Heads
     mask: gs.Tensor | None
+    bias: np.ndarray | None  # a constant Where mask as the additive bias it is equivalent to, [1, 1, S, T]
     guarded: bool
     heads: int
     scale: float
@@ -189,7 +213,7 @@ class AttentionFusion(Rule):
     """Replaces multi-head attention on [B, S, hidden] queries, keys and values with onnxruntime's `MultiHeadAttention`.
 
     An additive mask on the scores (`Softmax(s * Q.K^T + mask)`, as exporters write `attention_mask`) becomes its
-    `attention_bias`; the exporters' NaN guard after the Softmax is kept on the fused output.  A decoder's KV cache
+    `attention_bias`, and so does a fixed causal mask written as `Where(C, fill, scores)` (`_where_mask`); the exporters' NaN guard after the Softmax is kept on the fused output.  A decoder's KV cache
     (GPT-2: keys and values appended to past ones and output as the present state) becomes the operator's past inputs
     and present outputs."""
 
@@ -214,10 +238,13 @@ class AttentionFusion(Rule):
             softmax, guard = found
         if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
             return "the probabilities are not a Softmax over the last axis"
-        mask, mask_nodes, sides = None, [], [softmax.inputs[0]]
+        mask, bias, mask_nodes, sides = None, None, [], [softmax.inputs[0]]
         add = _producer(graph, softmax, 0, "Add")
+        where = _producer(graph, softmax, 0, "Where") if add is None else None
         if add is not None:
             mask_nodes, sides = [add], list(add.inputs)
+        elif where is not None and (constant_mask := _where_mask(graph, where)) is not None:
+            mask_nodes, sides, bias = [where], [constant_mask[0]], constant_mask[1]
         for i, side in enumerate(sides):
             scores, scale, scale_nodes = _scaled_operand(graph, side)
             qk = standard_producer(scores)
@@ -253,6 +280,12 @@ class AttentionFusion(Rule):
             return "not float32"
         if key.past is not None and graph.shape(key.past) != graph.shape(value.past):
             return "the past keys and values differ in shape"
+        if bias is not None:
+            total = graph.shape(key.present)[2] if key.present is not None else shapes[1][1]
+            if bias.shape[-2:] != (shapes[0][1], total) or any(d != 1 for d in bias.shape[:-2]) or moved != (
+                    False, False, False):
+                return "the constant mask is not [S, T] for a query of fixed shape"
+            bias = bias.reshape(1, 1, *bias.shape[-2:])
         if mask is not None:
             batch, length = shapes[0][0], shapes[0][1]
             total = graph.shape(key.present)[2] if key.present is not None else shapes[1][1]
@@ -264,22 +297,24 @@ class AttentionFusion(Rule):
                  *k_nodes, key.reshape, *key.nodes, value.reshape, *value.nodes]
         if not _shape_readers_die(graph, nodes):
             return "a tensor inside the attention is read elsewhere (other than by shape computations it feeds)"
-        return _Found(nodes, query[1], key, value, mask, bool(guard), heads, float(np.float32(scale * q_scale * k_scale)),
-                      flat)
+        return _Found(nodes, query[1], key, value, mask, bias, bool(guard), heads,
+                      float(np.float32(scale * q_scale * k_scale)), flat)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         found = self._pattern(graph, node)
         if isinstance(found, str):
             return self.no(node, found)
-        return self.match(found.nodes, heads=found.heads, scale=found.scale, masked=found.mask is not None,
+        return self.match(found.nodes, heads=found.heads, scale=found.scale,
+                          masked=found.mask is not None or found.bias is not None,
                           guarded=found.guarded, cached=found.key.present is not None)
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         found = self._pattern(graph, node)
         empty = gs.Variable.empty
+        mask = found.mask if found.bias is None else graph.add_constant(found.bias, "attention_bias")
         inputs = [found.query, found.key.source, found.value.source, empty(), empty(),
-                  found.mask if found.mask is not None else empty()]
+                  mask if mask is not None else empty()]
         if found.key.past is not None:
             inputs += [found.key.past, found.value.past]
         while not inputs[-1].name:
