@@ -7,7 +7,8 @@
 # The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
 # has whole rows.  GPU_CUDA_GRAPH=1 makes it `rlflow optimize --cuda-graph` (the search and its verdict measured with
-# CUDA graph capture), written as STEM.rlflow-cg.onnx and optimize/STEM-cg.json.  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
+# CUDA graph capture), written as STEM.rlflow-cg.onnx and optimize/STEM-cg.json, and the bench `--cuda-graph`
+# (into bench-cg/).  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
 #   mkdir -p /tmp/k/site /tmp/k/src      # what `remote.sh install` copies: the files a device call carries
 #   git ls-files -z --cached --others --exclude-standard rlflow gpu models | xargs -0 cp --parents -t /tmp/k/src
 #   RLFLOW_KIT=/tmp/k PYTHON=$PWD/.venv/bin/python GPU_PROVIDER=cpu GPU_ZOO="squeezenet-1.1-tiny resnet-18-tiny" \
@@ -37,8 +38,11 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
   case $STEP in
     bench)
       step "bench: greedy and TASO-style search, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
+      graphs=(); bench_out=bench
+      if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then graphs=(--cuda-graph); bench_out=bench-cg; fi
       "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \
-        --threads 1 --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} --out "$R/bench" ;;
+        --threads 1 --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} "${graphs[@]}" \
+        --out "$R/$bench_out" ;;
     cuda-graph)
       if [[ $PROVIDER == cuda ]]; then
         step "CUDA graph capture as a peer configuration"

@@ -30,7 +30,7 @@ from rlflow.graph import Graph, load
 from rlflow.model_file import max_ir_version, read_model
 from rlflow.measure.flops import count_flops, count_params
 from rlflow.measure.memory import shares_weights
-from rlflow.measure.session import SessionSettings, resolve_provider
+from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
 from rlflow.measure.profiled import compare_profiled
 from rlflow.measure.timing import Ratio, compare, time_model
 from rlflow.measure.verify import verify
@@ -64,6 +64,7 @@ class BenchConfig:
         ray: for `rlflow.bench_ray.run_on_ray`, the Ray cluster each model runs on as one task: `local` starts one
             on this machine, anything else is the address of a running cluster (`auto`, `ray://host:10001`); None for
             a run here, without Ray.
+        cuda_graph: CUDA only: every measurement runs the models as captured CUDA graphs (`SessionSettings`).
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -76,6 +77,7 @@ class BenchConfig:
     agent: str | None = None
     profiles: tuple[str, ...] = ()
     ray: str | None = None
+    cuda_graph: bool = False
 
 
 @dataclass
@@ -176,7 +178,9 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown:
         raise RlflowError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
-    settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
+    provider = resolve_provider(config.provider)
+    check_capture(provider, config.cuda_graph)
+    settings = SessionSettings(provider=provider, threads=config.threads, cuda_graph=config.cuda_graph)
     peak = measure_peak(settings)
     runs_per_model = len(config.methods) + (len(PEERS) if config.peers else 0)
     rows: list[Row] = []
@@ -225,7 +229,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
         graph = _load_profiled(model, [parse_profile(p) for p in config.profiles])
         static = graph.to_model(static=True)
         flops, params = count_flops(static), count_params(static)
-        warmup = warm_cost_table(graph, settings)
+        warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
         tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
     except RlflowError as exc:
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
@@ -332,7 +336,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
     start = time.monotonic()
     result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
                       threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
-                      agent=config.agent if method == "agent" else None)
+                      agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph)
     seconds = time.monotonic() - start
     comparison = result.comparison
     per_profile = []

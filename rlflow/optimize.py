@@ -21,7 +21,7 @@ from rlflow.graph import Graph, deployed_shapes
 from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
 from rlflow.measure.profiled import export_at
-from rlflow.measure.session import PROVIDERS, SessionSettings, resolve_provider
+from rlflow.measure.session import PROVIDERS, SessionSettings, check_capture, resolve_provider
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import Verification, verify
@@ -210,8 +210,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     graph, given = _load(model, input_shapes, profiles)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
-    if cuda_graph and resolved != PROVIDERS["cuda"]:
-        raise InputError(f"--cuda-graph needs the CUDA provider; this run's is {resolved}")
+    check_capture(resolved, cuda_graph)
     method_reason = None
     if method is None:
         method, method_reason = ("agent", None) if finetune else default_method(resolved, agent)

@@ -117,3 +117,12 @@ def test_a_failed_warm_up_leaves_the_run_going(matmul_model, monkeypatch):
 
     monkeypatch.setattr(CostModel, "graph_cost", broken)
     assert warm_cost_table(Graph.from_model(matmul_model), SessionSettings()) is None
+
+
+def test_cuda_graph_without_cuda_is_one_clear_error_and_writes_nothing(tmp_path, matmul_model, capsys):
+    save(matmul_model, tmp_path / "m.onnx")
+    out = tmp_path / "out"
+    assert main(["bench", str(tmp_path), "--provider", "cpu", "--cuda-graph", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --cuda-graph needs the CUDA provider; this run's is CPUExecutionProvider"]
+    assert not out.exists()

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from rlflow.errors import ProviderError
+from rlflow.errors import InputError, ProviderError
 from rlflow.model_file import external_array, external_info, external_tensors, set_external_data
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -44,6 +44,16 @@ def resolve_provider(name: str = "auto") -> str:
         hint = " (install onnxruntime-gpu with: pip install 'rlflow[gpu]')" if key == "cuda" else ""
         raise ProviderError(f"the {provider} is not available in this onnxruntime{hint}")
     return provider
+
+
+def check_capture(provider: str, cuda_graph: bool) -> None:
+    """`--cuda-graph` on another provider than CUDA: one line, before any work (`rlflow optimize`, `rlflow bench`).
+
+    Raises:
+        InputError: `cuda_graph` with a provider other than CUDA.
+    """
+    if cuda_graph and provider != PROVIDERS["cuda"]:
+        raise InputError(f"--cuda-graph needs the CUDA provider; this run's is {provider}")
 
 
 @dataclass(frozen=True)
