@@ -211,11 +211,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     check_capture(resolved, cuda_graph)
-    method_reason = None
-    if method is None:
-        method, method_reason = ("agent", None) if finetune else default_method(resolved, agent)
-        if method_reason:
-            log.info("method %s: %s", method, method_reason)
+    method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune)
     limited = time_limit is not None
     time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
     gate_seconds = gate_budget(time_limit)
@@ -224,14 +220,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
     if settings.share_weights:
         log.info("large weights (%.1f GiB): sessions share them in place, without pre-packing; %.1f GiB predicted for "
                  "weights with candidates measured one at a time", weight_bytes(graph) / 2**30, predicted_peak / 2**30)
-    # the provider must run the input as the user has it, at every profile (ProviderError otherwise); the primary
-    # profile's latency is the report's when the input is kept; each pace (session and run times) plans the final
-    # measurement at its profile.  Captured, the input runs as every measurement runs it, its static export: with
-    # dynamic shapes onnxruntime computes shapes on the CPU, and refuses the capture (BERT-L4 on an H200)
-    paces = [Pace() for _ in graph.profiles or [None]]
-    input_timings = [check_and_time(export_at(graph, p) if cuda_graph else given, settings, seed=seed, pace=pace,
-                                    shapes=dict(p.shapes) if p else graph.input_shapes)
-                     for p, pace in zip(graph.profiles or [None], paces)]
+    paces, input_timings = _time_input(graph, given, settings, seed)
     input_timing = input_timings[0]
 
     policy, adapted = None, None
@@ -286,6 +275,32 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
                   rejected=[] if keep else [str(m) for m in search.applied],
                   memory={"weights": weight_bytes(graph), "predicted_peak": predicted_peak, "peak": peak_rss_bytes()},
                   **common)
+
+
+def _default_for(provider: str, agent, finetune: int) -> tuple[str, str | None]:
+    """`default_method`, logged where it is not the agent; `--finetune` adapts the agent, so it asks for it."""
+    if finetune:
+        return "agent", None
+    method, reason = default_method(provider, agent)
+    if reason:
+        log.info("method %s: %s", method, reason)
+    return method, reason
+
+
+def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,
+                seed: int) -> tuple[list[Pace], list[Timing]]:
+    """The input checked and timed at every profile (ProviderError where the provider cannot run it), with the pace
+    (session and run times) that plans the final measurement at each.  The primary profile's latency is the report's
+    when the input is kept.
+
+    The input runs as the user has it, except under CUDA graph capture: there it runs as every measurement runs it,
+    its static export (with dynamic shapes onnxruntime computes shapes on the CPU and refuses the capture: BERT-L4 on
+    an H200)."""
+    paces = [Pace() for _ in graph.profiles or [None]]
+    timings = [check_and_time(export_at(graph, p) if settings.cuda_graph else given, settings, seed=seed, pace=pace,
+                              shapes=dict(p.shapes) if p else graph.input_shapes)
+               for p, pace in zip(graph.profiles or [None], paces)]
+    return paces, timings
 
 
 def _gate_reason(gate: Gate) -> str:
