@@ -51,6 +51,11 @@ CALL_LIMIT = 64 * 2**20
 MARGIN = 3 * 2**20
 """Room left in every call for files that change between preparing the kit and the calls."""
 
+LEASE_PLAN = ('GPU_STEPS="optimize bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=20 '
+              'GPU_ZOO="bert-l4-h256-s16-ts distilbert-base-s16-ts deit-small-b1-ts gpt2-small"')
+"""The measurement the last call starts: what fits a 15-minute lease (README, "rlflow's outputs on CUDA, and the next
+lease").  measure.sh's own defaults (the whole zoo, bench, capture and cost check) took 28 minutes on an H100."""
+
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"
 
@@ -138,10 +143,11 @@ def commands(parts: list[Path], root: Path = ROOT) -> str:
         command = f"bash gpu/remote.sh receive {rel}"
         if i == len(parts):
             carry.append(".gpukit/SHA256")
-            command += " && bash gpu/remote.sh install && bash gpu/remote.sh measure --wait 420"
+            command += f" && bash gpu/remote.sh install && {LEASE_PLAN} bash gpu/remote.sh measure --wait 540"
         lines += [f"{i}. carry `{json.dumps(carry)}`, command: `{command}`"]
     lines += ["", "Then, until it reports `measurement finished`, each within 30 s of the last:",
-              "`bash gpu/remote.sh collect --wait 540` (no carry). Every call leaves the results so far in $OUT.", ""]
+              "`bash gpu/remote.sh collect --wait 540` (no carry). Every call leaves the results so far in $OUT.",
+              "Change the settings before `bash gpu/remote.sh measure` to measure something else (gpu/measure.sh).", ""]
     return "\n".join(lines)
 
 

@@ -65,7 +65,8 @@ def test_commands_carry_every_part_in_order_and_the_checksum_last(tmp_path):
         assert ("install" in command) == (i == 4) and ("measure" in command) == (i == 4)
     last = calls[-1][1].split(" && ")
     assert last == ["bash gpu/remote.sh receive .gpukit/part-04", "bash gpu/remote.sh install",
-                    "bash gpu/remote.sh measure --wait 420"]
+                    f"{kit.LEASE_PLAN} bash gpu/remote.sh measure --wait 540"]
+    assert "GPU_STEPS=" in kit.LEASE_PLAN and "GPU_ZOO=" in kit.LEASE_PLAN
 
 
 def test_one_part_is_one_call_that_does_everything(tmp_path):
