@@ -37,7 +37,7 @@ if [[ $PROVIDER == cuda ]]; then binding=", CUDA with IOBinding"; else binding="
 for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
   case $STEP in
     bench)
-      step "bench: greedy and TASO-style search, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
+      step "bench: ${GPU_METHODS:-greedy,taso}, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
       graphs=(); bench_out=bench
       if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then graphs=(--cuda-graph); bench_out=bench-cg; fi
       "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \

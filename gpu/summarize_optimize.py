@@ -82,7 +82,8 @@ def plot(table: list[dict], path: Path, device: str) -> None:
     for i, (label, pick) in enumerate(bars):
         ratios = [pick(r["captured"]) for r in shown]
         medians = np.array([q["median"] for q in ratios])
-        errors = np.array([[m - q["low"] for m, q in zip(medians, ratios)], [q["high"] - m for m, q in zip(medians, ratios)]])
+        errors = np.array([[m - q["low"] for m, q in zip(medians, ratios)],
+                           [q["high"] - m for m, q in zip(medians, ratios)]])
         ax.bar(x + (i - (len(bars) - 1) / 2) * width, medians, width, yerr=errors, capsize=2, label=label)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(x, [r["model"] for r in shown], rotation=30, ha="right")

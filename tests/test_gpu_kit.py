@@ -198,12 +198,14 @@ def test_summarize_optimize_tables_each_model_and_says_why_capture_was_refused(t
                   "latency_ms": {"before": {"median_ms": 2.0}, "after": {"median_ms": 1.2}},
                   "seconds": {"search": 12.5}, "applied": ["attention-fusion@a", "attention-fusion@b", "bias-gelu@c"]}
         (folder / "optimize" / f"{model}.json").write_text(json.dumps(report))
-        (folder / "optimize" / f"{model}.captured.json").write_text(json.dumps({"rows": [_captured_row(model, status)]}))
+        captured = {"rows": [_captured_row(model, status)]}
+        (folder / "optimize" / f"{model}.captured.json").write_text(json.dumps(captured))
     (folder / "environment.json").write_text(json.dumps({"device": "Test GPU"}))
     assert summarize.main([str(folder)]) == 0
     lines = (folder / "optimize.md").read_text().splitlines()
     assert len(lines) == 4
-    assert lines[2].startswith("| alpha | 1.700 [1.600, 1.800] | 2.000 -> 1.200 | 12.5 | attention-fusion 2, bias-gelu 1 |")
+    assert lines[2].startswith("| alpha | 1.700 [1.600, 1.800] | 2.000 -> 1.200 | 12.5 | "
+                               "attention-fusion 2, bias-gelu 1 |")
     assert "| 1.300 [1.200, 1.350] | 2.600 [2.500, 2.700] | 3.0e-04 |" in lines[2]
     assert "capture refused: onnxruntime placed some nodes on the CPU" in lines[3]
     assert (folder / "optimize.png").stat().st_size > 0

@@ -117,7 +117,7 @@ MASK_FILL = -1e9
 exp underflows long before, for any score short of 1e8."""
 
 
-def _where_mask(graph: Graph, where: gs.Node) -> tuple[gs.Tensor, np.ndarray] | None:
+def _where_mask(where: gs.Node) -> tuple[gs.Tensor, np.ndarray] | None:
     """For a causal mask written as `Where(C, fill, scores)` or `Where(C, scores, fill)` with C a constant and fill a
     constant far below any score (`MASK_FILL`), as models that `masked_fill` a fixed triangle export it: (the scores,
     the additive bias that gives the same probabilities: fill where masked, 0 elsewhere).  None when some row of the
@@ -213,7 +213,8 @@ class AttentionFusion(Rule):
     """Replaces multi-head attention on [B, S, hidden] queries, keys and values with onnxruntime's `MultiHeadAttention`.
 
     An additive mask on the scores (`Softmax(s * Q.K^T + mask)`, as exporters write `attention_mask`) becomes its
-    `attention_bias`, and so does a fixed causal mask written as `Where(C, fill, scores)` (`_where_mask`); the exporters' NaN guard after the Softmax is kept on the fused output.  A decoder's KV cache
+    `attention_bias`, and so does a fixed causal mask written as `Where(C, fill, scores)` (`_where_mask`); the
+    exporters' NaN guard after the Softmax is kept on the fused output.  A decoder's KV cache
     (GPT-2: keys and values appended to past ones and output as the present state) becomes the operator's past inputs
     and present outputs."""
 
@@ -243,7 +244,7 @@ class AttentionFusion(Rule):
         where = _producer(graph, softmax, 0, "Where") if add is None else None
         if add is not None:
             mask_nodes, sides = [add], list(add.inputs)
-        elif where is not None and (constant_mask := _where_mask(graph, where)) is not None:
+        elif where is not None and (constant_mask := _where_mask(where)) is not None:
             mask_nodes, sides, bias = [where], [constant_mask[0]], constant_mask[1]
         for i, side in enumerate(sides):
             scores, scale, scale_nodes = _scaled_operand(graph, side)
@@ -282,8 +283,8 @@ class AttentionFusion(Rule):
             return "the past keys and values differ in shape"
         if bias is not None:
             total = graph.shape(key.present)[2] if key.present is not None else shapes[1][1]
-            if bias.shape[-2:] != (shapes[0][1], total) or any(d != 1 for d in bias.shape[:-2]) or moved != (
-                    False, False, False):
+            if (bias.shape[-2:] != (shapes[0][1], total) or any(d != 1 for d in bias.shape[:-2]) or moved is None
+                    or any(moved)):
                 return "the constant mask is not [S, T] for a query of fixed shape"
             bias = bias.reshape(1, 1, *bias.shape[-2:])
         if mask is not None:

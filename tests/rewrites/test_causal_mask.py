@@ -49,7 +49,7 @@ def test_a_where_mask_is_the_bias_that_gives_the_same_probabilities(scores_secon
     future = np.triu(np.ones((4, 4), bool), 1)
     condition = future if scores_second else ~future  # Where(C, fill, x) masks C; Where(C, x, fill) masks ~C
     graph = _where(condition, np.finfo(np.float32).min, scores_second)
-    scores, bias = _where_mask(graph, graph.gs.nodes[0])
+    scores, bias = _where_mask(graph.gs.nodes[0])
     assert scores.name == "x"
     assert np.array_equal(bias == 0, ~future) and (bias[future] <= -1e9).all()
 
@@ -57,8 +57,8 @@ def test_a_where_mask_is_the_bias_that_gives_the_same_probabilities(scores_secon
 def test_a_where_mask_is_refused_where_a_bias_would_differ():
     future = np.triu(np.ones((4, 4), bool), 1)
     near = _where(future, -100.0)  # a fill a large score could outweigh
-    assert _where_mask(near, near.gs.nodes[0]) is None
+    assert _where_mask(near.gs.nodes[0]) is None
     blank_row = future.copy()
     blank_row[0, 0] = True  # every key of the first query masked: Where gives equal scores there, a bias would not
     blank = _where(blank_row, -1e30)
-    assert _where_mask(blank, blank.gs.nodes[0]) is None
+    assert _where_mask(blank.gs.nodes[0]) is None
