@@ -29,16 +29,9 @@ from rlflow.graph import load
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, inference_session, session_options
 from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner, bootstrap_ratio
+from rlflow.measure.verify import compare_arrays
 
 PROVIDER = "CUDAExecutionProvider"
-
-
-def _error(got: np.ndarray, want: np.ndarray) -> float:
-    """Relative norm error of floating outputs; inf where other outputs differ at all."""
-    if np.issubdtype(want.dtype, np.floating):
-        scale = max(float(np.linalg.norm(want)), 1e-12)
-        return float(np.linalg.norm(got.astype(np.float64) - want)) / scale
-    return 0.0 if np.array_equal(got, want) else math.inf
 
 
 def _outputs(runner: Runner, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -84,7 +77,8 @@ def measure(path: Path, rounds: int, blocks: int, seed: int, rewritten: Path | N
                 runner.run()
         for label, runner in zip(configurations[1:], runners[1:]):
             outputs = _outputs(runner, feeds)
-            errors[label] = max([errors[label], *(_error(outputs[name], want) for name, want in expected.items())])
+            errors[label] = max([errors[label], *(compare_arrays(name, want, outputs[name]).rel_norm
+                                                  for name, want in expected.items())])
         if runs is None:
             runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(max(r.time(1) for r in runners), 1e-9)))
         for _ in range(max(1, rounds // blocks)):

@@ -34,15 +34,15 @@ step "zoo build with the machine's own torch"
 "$PY" -m rlflow.cli zoo build $ZOO --out "$KIT/models" 2>&1 | tee "$R/zoo-build.txt"
 
 if [[ $PROVIDER == cuda ]]; then binding=", CUDA with IOBinding"; else binding=", provider $PROVIDER"; fi
+capture=(); cg=""  # GPU_CUDA_GRAPH: the bench and optimize steps measure with CUDA graph capture
+if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then capture=(--cuda-graph); cg="-cg"; fi
 for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
   case $STEP in
     bench)
       step "bench: ${GPU_METHODS:-greedy,taso}, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
-      graphs=(); bench_out=bench
-      if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then graphs=(--cuda-graph); bench_out=bench-cg; fi
       "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \
-        --threads 1 --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} "${graphs[@]}" \
-        --out "$R/$bench_out" ;;
+        --threads 1 --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} "${capture[@]}" \
+        --out "$R/bench$cg" ;;
     cuda-graph)
       if [[ $PROVIDER == cuda ]]; then
         step "CUDA graph capture as a peer configuration"
@@ -56,8 +56,6 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
         --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" ;;
     optimize)
       mkdir -p "$R/optimize"
-      capture=(); cg=""
-      if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then capture=(--cuda-graph); cg="-cg"; fi
       for m in $ZOO; do
         step "optimize $m: greedy, ${GPU_TIME_LIMIT:-10} s$binding ${capture[*]}"
         "$PY" -m rlflow.cli optimize "$KIT/models/$m.onnx" --method greedy --provider "$PROVIDER" --threads 1 \

@@ -96,8 +96,11 @@ def load_agent(path: str | os.PathLike | None = None):
 def trained_provider(path: str | os.PathLike | None = None) -> str:
     """The provider (`cpu` or `cuda`) the agent at `path` (default: the shipped one) was trained for: from the
     provenance file beside it (`<name>.json`, written by `rlflow.controller.ship`), else from the checkpoint's own
-    training config (a torch load); `cpu` for a checkpoint that predates the setting."""
+    training config (read as every checkpoint is, without running code: `rlflow.training.read_checkpoint`); `cpu`
+    for a checkpoint that predates the setting."""
     import json
+
+    from rlflow.training import read_checkpoint
 
     path = Path(path) if path is not None else DEFAULT_AGENT
     provenance = path.with_suffix(".json")
@@ -107,9 +110,7 @@ def trained_provider(path: str | os.PathLike | None = None) -> str:
             return recorded
     if not path.is_file():
         raise InputError(f"{path}: no such agent checkpoint")
-    import torch
-
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = read_checkpoint(path)
     return (payload.get("config") or {}).get("provider", "cpu")
 
 
