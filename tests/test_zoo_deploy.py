@@ -16,15 +16,15 @@ from rlflow.graph import format_input_shapes, parse_input_shapes
 
 DEPLOY = zoo.names(family="deploy")
 ARCHS = ["bert-l2-h128", "bert-l4-h256", "minilm-l12-h384", "distilbert-base", "roberta-base", "deit-small",
-         "gpt2-prefill", "gpt2-decode", "whisper-tiny-encoder"]
+         "deit-tiny", "gpt2-prefill", "gpt2-decode", "whisper-tiny-encoder"]
 SMALLEST = ["bert-l2-h128-s16-ts", "bert-l2-h128-s16-dynamo"]
 
 
 def test_names_say_the_architecture_shape_and_exporter():
-    shapes = {"deit-small": ["b1"], "whisper-tiny-encoder": ["b1"], "gpt2-prefill": ["s32"], "gpt2-decode": ["kv128"]}
+    shapes = {"deit-small": ["b1"], "deit-tiny": ["b1"], "whisper-tiny-encoder": ["b1"], "gpt2-prefill": ["s32"], "gpt2-decode": ["kv128"]}
     expected = {f"{arch}-{shape}-{exporter}" for arch in ARCHS for shape in shapes.get(arch, ["s16", "s128"])
                 for exporter in ("ts", "dynamo")}
-    assert set(DEPLOY) == expected and len(DEPLOY) == 28
+    assert set(DEPLOY) == expected and len(DEPLOY) == 30
     assert {"gpt2-decode-kv128-ts", "bert-l2-h128-s16-dynamo", "whisper-tiny-encoder-b1-ts"} <= set(DEPLOY)
     # consecutive names share one export: shapes vary fastest
     assert DEPLOY[:4] == ["bert-l2-h128-s16-ts", "bert-l2-h128-s128-ts", "bert-l2-h128-s16-dynamo",
