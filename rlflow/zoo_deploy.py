@@ -69,6 +69,16 @@ def _bert(layers: int, hidden: int, heads: int, **extra) -> dict:
                 intermediate_size=4 * hidden, **extra)
 
 
+def _deit(size: str, hidden: int, heads: int) -> Architecture:
+    """DeiT-`size` (a ViT L12 classifier at 224x224, facebook/deit-`size`-patch16-224's config), batch 1."""
+    config = dict(hidden_size=hidden, num_hidden_layers=12, num_attention_heads=heads, intermediate_size=4 * hidden,
+                  image_size=224, patch_size=16, num_labels=1000)
+    return Architecture(f"deit-{size}", "ViTForImageClassification", config, "image",
+                        {"b1": {"pixel_values": (1, 3, 224, 224)}}, ("logits",),
+                        {"model_type": "vit", "num_heads": heads, "hidden_size": hidden},
+                        f"DeiT-{size} (facebook/deit-{size}-patch16-224: a ViT L12/H{hidden} classifier), 224x224")
+
+
 _GPT2 = dict(vocab_size=GPT2_VOCAB, n_layer=12, n_embd=768, n_head=12, n_positions=1024)
 _GPT2_TF = {"model_type": "gpt2", "num_heads": 12, "hidden_size": 768}
 _KV = {f"past_key_values.{i}.{kv}": (1, 12, 128, 64) for i in range(12) for kv in ("key", "value")}
@@ -91,20 +101,10 @@ ARCHITECTURES = (
                       bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5), "text", _text(),
                  ("last_hidden_state", "pooler_output"), {"model_type": "bert", "num_heads": 12, "hidden_size": 768},
                  "RoBERTa-base (roberta-base config)"),
-    Architecture("deit-small", "ViTForImageClassification",
-                 dict(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
-                      image_size=224, patch_size=16, num_labels=1000), "image",
-                 {"b1": {"pixel_values": (1, 3, 224, 224)}}, ("logits",),
-                 {"model_type": "vit", "num_heads": 6, "hidden_size": 384},
-                 "DeiT-small (facebook/deit-small-patch16-224: a ViT L12/H384 classifier), 224x224"),
+    _deit("small", 384, 6),
     # the agents' training set's small-hidden model: attention fusion is worth 7-9% of its estimated time, as on
     # the held-out BERT L2/H128 (8-10%), where DeiT-small, DistilBERT and Whisper-tiny show 0.5-5% (issue #28)
-    Architecture("deit-tiny", "ViTForImageClassification",
-                 dict(hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768,
-                      image_size=224, patch_size=16, num_labels=1000), "image",
-                 {"b1": {"pixel_values": (1, 3, 224, 224)}}, ("logits",),
-                 {"model_type": "vit", "num_heads": 3, "hidden_size": 192},
-                 "DeiT-tiny (facebook/deit-tiny-patch16-224: a ViT L12/H192 classifier), 224x224"),
+    _deit("tiny", 192, 3),
     Architecture("gpt2-prefill", "GPT2LMHeadModel", _GPT2, "prefill", _text((32,)), ("logits",), _GPT2_TF,
                  "GPT-2 small prefill (logits and the KV cache)"),
     Architecture("gpt2-decode", "GPT2LMHeadModel", _GPT2, "decode",
