@@ -54,7 +54,8 @@ def dense_chain(folder: str | os.PathLike, layers: int = 10, width: int = 8192, 
 def gpt2_large(folder: str | os.PathLike) -> Path:
     """GPT-2 large's decode step with a KV cache of 128 (36 layers, hidden 1280, 774 M parameters: 3.1 GB of float32
     weights, random), exported by torch's dynamo exporter with its weights in one external data file."""
-    from rlflow.zoo_deploy import GPT2_VOCAB, Architecture, export_to_file
+    from rlflow.zoo_deploy import export_to_file
+    from rlflow.zoo_deploy_architectures import GPT2_VOCAB, Architecture
 
     layers, hidden, heads = 36, 1280, 20
     past = {f"past_key_values.{i}.{kv}": (1, heads, 128, hidden // heads) for i in range(layers)

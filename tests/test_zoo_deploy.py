@@ -1,5 +1,6 @@
 """The zoo's deployment section: entries, names, the deployed-shape metadata, and a small real build per exporter."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -83,6 +84,33 @@ def test_definition_hash_needs_neither_torch_nor_transformers():
            "'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == "False False\n"
+
+
+def test_the_architecture_table_is_hashed_per_entry_and_the_export_code_whole(monkeypatch):
+    """Adding an architecture leaves the other builds up to date; a change to the export code or to an entry's own
+    architecture does not."""
+    from pathlib import Path
+
+    from rlflow import zoo_deploy, zoo_deploy_architectures
+
+    name = "bert-l2-h128-s16-ts"
+    before = zoo.definition_hash(name)
+    read = Path.read_bytes
+
+    def edited(target):  # one source file with a line appended, as an edit would leave it
+        def read_bytes(path):
+            return read(path) + (b"\n# edited\n" if path == Path(target.__file__) else b"")
+        return read_bytes
+
+    monkeypatch.setattr(Path, "read_bytes", edited(zoo_deploy_architectures))
+    assert zoo.definition_hash(name) == before
+    monkeypatch.setattr(Path, "read_bytes", edited(zoo_deploy))
+    assert zoo.definition_hash(name) != before
+    monkeypatch.setattr(Path, "read_bytes", read)
+    entry = zoo.get(name)
+    wider = dict(entry.config, config=dict(entry.config["config"], hidden_size=256))
+    monkeypatch.setitem(zoo._REGISTRY, name, dataclasses.replace(entry, config=wider))
+    assert zoo.definition_hash(name) != before
 
 
 def test_cli_lists_the_section_without_building_it(monkeypatch, tmp_path, capsys):

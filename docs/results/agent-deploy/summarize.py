@@ -8,12 +8,15 @@ Reads the paired bench runs of the shipped agent and greedy (`PAIRED_RUNS`) and 
 section's TASO-style, random-walk and peer rows (`docs/results/deploy/`) and writes `heldout.md`.
 
     python docs/results/agent-deploy/summarize.py
+    python docs/results/agent-deploy/summarize.py small-hidden    # a training variant's folder: its seeds.md and
+                                                                  # plot, and heldout.md from its heldout-*/ runs
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -25,8 +28,8 @@ TARGET_STEP_SHARE = 0.2
 """The world-model agent reaches PPO's final return in at most this share of PPO's real steps."""
 
 
-def _runs() -> list[tuple[str, dict]]:
-    return [(path.parent.name, json.loads(path.read_text())) for path in sorted(HERE.glob("seed*/worldmodel.json"))]
+def _runs(folder: Path = HERE) -> list[tuple[str, dict]]:
+    return [(path.parent.name, json.loads(path.read_text())) for path in sorted(folder.glob("seed*/worldmodel.json"))]
 
 
 def _figures(run: dict) -> dict:
@@ -253,7 +256,24 @@ def agents_markdown(runs: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def variant(folder: Path) -> None:
+    """A training variant's figures (`folder` holds its `ppo/`, `seed*/` and paired bench runs `heldout-*/`)."""
+    runs = _runs(folder)
+    (folder / "seeds.md").write_text(markdown(runs).replace("summarize.py`", f"summarize.py {folder.name}`", 1))
+    plot(runs, folder / "sample-efficiency.png")
+    print(f"wrote {folder / 'seeds.md'} and {folder / 'sample-efficiency.png'} ({len(runs)} seeds)")
+    benches = {path.parent.name: json.loads(path.read_text()) for path in sorted(folder.glob("heldout*/results.json"))}
+    if benches:
+        (folder / "heldout.md").write_text(agents_markdown(benches).replace(
+            "## Every agent against greedy in its own run (2026-11-26)", f"# {folder.name}: every agent against "
+            "greedy in its own run", 1))
+        print(f"wrote {folder / 'heldout.md'}")
+
+
+def main(argv: list[str]) -> None:
+    if argv:
+        variant(HERE / argv[0])
+        return
     runs = _runs()
     (HERE / "seeds.md").write_text(markdown(runs))
     plot(runs, HERE / "sample-efficiency.png")
@@ -278,4 +298,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
