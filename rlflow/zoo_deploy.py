@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import io
 import warnings
+
 from rlflow.graph import DEPLOYED_SHAPES_KEY, format_input_shapes
 from rlflow.zoo_deploy_architectures import ARCHITECTURES, Architecture
 

@@ -22,7 +22,8 @@ SMALLEST = ["bert-l2-h128-s16-ts", "bert-l2-h128-s16-dynamo"]
 
 
 def test_names_say_the_architecture_shape_and_exporter():
-    shapes = {"deit-small": ["b1"], "deit-tiny": ["b1"], "whisper-tiny-encoder": ["b1"], "gpt2-prefill": ["s32"], "gpt2-decode": ["kv128"]}
+    shapes = {"deit-small": ["b1"], "deit-tiny": ["b1"], "whisper-tiny-encoder": ["b1"], "gpt2-prefill": ["s32"],
+              "gpt2-decode": ["kv128"]}
     expected = {f"{arch}-{shape}-{exporter}" for arch in ARCHS for shape in shapes.get(arch, ["s16", "s128"])
                 for exporter in ("ts", "dynamo")}
     assert set(DEPLOY) == expected and len(DEPLOY) == 30
