@@ -17,6 +17,7 @@ import importlib.util
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -266,8 +267,26 @@ def variant(folder: Path) -> None:
     if benches:
         (folder / "heldout.md").write_text(agents_markdown(benches).replace(
             "## Every agent against greedy in its own run (2026-11-26)", f"# {folder.name}: every agent against "
-            "greedy in its own run", 1))
+            "greedy in its own run", 1) + "\n" + rules_markdown(benches))
         print(f"wrote {folder / 'heldout.md'}")
+
+
+def rules_markdown(runs: dict[str, dict]) -> str:
+    """Per model and bench run, the rules of the agent's and greedy's outputs (how many places each rewrote)."""
+    lines = ["## The rules in each output", "", "Each cell: rule (places rewritten), from the `rewrites` of "
+             "`results.json`; nothing where the input was kept.", "", "| model | method | "
+             + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
+    rows = {name: {(r["model"], r["method"]): r for r in run["rows"]} for name, run in runs.items()}
+    models = list(dict.fromkeys(model for run in rows.values() for model, _ in run))
+    for model in models:
+        for method in ("agent", "greedy"):
+            cells = []
+            for name in runs:
+                row = rows[name].get((model, method))
+                counts = Counter(rewrite.split("@")[0] for rewrite in (row or {}).get("rewrites", []))
+                cells.append(", ".join(f"{rule} ({n})" for rule, n in sorted(counts.items())))
+            lines.append(f"| {model} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str]) -> None:
