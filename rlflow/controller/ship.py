@@ -102,9 +102,11 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
 
 def architecture(model: str) -> str:
     """The architecture a zoo name stands for: a deployment export's (DistilBERT-base at any sequence length, from
-    either exporter), else the name without its -tiny suffix (also for names the zoo does not know)."""
+    either exporter), else the name without its -tiny suffix (also for names the zoo does not know).  A model file
+    (`models/deit-tiny-b1-ts.onnx`, as a run trained on paths records it) stands for its stem."""
     from rlflow.zoo import DEPLOY, get
 
+    model = Path(model).stem if model.endswith(".onnx") else model
     try:
         entry = get(model)
     except ValueError:

@@ -64,3 +64,10 @@ def test_a_deployment_export_counts_as_seen_at_any_shape_and_exporter(tmp_path):
     assert not ship.is_held_out("distilbert-base-s128-dynamo", tmp_path)  # the same architecture
     assert ship.is_held_out("bert-l2-h128-s16-ts", tmp_path) and not ship.is_held_out("resnet-18", tmp_path)
     assert ship.architecture("my-model") == "my-model"  # a file the zoo does not know: its own name
+
+
+def test_a_model_file_counts_as_its_zoo_name(tmp_path):
+    (tmp_path / "default.json").write_text(json.dumps({"trained_on": ["models/distilbert-base-s16-ts.onnx"]}))
+    assert not ship.is_held_out("distilbert-base-s128-dynamo", tmp_path)  # a run given paths trained on it
+    assert ship.is_held_out("bert-l2-h128-s16-ts", tmp_path)
+    assert ship.architecture("elsewhere/my-model.onnx") == "my-model"
