@@ -419,7 +419,8 @@ def markdown_table(results: dict) -> str:
     env, cfg, peak = results["environment"], results["config"], results["peak"]
     lines = [
         "# rlflow bench results", "",
-        f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), {env['provider']}, "
+        f"Measured {env['date']} on {env['cpu']} ({env['cores']} cores), {env['provider']}"
+        f"{', CUDA graph capture' if results['settings'].get('cuda_graph') else ''}, "
         f"{results['settings']['threads']} thread(s), graph optimisation '{results['settings']['opt_level']}', "
         f"onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, rlflow {env['rlflow']}. "
         f"Search time limit {_limit(cfg['time_limit'])} per model and method; {cfg['rounds']} interleaved rounds per "

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
-from rlflow.bench import _outcome_lines, find_models, outcome
+from rlflow.bench import _outcome_lines, find_models, markdown_table, outcome
 from rlflow.cli import main
 from rlflow.errors import RlflowError
 from tests.conftest import save
@@ -126,3 +127,12 @@ def test_cuda_graph_without_cuda_is_one_clear_error_and_writes_nothing(tmp_path,
     assert capsys.readouterr().err.splitlines() == [
         "error: --cuda-graph needs the CUDA provider; this run's is CPUExecutionProvider"]
     assert not out.exists()
+
+
+def test_the_table_says_when_it_was_measured_with_cuda_graph_capture():
+    """A captured bench (`--cuda-graph`) is not comparable with a plain one: its header must say which it is."""
+    results = json.loads((Path(__file__).parent.parent / "docs/results/gpu/h200-1126-cg/bench-cg/results.json")
+                         .read_text())
+    assert "CUDAExecutionProvider, CUDA graph capture, 1 thread(s)" in markdown_table(results)
+    results["settings"]["cuda_graph"] = False
+    assert "CUDA graph capture" not in markdown_table(results).split("\n")[2]
