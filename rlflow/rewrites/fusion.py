@@ -303,7 +303,9 @@ class GeluFusion(_GeluBase):
 
 
 class FastGeluFusion(_GeluBase):
-    """Replaces `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` with onnxruntime's `FastGelu(x)`."""
+    """Replaces `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))` with onnxruntime's `FastGelu(x)`.
+
+    x^3 is `Pow(x, 3)` (Hugging Face's `gelu_new`) or `x * x * x` (models that write the cube as products)."""
 
     name = "fast-gelu-fusion"
     fused_op = "FastGelu"
@@ -318,17 +320,29 @@ class FastGeluFusion(_GeluBase):
             if add is None or not _close(scalar(constant_input(outer, 1 - i)), math.sqrt(2 / math.pi)):
                 continue
             rest = _operand(add, x)
-            if rest is None:
-                return None
-            cubic = standard_producer(rest[0])
-            if cubic is None or cubic.op != "Mul" or not private(graph, rest[0]):
-                return None
-            for j in (0, 1):
-                power = private_producer(graph, cubic, j, "Pow")
-                if (power is not None and power.inputs[0] is x and _close(scalar(constant_input(power, 1)), 3.0)
-                        and _close(scalar(constant_input(cubic, 1 - j)), 0.044715)):
-                    return [outer, add, cubic, power]
+            cubic = _cubic_term(graph, rest[0], x) if rest is not None else None
+            return [outer, add, *cubic] if cubic is not None else None
         return None
+
+
+def _cubic_term(graph: Graph, tensor: gs.Tensor, x: gs.Tensor) -> list[gs.Node] | None:
+    """The private nodes computing `0.044715 * x^3` that produce `tensor`, x^3 as `Pow(x, 3)` or as `x * x * x`; or
+    None."""
+    cubic = standard_producer(tensor)
+    if cubic is None or cubic.op != "Mul" or not private(graph, tensor):
+        return None
+    factors, tree = operand_tree(graph, cubic, depth=3)
+    coefficient = [t for t in factors if _close(scalar(Graph.constant(t)), 0.044715)]
+    rest = [t for t in factors if all(t is not c for c in coefficient)]
+    if len(coefficient) != 1:
+        return None
+    if len(rest) == 3 and all(t is x for t in rest):
+        return tree
+    power = standard_producer(rest[0]) if len(rest) == 1 else None
+    if (power is not None and power.op == "Pow" and private(graph, rest[0]) and power.inputs[0] is x
+            and _close(scalar(constant_input(power, 1)), 3.0)):
+        return [*tree, power]
+    return None
 
 
 _ACTIVATIONS = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": (("alpha", 0.01),),

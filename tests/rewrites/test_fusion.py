@@ -22,12 +22,15 @@ def _layernorm(opset=17, square="Pow", axes=(-1,), gamma_shape=(8,)):
                          "g": weights(*gamma_shape), "b": weights(8, seed=3), "ax": ints(*axes)})
 
 
-def _gelu(variant="erf", half_first=False, scale=None):
+def _gelu(variant="erf", half_first=False, scale=None, cube="pow"):
+    """GELU's formula as exporters write it; `cube="mul"` writes the tanh form's x^3 as `x * (x * x)`."""
     if variant == "erf":
         inner = [node("Div", ["x", "r2"], "t"), node("Erf", ["t"], "e")]
         consts = {"r2": np.array(scale or math.sqrt(2), np.float32)}
     else:
-        inner = [node("Pow", ["x", "three"], "c"), node("Mul", ["k", "c"], "kc"), node("Add", ["x", "kc"], "in"),
+        power = ([node("Pow", ["x", "three"], "c")] if cube == "pow"
+                 else [node("Mul", ["x", "x"], "sq"), node("Mul", ["x", "sq"], "c")])
+        inner = [*power, node("Mul", ["k", "c"], "kc"), node("Add", ["x", "kc"], "in"),
                  node("Mul", ["in", "s"], "t"), node("Tanh", ["t"], "e")]
         consts = {"three": np.array(3.0, np.float32), "k": np.array(0.044715, np.float32),
                   "s": np.array(scale or math.sqrt(2 / math.pi), np.float32)}
@@ -203,10 +206,22 @@ def test_layernorm_refuses_gamma_over_leading_axes():
     assert_refuses(_layernorm(gamma_shape=(4, 1)), "layernorm-fusion", "vary along leading axes")
 
 
-@pytest.mark.parametrize("variant,half_first", [("erf", True), ("tanh", False)])
-def test_gelu_variants_fuse_to_one_node(variant, half_first):
+@pytest.mark.parametrize("variant,half_first,cube", [("erf", True, "pow"), ("tanh", False, "pow"),
+                                                     ("tanh", True, "mul")])
+def test_gelu_variants_fuse_to_one_node(variant, half_first, cube):
     name = "gelu-fusion" if variant == "erf" else "fast-gelu-fusion"
-    assert len(assert_rewrites(_gelu(variant, half_first), name)) == 1
+    assert len(assert_rewrites(_gelu(variant, half_first, cube=cube), name)) == 1
+
+
+def test_fast_gelu_refuses_a_cube_that_is_not_of_x():
+    g = _gelu("tanh", cube="mul")
+    proto = g.to_model()
+    for n in proto.graph.node:  # x * (x * x) becomes x * (x * z)
+        if n.output[0] == "sq":
+            n.input[:] = ["x", "z"]
+    consts = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    assert_refuses(graph(list(proto.graph.node), {"x": [2, 5], "z": [2, 5]}, consts=consts), "fast-gelu-fusion",
+                   "not the expected function of x")
 
 
 @pytest.mark.parametrize("act,attrs", [("Relu", {}), ("HardSigmoid", {"alpha": 0.3}), ("Tanh", {})])
@@ -256,11 +271,11 @@ def test_attention_refuses_a_tensor_read_outside():
     assert_refuses(g, "attention-fusion", "")
 
 
-@pytest.mark.parametrize("variant,half_first,bias_first", [("erf", False, True), ("erf", True, False),
-                                                           ("tanh", False, False)])
-def test_bias_gelu_from_the_formula(variant, half_first, bias_first):
+@pytest.mark.parametrize("variant,half_first,bias_first,cube", [
+    ("erf", False, True, "pow"), ("erf", True, False, "pow"), ("tanh", False, False, "pow"), ("tanh", True, True, "mul")])
+def test_bias_gelu_from_the_formula(variant, half_first, bias_first, cube):
     """Exporters write `0.5 * h * (1 + erf(h / sqrt(2)))` on `h = MatMul + bias`: one step to BiasGelu/FastGelu."""
-    g = _gelu(variant, half_first)
+    g = _gelu(variant, half_first, cube=cube)
     proto = g.to_model()
     for n in proto.graph.node:  # x becomes h = Add(m, c) with m = MatMul(x, w)
         n.input[:] = ["xb" if i == "x" else i for i in n.input]
