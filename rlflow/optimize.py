@@ -90,6 +90,7 @@ class Result:
     cost_table: dict | None = None
     profiles: list[dict] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
+    candidates_dropped: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
@@ -141,6 +142,7 @@ class Result:
             "cost_table": self.cost_table,
             "profiles": self.profiles,
             "rejected": self.rejected,
+            "candidates_dropped": self.candidates_dropped,
             "memory": self.memory,
             "settings": self.settings,
         }
@@ -245,6 +247,7 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
                   candidates_unmeasured=search.candidates_unmeasured,
                   not_reached=list(search.not_reached), cost_table=search.cost_table,
+                  candidates_dropped=list(search.candidates_dropped),
                   settings=recorded, source=graph.source)
 
     verification, keep, gate = None, False, None

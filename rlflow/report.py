@@ -2,6 +2,8 @@
 verification, rewrites, operator counts, time and settings."""
 from __future__ import annotations
 
+from collections import Counter
+
 from rlflow.optimize import Result
 
 
@@ -50,6 +52,7 @@ def format_report(result: Result) -> str:
                  f"{result.candidates_estimated} estimated")
     if result.not_reached:
         lines.append(f"  not reached {'; '.join(result.not_reached)}")
+    lines += _dropped_lines(result.candidates_dropped)
     tuned = s.get("finetune")
     if tuned:
         where = tuned.get("environment", "cost model")
@@ -88,3 +91,13 @@ def _why(reason: str | None) -> str:
 
 def _signed(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.2f}"
+
+
+def _dropped_lines(dropped: list[dict]) -> list[str]:
+    """The candidates onnxruntime could not run, counted by the rules that made them, and its first message."""
+    if not dropped:
+        return []
+    counts = Counter(d["rules"] for d in dropped)
+    made_by = "; ".join(f"{rules} ({n})" if n > 1 else rules for rules, n in counts.most_common())
+    return [f"  dropped     {len(dropped)} candidate(s) onnxruntime could not run, made by: {made_by}",
+            f"              first error: {dropped[0]['error']}"]

@@ -53,6 +53,7 @@ class SearchResult:
         not_reached: what the time limit left undone, one sentence each (empty when the search finished its work).
         cost_table: where the cost model's group costs came from while the search ran (`CostModel.coverage`), for a
             search that uses one.
+        candidates_dropped: candidates onnxruntime could not run, so never measured (`dropped`), one dict each.
     """
 
     graph: Graph
@@ -65,6 +66,15 @@ class SearchResult:
     candidates_unmeasured: int = 0
     not_reached: list[str] = field(default_factory=list)
     cost_table: dict | None = None
+    candidates_dropped: list[dict] = field(default_factory=list)
+
+
+def dropped(candidate: Candidate, error: str, since: int = 0) -> dict:
+    """A candidate onnxruntime could not run, as reports show it: the rules of its rewrites after the first `since`
+    (those the step that made it added) and onnxruntime's message.  On CUDA with graph capture this is how a rewrite
+    that puts a node on the CPU shows: the capture is refused."""
+    rules = ", ".join(dict.fromkeys(m.rule for m in candidate.applied[since:]))
+    return {"rules": rules, "error": " ".join(error.split())[:300]}
 
 
 def try_apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph | None:
@@ -163,10 +173,12 @@ def all_fusions(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str]
 
 @dataclass
 class Screening:
-    """What `measure_against` found: (candidate, speedup) pairs, and how many candidates time left unmeasured."""
+    """What `measure_against` found: (candidate, speedup) pairs, how many candidates time left unmeasured, and the
+    candidates onnxruntime could not run, with its message."""
 
     pairs: list[tuple[Candidate, Ratio]]
     unmeasured: int = 0
+    dropped: list[tuple[Candidate, str]] = field(default_factory=list)
 
 
 def measure_against(base: Graph, candidates: Sequence[Candidate], settings: SessionSettings, *, rounds: int,
@@ -187,6 +199,7 @@ def measure_against(base: Graph, candidates: Sequence[Candidate], settings: Sess
     if deadline is not None and not pace.known:
         _probe(base_model, settings, pace, seed)
     out: list[tuple[Candidate, Ratio]] = []
+    refused: list[tuple[Candidate, str]] = []
     alone = 0  # candidates to measure one at a time: the members of a batch onnxruntime refused
     while pending:
         size = affordable(pace, 1 if alone else min(most, len(pending)), deadline, profiles=profile_count(base))
@@ -198,9 +211,10 @@ def measure_against(base: Graph, candidates: Sequence[Candidate], settings: Sess
         except ProviderError as exc:
             if len(chunk) == 1:
                 log.debug("candidate %s does not run: %s", chunk[0].applied, exc)
+                refused.append((chunk[0], str(exc)))
             else:
                 pending, alone = chunk + pending, len(chunk)
-    return Screening(out, len(pending))
+    return Screening(out, len(pending), refused)
 
 
 def affordable(pace: Pace, wanted: int, deadline: float | None, profiles: int = 1) -> int:
@@ -287,14 +301,16 @@ def select_measured(original: Graph, pool: Sequence[Candidate], settings: Sessio
                    f"no candidate measurably faster{late}")
     late = ([f"measurement: {screening.unmeasured} of {len(pool)} candidates not measured end to end before the "
              "limit"] if screening.unmeasured else [])
+    refused = [dropped(c, error) for c, error in screening.dropped]
     if best is None:
         return SearchResult(original, [], len(measured), time.monotonic() - start, f"{stop_reason}; {outcome}",
                             candidates_estimated=estimated, candidates_unmeasured=screening.unmeasured,
-                            not_reached=late)
+                            not_reached=late, candidates_dropped=refused)
     candidate = best[0]
     steps = [{"rule": m.rule, "location": m.root} for m in candidate.applied]
     return SearchResult(candidate.graph, list(candidate.applied), len(measured), time.monotonic() - start,
-                        f"{stop_reason}; {outcome}", steps, estimated, screening.unmeasured, late)
+                        f"{stop_reason}; {outcome}", steps, estimated, screening.unmeasured, late,
+                        candidates_dropped=refused)
 
 
 def measuring_until(cost_model, deadline: float | None):

@@ -19,7 +19,7 @@ from rlflow.measure.memory import shares_weights
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import (Candidate, SearchResult, all_fusions, children, everywhere, fastest,
+from rlflow.search.candidates import (Candidate, SearchResult, all_fusions, children, dropped, everywhere, fastest,
                                      measure_against)
 
 
@@ -79,7 +79,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     deadline = start + config.time_limit
     current = Candidate(graph, (), graph.fingerprint())
     seen = {current.fingerprint}
-    steps, measured, unmeasured, stop = [], 0, 0, "step limit"
+    steps, measured, unmeasured, stop, refused = [], 0, 0, "step limit", []
     pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
     most = LARGE_MODEL_CANDIDATES if shares_weights(graph) else None
     with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar:
@@ -95,6 +95,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                                           rounds=config.rounds, seed=config.seed, deadline=deadline, pace=pace)
                 measured += len(results.pairs)
                 unmeasured = results.unmeasured
+                refused += [dropped(c, error, since=len(current.applied)) for c, error in results.dropped]
                 best = fastest(results.pairs)
                 if best is not None or time.monotonic() > deadline:
                     break
@@ -111,4 +112,4 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             bar.update(1)
             bar.set_postfix_str(f"{steps[-1]['rule']} {ratio}")
     return SearchResult(current.graph, list(current.applied), measured, time.monotonic() - start, stop, steps,
-                        candidates_unmeasured=unmeasured)
+                        candidates_unmeasured=unmeasured, candidates_dropped=refused)

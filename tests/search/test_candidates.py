@@ -130,3 +130,29 @@ def test_a_rewritten_graph_reuses_its_parents_dynamic_axes_and_they_are_right(be
     assert dynamic_axes(probe, fused_output) == answers[fused_output.name]
     stamp, facts = probe.lineage_cache["dynamic_axes"]
     assert fused_output.name in facts and stamp[0] != tuple(n.name for n in probe.gs.nodes), "no whole-graph inference"
+
+
+def test_a_candidate_onnxruntime_cannot_run_is_dropped_and_named(bert, monkeypatch):
+    """Under CUDA graph capture onnxruntime refuses a candidate that puts a node on the CPU: the search goes on without
+    it, and its result (and the report) names the rules that made each one dropped."""
+    import rlflow.search.candidates as candidates
+    from rlflow.errors import ProviderError
+    from rlflow.measure.session import SessionSettings
+    from rlflow.measure.timing import Ratio
+    from rlflow.report import _dropped_lines
+    from rlflow.search.greedy import GreedyConfig, greedy
+
+    def measure(base, base_model, batch, *args):
+        if any(m.rule == "attention-fusion" for c in batch for m in c.applied):
+            raise ProviderError("This session cannot use the graph capture feature")
+        return [(c, Ratio(1.0, 0.99, 1.01, 0.95)) for c in batch]
+
+    monkeypatch.setattr(candidates, "_measure_batch", measure)
+    rules = [rule(n) for n in ("skip-layernorm-fusion", "attention-fusion")]
+    result = greedy(bert, SessionSettings(), GreedyConfig(time_limit=60), rules=rules)
+    assert result.stop_reason == "no rewrite is measurably faster" and result.candidates_measured > 0
+    assert sorted(d["rules"] for d in result.candidates_dropped) == ["attention-fusion",
+                                                                    "attention-fusion, skip-layernorm-fusion"]
+    lines = _dropped_lines(result.candidates_dropped)
+    assert lines[0].startswith("  dropped     2 candidate(s) onnxruntime could not run, made by: ")
+    assert "graph capture" in lines[1]
