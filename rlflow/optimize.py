@@ -164,6 +164,14 @@ def default_method(provider: str, agent: str | os.PathLike | None = None) -> tup
     return "greedy", f"{which} is trained for {trained}, not {provider}; --method agent runs it anyway"
 
 
+def rules_for(rules: Sequence[Rule], ops: str, provider: str) -> list[Rule]:
+    """The rules a search may use for an output of operator set `ops` on `provider`: `standard` leaves out every rule
+    that emits contrib operators, and CUDA those that emit an operator with no CUDA kernel (`Rule.cuda`), which would
+    run on the CPU between copies and make onnxruntime refuse CUDA graph capture (BERT-L4's pooler as FusedGemm cost
+    the search every all-fusions candidate on an H200)."""
+    return [r for r in rules if (ops != "standard" or not r.contrib) and (provider != PROVIDERS["cuda"] or r.cuda)]
+
+
 def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", threads: int = 1, method: str | None = None,
              time_limit: float | None = None, input_shapes: Mapping[str, Sequence[int]] | None = None, seed: int = 0,
              rounds: int = 30, rules: Sequence[Rule] = RULES, progress: bool = False,
@@ -188,7 +196,8 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
             cost model (`rlflow.controller.finetune`), a world-model agent in its dream
             (`rlflow.controller.finetune.finetune_in_dream`); with a `time_limit`, they may use half of it.
         ops: the operators the output may use (see OPS); `standard` keeps only the rules whose output stays in the
-            default ONNX domain (rule ids are the registry's, so the agents need no retraining).
+            default ONNX domain (rule ids are the registry's, so the agents need no retraining).  On CUDA the rules
+            whose output the CUDA provider has no kernel for are left out too (`rules_for`).
         profiles: shapes the model will run at, with their shares of the traffic (`rlflow.profiles`), instead of
             `input_shapes`: candidates are scored by their weighted geometric mean speedup, and the output is kept
             only when that is measurably above 1 and no profile is measurably slower.  Without either, and without
@@ -206,12 +215,11 @@ def optimize(model: str | os.PathLike | Graph, *, provider: str = "auto", thread
         raise InputError("--finetune takes a number of steps >= 0 and adapts method 'agent' only")
     if ops not in OPS:
         raise InputError(f"unknown operator set '{ops}': choose from {', '.join(OPS)}")
-    if ops == "standard":
-        rules = [r for r in rules if not r.contrib]
     start = time.monotonic()
     graph, given = _load(model, input_shapes, profiles)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
+    rules = rules_for(rules, ops, resolved)
     check_capture(resolved, cuda_graph)
     method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune)
     limited = time_limit is not None

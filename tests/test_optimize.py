@@ -269,3 +269,18 @@ def test_with_cuda_graph_the_input_is_timed_as_its_static_export(tmp_path, matmu
     assert settings.cuda_graph is cuda_graph
     dim = model.graph.input[0].type.tensor_type.shape.dim[0]
     assert (dim.dim_value if dim.HasField("dim_value") else dim.dim_param) == first_dim
+
+
+def test_rules_for_leave_out_what_the_output_could_not_use():
+    """`standard` drops every contrib rule; CUDA drops the rules emitting an operator it has no kernel for (FusedGemm),
+    which would run on the CPU and refuse CUDA graph capture; the CPU keeps them all."""
+    from rlflow.optimize import rules_for
+    from rlflow.rewrites import RULES
+
+    names = lambda rules: {r.name for r in rules}  # noqa: E731
+    assert rules_for(RULES, "all", "CPUExecutionProvider") == list(RULES)
+    on_cuda = names(rules_for(RULES, "all", "CUDAExecutionProvider"))
+    assert names(RULES) - on_cuda == {"gemm-activation-fusion"}
+    assert {"attention-fusion", "bias-gelu-fusion", "conv-activation-fusion"} <= on_cuda
+    standard = rules_for(RULES, "standard", "CUDAExecutionProvider")
+    assert standard and not any(r.contrib for r in standard)

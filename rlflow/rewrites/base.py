@@ -81,6 +81,8 @@ class Rule:
         category: one of CATEGORIES.
         root_ops: operator types a match can be rooted at (the index `find` uses).
         contrib: True when the rewrite emits onnxruntime contrib operators (com.microsoft domain).
+        cuda: False when the rewrite emits an operator onnxruntime's CUDA provider has no kernel for (FusedGemm): on
+            CUDA that node would run on the CPU, between copies, and a captured CUDA graph refuses it outright.
         domains: operator domains a root may come from ("" and "ai.onnx" are the default domain); rules that undo
             onnxruntime fusions root at com.microsoft operators.
     The class docstring's first line says what it does: "Replaces `A(B(x))` with `C(x)`."
@@ -90,6 +92,7 @@ class Rule:
     category: ClassVar[str] = ""
     root_ops: ClassVar[tuple[str, ...]] = ()
     contrib: ClassVar[bool] = False
+    cuda: ClassVar[bool] = True
     domains: ClassVar[tuple[str, ...]] = ("", "ai.onnx")
 
     def __init__(self) -> None:

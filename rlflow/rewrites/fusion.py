@@ -395,6 +395,7 @@ class GemmActivationFusion(Rule):
     """Replaces `act(Gemm(A, B, C))` with onnxruntime's `FusedGemm(A, B, C, activation=act)`."""
 
     name = "gemm-activation-fusion"
+    cuda = False  # onnxruntime has FusedGemm on the CPU only (docs/OperatorKernels.md)
     category = "fusion"
     root_ops = ("Relu", "Sigmoid", "Tanh", "LeakyRelu", "HardSigmoid")
     contrib = True
