@@ -41,36 +41,40 @@ bench: $(STAMP)
 		--rounds $(BENCH_ROUNDS) $(if $(RAY),$(if $(filter local,$(RAY)),--ray,--ray $(RAY))) --out docs/results
 	$(BIN)/python -m rlflow.bench_wallclock models --out docs/results
 
-# The shipped agents are trained on the deployment section (issue #28): DistilBERT, Whisper-tiny's encoder and
-# DeiT-small, each from both torch exporters, at batch 1 (sequence 16), built into models/ when missing.  An action
-# applies a rule wherever it matches (--scope rule): one layer's fusion is within measurement noise, every layer's is
-# not.  BERT is held out whole (L2/H128, L4/H256 and MiniLM L12/H384, both exporters): docs/results/agent-deploy/.
-AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts
+# The shipped agents are trained on the deployment section (issue #28): DistilBERT, Whisper-tiny's encoder, DeiT-small
+# and DeiT-tiny (a 192-wide model, so that attention fusion on small hidden sizes is seen in training), each from both
+# torch exporters, at batch 1 (sequence 16), built into models/ when missing.  An action applies a rule wherever it
+# matches (--scope rule): one layer's fusion is within measurement noise, every layer's is not.  BERT is held out
+# whole (L2/H128, L4/H256 and MiniLM L12/H384, both exporters): docs/results/agent-deploy/.
+AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts,deit-tiny-b1-ts,deit-tiny-b1-dynamo
 AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts,bert-l4-h256-s16-dynamo,minilm-l12-h384-s16-ts,minilm-l12-h384-s16-dynamo
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
 AGENT_SEED ?= 0
 AGENT_STEPS ?= 4096
-# The two trainers' options (docs/results/agent-deploy/run.sh reads them from here for its seeds)
-WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 5
+# Where the two trainers report: the world-model seeds (no-cap/seedN/, uncapped dream returns, the default since
+# 2026-11-27) and the PPO baseline (no-cap/ppo/; the committed seeds compared with small-hidden/ppo/, the same command
+# run while the cost table was still filling)
+AGENT_RESULTS := docs/results/agent-deploy/no-cap
+PPO_RESULTS := docs/results/agent-deploy/no-cap/ppo
+# The two trainers' options (docs/results/agent-deploy/run.sh reads them and the folders from here for its seeds)
+WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3
 PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate
 
 # The shipped agent (rlflow/agents/default.pt, what `rlflow optimize --method agent` plays): the world-model agent
 # (VAE + MDN-RNN, controller trained in the dream), its report (sample efficiency against the committed PPO baseline
-# run, docs/results/agent-deploy/ppo/) into docs/results/agent-deploy/seed$(AGENT_SEED)/.  Five iterations: on these
-# 250-750-node graphs an iteration takes 10-30 minutes, most of it training V and the location scorer.
+# run) into $(AGENT_RESULTS)/seed$(AGENT_SEED)/.  Three iterations: on these 250-750-node graphs an iteration takes
+# 5-8 minutes, most of it training V and the location scorer (about 20 minutes in all on a shared 2-core machine).
 agent: $(STAMP)
 	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --seed $(AGENT_SEED) \
-		--out docs/results/agent-deploy/seed$(AGENT_SEED) --run-dir build/agent/run \
-		--ppo-results docs/results/agent-deploy/ppo/ppo.json
+		--out $(AGENT_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent/run --ppo-results $(PPO_RESULTS)/ppo.json
 	$(BIN)/python -m rlflow.controller.ship --checkpoint build/agent/run/worldmodel.pt \
-		--results docs/results/agent-deploy/seed$(AGENT_SEED)/worldmodel.json
+		--results $(AGENT_RESULTS)/seed$(AGENT_SEED)/worldmodel.json
 
 # The model-free baseline (rlflow/agents/ppo.pt, `--agent rlflow/agents/ppo.pt`): masked PPO on the same models, its
-# results and learning curve into docs/results/agent-deploy/ppo/ (the world-model runs compare with them).
+# results and learning curve into $(PPO_RESULTS)/ (the world-model runs compare with them; 25 minutes).
 ppo-agent: $(STAMP)
-	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --out docs/results/agent-deploy/ppo --run-dir build/ppo-agent/run
-	$(BIN)/python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt \
-		--results docs/results/agent-deploy/ppo/ppo.json
+	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --out $(PPO_RESULTS) --run-dir build/ppo-agent/run
+	$(BIN)/python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt --results $(PPO_RESULTS)/ppo.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -94,6 +94,32 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     assert resumed["real_steps_worldmodel"] == result["real_steps_worldmodel"]
 
 
+def test_dream_returns_are_uncapped_unless_asked(run):
+    """By default a dream episode may earn more than the real episodes from its start did (capped, the controller
+    gained nothing by taking the best rewrite first); `cap_returns` gives every start its cap, never negative."""
+    import dataclasses
+    from pathlib import Path
+
+    from rlflow.worldmodel.location import match_descriptors
+    from rlflow.worldmodel.replay import Replay
+    from rlflow.worldmodel.report import encode_all
+    from rlflow.worldmodel.train import load_checkpoint, make_dream
+
+    config, _ = run
+    agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt", optimisers=False)
+    replay = Replay.from_state_dict(payload["replay"])
+    mu, logvar = encode_all(agent.vision, replay)
+    descriptors = (match_descriptors(agent.location, replay, replay.episodes, agent.mdrnn.match_features)
+                   if agent.mdrnn.match_features else None)
+    episodes = replay.split(False)
+    uncapped = make_dream(agent, episodes, mu, logvar, config, seed=0, descriptors=descriptors)
+    capped = make_dream(agent, episodes, mu, logvar, dataclasses.replace(config, cap_returns=True), seed=0,
+                        descriptors=descriptors)
+    assert uncapped.start_caps is None
+    assert capped.start_caps is not None and len(capped.start_caps) == len(capped.start_weights)
+    assert (capped.start_caps >= 0).all() and torch.isfinite(capped.start_caps).all()
+
+
 def test_quality_report_has_a_rank_correlation_that_ties_share():
     import numpy as np
 

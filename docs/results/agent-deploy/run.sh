@@ -1,27 +1,44 @@
 #!/bin/bash
-# Issue #28's training runs on the deployment section: the PPO baseline (when docs/results/agent-deploy/ppo/ is not
-# there yet), then world-model seeds two side by side, all on this machine's one cost table; then the summary.
+# Issue #28's training runs, as `make agent` and `make ppo-agent` train (the models, options and folders are the
+# Makefile's): the PPO baseline when its results are not there yet (it fills the cost table), then world-model seeds
+# two side by side, each agent shipped to a scratch folder and benched beside greedy on the six held-out BERT exports,
+# one bench at a time; then the tables (seeds.md, heldout.md) and the sample-efficiency plot.
 # Usage: docs/results/agent-deploy/run.sh [SEED...]   (from the repository root after `make install`; default seeds
-# 0 1 2 3; about 17 minutes for PPO and 50-80 for each pair of seeds on a 2-core machine)
+# 0 1 2 3; about 25 minutes for PPO, 20 for each pair of seeds and 3-5 for each bench on a 2-core machine)
+# A variant writes its own folder beside the shipped configuration's, against the same PPO baseline; the third part
+# (capped dream returns, docs/results/agent-deploy/README.md) was
+#     VARIANT=small-hidden TRAIN_OPTIONS=--cap-returns docs/results/agent-deploy/run.sh 0 1
+# The second part (six training models, capped, five iterations) ran at commits 018a56a and e08ca76; each seed's command is in its
+# seedN/worldmodel.json.
 set -euo pipefail
-here=docs/results/agent-deploy
 bin=.venv/bin
 makefile() {  # a variable of the Makefile, expanded: `make agent` and these runs train alike
     make -s --no-print-directory --eval "print-$1: ; @echo \$($1)" "print-$1"
 }
-mkdir -p build/agent-deploy
+results=$(makefile AGENT_RESULTS)
+ppo=$(makefile PPO_RESULTS)
+variant=${VARIANT:-$(basename "$results")}
+here=docs/results/agent-deploy/$variant
+held=($(makefile AGENT_HOLDOUT | tr , '\n' | sed 's|.*|models/&.onnx|'))
+mkdir -p "build/$variant"
 
-if [ ! -f "$here/ppo/ppo.json" ]; then  # the baseline every seed compares with (it fills the cost table)
-    $bin/rlflow train --algo ppo $(makefile PPO_OPTIONS) --out "$here/ppo" --run-dir build/agent-deploy/ppo
+if [ ! -f "$ppo/ppo.json" ]; then
+    $bin/rlflow train --algo ppo $(makefile PPO_OPTIONS) --out "$ppo" --run-dir "build/$variant/ppo"
 fi
 set -- ${*:-0 1 2 3}
-while [ $# -gt 0 ]; do  # two seeds side by side, one core each
+while [ $# -gt 0 ]; do  # two seeds side by side, one core each; the benches one at a time
     for seed in $1 ${2:-}; do
-        $bin/rlflow train --algo worldmodel $(makefile WORLDMODEL_OPTIONS) --seed "$seed" --out "$here/seed$seed" \
-            --run-dir "build/agent-deploy/wm$seed" --ppo-results "$here/ppo/ppo.json" \
-            > "build/agent-deploy/wm$seed.log" 2>&1 &
+        $bin/rlflow train --algo worldmodel $(makefile WORLDMODEL_OPTIONS) --seed "$seed" ${TRAIN_OPTIONS:-} \
+            --out "$here/seed$seed" --run-dir "build/$variant/wm$seed" --ppo-results "$ppo/ppo.json" \
+            > "build/$variant/wm$seed.log" 2>&1 &
     done
     wait
+    for seed in $1 ${2:-}; do
+        $bin/python -m rlflow.controller.ship --checkpoint "build/$variant/wm$seed/worldmodel.pt" \
+            --results "$here/seed$seed/worldmodel.json" --out "build/$variant/seed$seed-agent"
+        $bin/rlflow bench "${held[@]}" --methods agent,greedy --agent "build/$variant/seed$seed-agent/default.pt" \
+            --threads 1 --rounds 12 --out "$here/heldout-$seed"
+    done
     shift $(($# >= 2 ? 2 : 1))
 done
-$bin/python "$here/summarize.py"
+$bin/python docs/results/agent-deploy/summarize.py "$variant"
