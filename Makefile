@@ -51,19 +51,19 @@ AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
 AGENT_SEED ?= 0
 AGENT_STEPS ?= 4096
-# Where the two trainers report: the world-model seeds (no-cap/seedN/, uncapped dream returns, the default since
-# 2026-11-27) and the PPO baseline (no-cap/ppo/; the committed seeds compared with small-hidden/ppo/, the same command
-# run while the cost table was still filling)
-AGENT_RESULTS := docs/results/agent-deploy/no-cap
+# Where the two trainers report: the world-model seeds (no-cap-early/seedN/: uncapped dream returns, the default since
+# 2026-11-27, and 250 random steps before the first iteration instead of 500) and the PPO baseline they compare with
+# (no-cap/ppo/)
+AGENT_RESULTS := docs/results/agent-deploy/no-cap-early
 PPO_RESULTS := docs/results/agent-deploy/no-cap/ppo
 # The two trainers' options (docs/results/agent-deploy/run.sh reads them and the folders from here for its seeds)
-WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3
+WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3 --random-steps 250
 PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate
 
 # The shipped agent (rlflow/agents/default.pt, what `rlflow optimize --method agent` plays): the world-model agent
 # (VAE + MDN-RNN, controller trained in the dream), its report (sample efficiency against the committed PPO baseline
 # run) into $(AGENT_RESULTS)/seed$(AGENT_SEED)/.  Three iterations: on these 250-750-node graphs an iteration takes
-# 5-8 minutes, most of it training V and the location scorer (about 20 minutes in all on a shared 2-core machine).
+# 2-7 minutes, most of it training V and the location scorer (11-15 minutes in all on a shared 2-core machine).
 agent: $(STAMP)
 	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --seed $(AGENT_SEED) \
 		--out $(AGENT_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent/run --ppo-results $(PPO_RESULTS)/ppo.json

@@ -36,6 +36,12 @@ def _within_budget(path: Path) -> int:
     return size
 
 
+def model_names(models: typing.Iterable[str]) -> list[str]:
+    """The models a run was given, as zoo names: a file (`models/deit-tiny-b1-ts.onnx`) by its stem, so that the
+    provenance of a run given paths reads like that of one given names (`make agent`'s)."""
+    return [Path(m).stem if m.endswith(".onnx") else m for m in models]
+
+
 def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, name: str = "ppo") -> dict:
     """Writes `<out>/<name>.pt` (inference-only checkpoint) and `<out>/<name>.json` (its provenance)."""
     from rlflow.controller.policy import load_checkpoint, save_checkpoint
@@ -51,8 +57,8 @@ def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, na
         "algo": run.get("algo", "ppo"),
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
-        "trained_on": list(config["models"]),
-        "held_out": list(config["holdout"]),
+        "trained_on": model_names(config["models"]),
+        "held_out": model_names(config["holdout"]),
         "provider": config.get("provider", "cpu"),
         "real_steps": run["train"]["real_steps"],
         "train_seconds": run["train"]["seconds"],
@@ -88,7 +94,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "algo": "worldmodel",
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
-        "trained_on": list(config["models"]),
+        "trained_on": model_names(config["models"]),
         "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
         "provider": config.get("provider", "cpu"),
         "real_steps": payload["real_steps"],

@@ -16,7 +16,7 @@ from rlflow.search.agent import DEFAULT_AGENT, load_agent
 def _run(tmp_path):
     policy = CandidatePolicy(len(RULES), hidden=16, rounds=2)
     optimizer = torch.optim.Adam(policy.parameters())
-    config = {"models": ["resnet-18-tiny"], "holdout": ["vit-b-16-tiny", "demo-block"]}
+    config = {"models": ["models/resnet-18-tiny.onnx"], "holdout": ["vit-b-16-tiny", "demo-block"]}  # a path: its name
     checkpoint = save_checkpoint(tmp_path / "ppo.pt", policy, optimizer, config, real_steps=64)
     results = tmp_path / "ppo.json"
     results.write_text(json.dumps({"algo": "ppo", "train": {"real_steps": 64, "seconds": 1.0,

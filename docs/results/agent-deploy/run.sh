@@ -5,11 +5,13 @@
 # one bench at a time; then the tables (seeds.md, heldout.md) and the sample-efficiency plot.
 # Usage: docs/results/agent-deploy/run.sh [SEED...]   (from the repository root after `make install`; default seeds
 # 0 1 2 3; about 25 minutes for PPO, 20 for each pair of seeds and 3-5 for each bench on a 2-core machine)
-# A variant writes its own folder beside the shipped configuration's, against the same PPO baseline; the third part
-# (capped dream returns, docs/results/agent-deploy/README.md) was
-#     VARIANT=small-hidden TRAIN_OPTIONS=--cap-returns docs/results/agent-deploy/run.sh 0 1
-# The second part (six training models, capped, five iterations) ran at commits 018a56a and e08ca76; each seed's command is in its
-# seedN/worldmodel.json.
+# A variant writes its own folder beside the shipped configuration's, against the same PPO baseline (TRAIN_OPTIONS
+# come after the Makefile's and override them); the fourth and third parts (docs/results/agent-deploy/README.md),
+# which compared with small-hidden/ppo/ instead, were
+#     VARIANT=no-cap TRAIN_OPTIONS="--random-steps 500" docs/results/agent-deploy/run.sh
+#     VARIANT=small-hidden TRAIN_OPTIONS="--random-steps 500 --cap-returns" docs/results/agent-deploy/run.sh 0 1
+# The second part (six training models, capped, five iterations) ran at commits 018a56a and e08ca76; each seed's
+# command is in its seedN/worldmodel.json.
 set -euo pipefail
 bin=.venv/bin
 makefile() {  # a variable of the Makefile, expanded: `make agent` and these runs train alike
