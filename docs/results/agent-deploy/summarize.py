@@ -238,9 +238,11 @@ def agents_markdown(runs: dict[str, dict],
     agent, on how many models greedy finds a gain and the target holds."""
     models, judged, counts = _judged(runs)
     lines = [title, "",
-             "The same bench command with `--agent` set to each world-model seed and to the PPO policy, one run "
-             "each (" + ", ".join(f"`{name}/`" for name in runs) + "). Each cell: the agent's median speedup and "
-             "search seconds against those of the greedy run beside it, and the target's verdict.", "",
+             "The same bench command with `--agent` set to each agent, one run each ("
+             + ", ".join(f"`{name}/`" for name in runs) + "; `heldout-N`: world-model seed N, `heldout-ppo`: the PPO "
+             "policy, `heldout-shipped`: the agent shipped when the run was made). Each cell: the agent's median "
+             "speedup and search seconds against those of the greedy run beside it, and the target's verdict; n/a "
+             "where greedy's interval does not lie above 1.", "",
              "| model | " + " | ".join(AGENT_RUNS.get(n, n) for n in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for model in models:
