@@ -36,10 +36,10 @@ def _within_budget(path: Path) -> int:
     return size
 
 
-def model_names(models: typing.Iterable[str]) -> list[str]:
-    """The models a run was given, as zoo names: a file (`models/deit-tiny-b1-ts.onnx`) by its stem, so that the
+def zoo_name(model: str) -> str:
+    """A model a run was given, as a zoo name: a file (`models/deit-tiny-b1-ts.onnx`) by its stem, so that the
     provenance of a run given paths reads like that of one given names (`make agent`'s)."""
-    return [Path(m).stem if m.endswith(".onnx") else m for m in models]
+    return Path(model).stem if model.endswith(".onnx") else model
 
 
 def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, name: str = "ppo") -> dict:
@@ -57,8 +57,8 @@ def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, na
         "algo": run.get("algo", "ppo"),
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
-        "trained_on": model_names(config["models"]),
-        "held_out": model_names(config["holdout"]),
+        "trained_on": [zoo_name(m) for m in config["models"]],
+        "held_out": [zoo_name(m) for m in config["holdout"]],
         "provider": config.get("provider", "cpu"),
         "real_steps": run["train"]["real_steps"],
         "train_seconds": run["train"]["seconds"],
@@ -94,7 +94,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "algo": "worldmodel",
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
-        "trained_on": model_names(config["models"]),
+        "trained_on": [zoo_name(m) for m in config["models"]],
         "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
         "provider": config.get("provider", "cpu"),
         "real_steps": payload["real_steps"],
@@ -112,7 +112,7 @@ def architecture(model: str) -> str:
     (`models/deit-tiny-b1-ts.onnx`, as a run trained on paths records it) stands for its stem."""
     from rlflow.zoo import DEPLOY, get
 
-    model = Path(model).stem if model.endswith(".onnx") else model
+    model = zoo_name(model)
     try:
         entry = get(model)
     except ValueError:
