@@ -381,6 +381,15 @@ class CostModel:
         optimized = self._optimized(model)
         return [self._time_isolated(model, optimized) for _ in range(times)]
 
+    def set_cost(self, key: str, cost: float) -> None:
+        """Overwrites the table's cost `key` (saved with the table): `costmodel_audit --refresh` puts entries measured
+        again on an idle machine in place of those a busy one wrote (docs/results/agent-deploy/table-refresh.md)."""
+        if key not in self.table["costs"]:
+            raise KeyError(f"no cost {key!r} in the table")
+        with self._lock:
+            self.table["costs"][key] = max(float(cost), _FLOOR_MS)
+            self._new += 1
+
     def _boundary_reorders(self, optimized: onnx.ModelProto) -> float:
         """Milliseconds of the NCHWc reorders onnxruntime adds at the edges of an isolated group.
 

@@ -84,6 +84,14 @@ def random_graphs(graph, sequences: int, length: int, rng: np.random.Generator,
     return found
 
 
+def drawn_graphs(name: str, graph, sequences: int, length: int, seed: int, everywhere: bool = False,
+                 rules=None) -> list[tuple[list[str], object]]:
+    """`random_graphs` of model `name` as the check draws them (one stream per model and seed), so that
+    `rlflow.measure.costmodel_audit` audits, and refreshes, the very graphs a check ranks."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return random_graphs(graph, sequences, length, rng, everywhere, rules)
+
+
 def rule_subset(spec: str | None):
     """The rules a `--rules` value names: a group of `rlflow.rewrites.GROUPS` or comma-separated rule names (None:
     every rule).
@@ -134,8 +142,7 @@ def check_model(spec: str, cost_model: CostModel, settings: SessionSettings, *, 
     started = time.perf_counter()
     name, path = resolve_model(spec)
     graph = load(path)
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    graphs, refused = runnable(random_graphs(graph, sequences, length, rng, everywhere, rules), settings)
+    graphs, refused = runnable(drawn_graphs(name, graph, sequences, length, seed, everywhere, rules), settings)
 
     before = cost_model.stats.as_dict()
     cold = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The cost-table audit: it finds a corrupted entry, leaves the table alone, and refuses bad input in one line."""
+"""The cost-table audit: it finds a corrupted entry, leaves the table alone unless asked to refresh it, and refuses bad
+input in one line."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.graph import Graph
 from rlflow.measure.costmodel import CostModel
-from rlflow.measure.costmodel_audit import GroupAudit, audit_graphs, main, summary
+from rlflow.measure.costmodel_audit import GroupAudit, audit_graphs, main, refresh, summary
 
 
 def _graph() -> Graph:
@@ -37,6 +38,24 @@ def test_a_corrupted_entry_is_flagged_and_the_table_is_left_alone(tmp_path):
     flagged = summary(audits)["disagreeing_entries"]
     assert [row["key"] for row in flagged][:1] == [key] and all(len(a.fresh_ms) == 2 for a in audits)
     assert cost_model.table["costs"] == before and cost_model.path.read_text() == on_disk
+
+
+def test_refresh_puts_the_new_measurements_in_place_of_a_corrupted_entry(tmp_path):
+    """The corrupted entry (1000 ms) is replaced, on disk too, by the median of its new measurements; every audited
+    entry is rewritten, and a cost key the table lacks is refused."""
+    cost_model, graph = CostModel(cache_dir=tmp_path), _graph()
+    cost_model.graph_cost(graph)
+    key = max(cost_model.table["costs"], key=lambda k: cost_model.table["costs"][k] if k.startswith("o:") else 0)
+    cost_model.table["costs"][key] = 1000.0
+    cost_model.save()
+    audits = audit_graphs(cost_model, [graph], repeats=2)
+    assert refresh(cost_model, audits) == len(audits) >= 1
+    fresh = {a.key: a.fresh_median_ms for a in audits}
+    on_disk = json.loads(cost_model.path.read_text())["costs"]
+    assert on_disk[key] == pytest.approx(fresh[key]) and on_disk[key] < 1.0
+    assert CostModel(cache_dir=tmp_path).graph_cost(graph) < 1.0
+    with pytest.raises(KeyError):
+        cost_model.set_cost("no such key", 1.0)
 
 
 def test_disagreement_needs_both_the_factor_and_the_floor():
