@@ -106,7 +106,7 @@ def refresh(cost_model: CostModel, audits: list[GroupAudit]) -> int:
 
     The table's entries are meant to be measured on an idle machine; those that training processes wrote while
     another seed trained beside them read 1-4x what the same groups measure alone, unevenly enough to reorder graphs
-    (DeiT-tiny's estimates against measurement: Spearman -0.03; docs/results/agent-deploy/table-refresh.md).
+    (DeiT-tiny's estimates against measurement: Spearman -0.03; docs/results/agent-deploy/README.md, sixth part).
     Run it on an idle machine, and only between training runs: the rewards of a run rest on the table it read.
     """
     written = 0

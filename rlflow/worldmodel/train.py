@@ -714,6 +714,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
         "command": command_line(config),
         "reward_pearson": final_q.get("reward_pearson"),
         "reward_spearman": final_q.get("reward_spearman"),
+        "reward_spearman_moved": final_q.get("reward_spearman_moved"),
         "mask_accuracy": final_q.get("mask_accuracy"),
         "real_steps_worldmodel": real_steps,
         "real_steps_ppo": steps_ppo,
@@ -737,6 +738,8 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
             "real_steps_ppo": "ppo.json train.real_steps (training steps; its random-baseline episodes excluded)",
             "reward_pearson": "predicted vs real reward on the transitions of held-out real episodes",
             "reward_spearman": "rank correlation of the same pairs (ties share their mean rank)",
+            "reward_spearman_moved": "the same over the pairs whose real reward is at least "
+                                     "rlflow.worldmodel.report.MOVED (% of the runtime) in size",
             "reward_pearson_agent_location": "quality: the same over the held-out transitions whose rule went where "
                                              "the location scorer chose (the dream's own kind of step)",
             "reward_pearson_random_location": "quality: the same over those whose rule went to a random match "

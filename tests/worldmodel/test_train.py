@@ -120,6 +120,31 @@ def test_dream_returns_are_uncapped_unless_asked(run):
     assert (capped.start_caps >= 0).all() and torch.isfinite(capped.start_caps).all()
 
 
+def test_quality_recomputed_from_the_checkpoint_is_the_reported_one(run):
+    """The checkpoint holds what the last quality figures were computed from (less the last greedy evaluation's
+    episodes): docs/results/agent-deploy/requality.py rests on it.  The moved-only Spearman counts its transitions."""
+    from pathlib import Path
+
+    from rlflow.worldmodel.location import match_descriptors
+    from rlflow.worldmodel.replay import Replay
+    from rlflow.worldmodel.report import encode_all, quality
+    from rlflow.worldmodel.train import load_checkpoint
+
+    config, _ = run
+    agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt", optimisers=False)
+    replay = Replay.from_state_dict(payload["replay"])
+    replay.episodes = [e for e in replay.episodes if not (e.source == "eval" and e.iteration == payload["iteration"])]
+    mu, logvar = encode_all(agent.vision, replay)
+    descriptors = (match_descriptors(agent.location, replay, replay.episodes, agent.mdrnn.match_features)
+                   if agent.mdrnn.match_features else None)
+    again = quality(agent.vision, agent.mdrnn, replay, replay.split(True), replay.split(False), mu, logvar,
+                    config.reward_scale, descriptors)
+    reported = payload["history"][-1]
+    for key in ("reward_pearson", "reward_spearman", "reward_mse", "moved_transitions", "zero_transitions"):
+        assert again[key] == pytest.approx(reported[key], nan_ok=True), key
+    assert 0 <= reported["zero_transitions"] <= reported["heldout_transitions"] - reported["moved_transitions"]
+
+
 def test_quality_report_has_a_rank_correlation_that_ties_share():
     import numpy as np
 

@@ -4,10 +4,13 @@
 # one at a time (SEEDS_AT_ONCE=2: two side by side), each agent shipped to a scratch folder and benched beside greedy
 # on the six held-out BERT exports, one bench at a time; then the tables (seeds.md, heldout.md) and the
 # sample-efficiency plot.  One at a time because a process that measures a cost-table entry while another trains
-# beside it writes 1-4x what the group costs alone (docs/results/agent-deploy/table-refresh.md); PPO_DIR gives a
-# variant trained against another table (RLFLOW_CACHE) a PPO baseline of its own.
+# beside it writes 1-4x what the group costs alone (docs/results/agent-deploy/README.md, sixth part); PPO_DIR gives
+# a variant trained against another table (RLFLOW_CACHE) a PPO baseline of its own, as the sixth part did:
+#     RLFLOW_CACHE=$PWD/build/quiet-table/cache VARIANT=quiet-table PPO_DIR=docs/results/agent-deploy/quiet-table/ppo \
+#         docs/results/agent-deploy/run.sh
 # Usage: docs/results/agent-deploy/run.sh [SEED...]   (from the repository root after `make install`; default seeds
-# 0 1 2 3; about 25 minutes for PPO, 20 for each pair of seeds and 3-5 for each bench on a 2-core machine)
+# 0 1 2 3; about 9 minutes for PPO from an empty table, 11-13 for each seed alone and 3-5 for each bench on a 2-core
+# machine; the sixth part, `quiet-table/`, took 80 minutes in all)
 # A variant writes its own folder beside the shipped configuration's, against the same PPO baseline (TRAIN_OPTIONS
 # come after the Makefile's and override them); the fourth and third parts (docs/results/agent-deploy/README.md),
 # which compared with small-hidden/ppo/ instead, were
