@@ -13,8 +13,8 @@ times small groups as many copies at once and scales out the machine's slowdown,
 
 The graphs audited are the model itself and the graphs of random rewrite sequences from it, drawn as
 `rlflow.measure.costmodel_check` draws them (the same graphs, for the same options).  Without `--refresh` the audit
-is read-only: the table stays as it is, because the rewards of the runs already made rest on it.  Run it on an otherwise idle machine, or the new measurements carry the same
-noise they are meant to expose.
+is read-only: the table stays as it is, because the rewards of the runs already made rest on it.  Run it on an
+otherwise idle machine, or the new measurements carry the same noise they are meant to expose.
 
     python -m rlflow.measure.costmodel_audit nasrnn-tiny --sequences 30 --length 12 --out build/audit.json
 """
