@@ -383,7 +383,8 @@ class CostModel:
 
     def set_cost(self, key: str, cost: float) -> None:
         """Overwrites the table's cost `key` (saved with the table): `costmodel_audit --refresh` puts entries measured
-        again on an idle machine in place of those a busy one wrote (docs/results/agent-deploy/README.md, sixth part)."""
+        again on an idle machine in place of those a busy one wrote (docs/results/agent-deploy/README.md, sixth
+        part)."""
         if key not in self.table["costs"]:
             raise KeyError(f"no cost {key!r} in the table")
         with self._lock:
