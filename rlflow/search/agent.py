@@ -207,13 +207,14 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                             "where it began",
                             candidates_estimated=len(visited), not_reached=late, cost_table=table)
     seconds_left = start + config.time_limit - time.monotonic()
-    affordable = _affordable(seconds_left, original_cost, config.rounds, len(pool))
+    input_ms = _input_ms(pace, original_cost)
+    affordable = _affordable(seconds_left, input_ms, config.rounds, len(pool))
     if not affordable:  # a large model: measuring even one candidate would overrun the limit
-        needed = _screen_seconds(original_cost, config.rounds, len(pool))
+        needed = _screen_seconds(input_ms, config.rounds, len(pool))
         late.append(f"measurement: none of {len(pool)} candidates measured end to end before the limit")
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no time left to measure a candidate (one takes about "
-                            f"{_screen_seconds(original_cost, config.rounds, 1):.0f} s, {max(seconds_left, 0):.0f} s "
+                            f"{_screen_seconds(input_ms, config.rounds, 1):.0f} s, {max(seconds_left, 0):.0f} s "
                             f"were left; a time limit of about {2 * needed:.0f} s would measure {len(pool)})",
                             candidates_estimated=len(visited), candidates_unmeasured=len(pool), not_reached=late,
                             cost_table=table)
@@ -237,6 +238,15 @@ the rest: a cold table of BERT L6/H384 takes 6 s to fill (and loading the agent 
 
 SCREEN_OVERHEAD_RUNS = 10
 """Runs per model a screening comparison costs beyond its rounds: warm-up and session building (measured on GPT-2)."""
+
+
+def _input_ms(pace: Pace, estimated_ms: float) -> float:
+    """Milliseconds of one run of the input: as probed before the rollouts (`measurement_reserve`), else the cost
+    model's estimate.  The estimate sums groups timed with their weights in cache, and on a model whose weights do
+    not fit the cache it is far below the run (MiniLM L12/H384: 4.2 ms estimated, 9.3 ms run), which let the
+    measurement of four candidates overrun a 10 s limit by 1.3 s."""
+    run = pace.seconds.get("run")
+    return 1000.0 * run if run else estimated_ms
 
 
 def _screen_seconds(estimated_ms: float, rounds: int, candidates: int) -> float:

@@ -145,6 +145,15 @@ def test_screening_fits_the_time_left():
     assert agent_module._affordable(-1.0, 1.0, 15, 4) == 0
 
 
+def test_the_measurement_budget_reads_the_probed_input_before_the_estimate():
+    from rlflow.measure.timing import Pace
+
+    assert agent_module._input_ms(Pace(), 4.2) == 4.2  # not probed: the cost model's estimate
+    probed = Pace()
+    probed.observe("run", 0.0093)
+    assert agent_module._input_ms(probed, 4.2) == pytest.approx(9.3)
+
+
 def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit_would_do(zoo_paths, cost_model,
                                                                                            policy, monkeypatch):
     graph = rlflow.load(zoo_paths["bert-base-tiny"])
