@@ -250,7 +250,7 @@ def _input_ms(pace: Pace, estimated_ms: float) -> float:
 
 
 def _screen_seconds(estimated_ms: float, rounds: int, candidates: int) -> float:
-    """Seconds to screen `candidates` against the input, from the cost model's latency (the input counts as one more)."""
+    """Seconds to screen `candidates` against the input from its latency (`_input_ms`; the input counts as one more)."""
     return (candidates + 1) * max(estimated_ms, 1e-3) / 1000.0 * (rounds + SCREEN_OVERHEAD_RUNS)
 
 

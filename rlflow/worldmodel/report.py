@@ -281,4 +281,5 @@ def plot_quality(history: list[dict], final: dict, path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["pearson", "ranks", "spearman", "encode_all", "quality", "ppo_curve", "plot_sample_efficiency", "plot_quality"]
+__all__ = ["pearson", "ranks", "spearman", "encode_all", "quality", "ppo_curve", "plot_sample_efficiency",
+           "plot_quality"]

@@ -100,17 +100,11 @@ def test_dream_returns_are_uncapped_unless_asked(run):
     import dataclasses
     from pathlib import Path
 
-    from rlflow.worldmodel.location import match_descriptors
-    from rlflow.worldmodel.replay import Replay
-    from rlflow.worldmodel.report import encode_all
-    from rlflow.worldmodel.train import load_checkpoint, make_dream
+    from rlflow.worldmodel.rerun_quality import checkpoint_inputs
+    from rlflow.worldmodel.train import make_dream
 
     config, _ = run
-    agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt", optimisers=False)
-    replay = Replay.from_state_dict(payload["replay"])
-    mu, logvar = encode_all(agent.vision, replay)
-    descriptors = (match_descriptors(agent.location, replay, replay.episodes, agent.mdrnn.match_features)
-                   if agent.mdrnn.match_features else None)
+    agent, _, replay, mu, logvar, descriptors = checkpoint_inputs(Path(config.run_dir) / "worldmodel.pt")
     episodes = replay.split(False)
     uncapped = make_dream(agent, episodes, mu, logvar, config, seed=0, descriptors=descriptors)
     capped = make_dream(agent, episodes, mu, logvar, dataclasses.replace(config, cap_returns=True), seed=0,
@@ -125,21 +119,10 @@ def test_quality_recomputed_from_the_checkpoint_is_the_reported_one(run):
     episodes): docs/results/agent-deploy/requality.py rests on it.  The moved-only Spearman counts its transitions."""
     from pathlib import Path
 
-    from rlflow.worldmodel.location import match_descriptors
-    from rlflow.worldmodel.replay import Replay
-    from rlflow.worldmodel.report import encode_all, quality
-    from rlflow.worldmodel.train import load_checkpoint
+    from rlflow.worldmodel.rerun_quality import checkpoint_quality
 
     config, _ = run
-    agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt", optimisers=False)
-    replay = Replay.from_state_dict(payload["replay"])
-    replay.episodes = [e for e in replay.episodes if not (e.source == "eval" and e.iteration == payload["iteration"])]
-    mu, logvar = encode_all(agent.vision, replay)
-    descriptors = (match_descriptors(agent.location, replay, replay.episodes, agent.mdrnn.match_features)
-                   if agent.mdrnn.match_features else None)
-    again = quality(agent.vision, agent.mdrnn, replay, replay.split(True), replay.split(False), mu, logvar,
-                    config.reward_scale, descriptors)
-    reported = payload["history"][-1]
+    again, reported = checkpoint_quality(Path(config.run_dir) / "worldmodel.pt")
     for key in ("reward_pearson", "reward_spearman", "reward_mse", "moved_transitions", "zero_transitions"):
         assert again[key] == pytest.approx(reported[key], nan_ok=True), key
     assert 0 <= reported["zero_transitions"] <= reported["heldout_transitions"] - reported["moved_transitions"]

@@ -47,7 +47,8 @@ def main() -> None:
              f"`python docs/results/agent-deploy/estimate_vs_weights.py {' '.join(map(str, args.models))} "
              f"--out {args.out}`", "", f"Settings: {settings}; table `{cost_model.path}`. Measured: median of "
              f"{args.runs} warm runs of the whole model, call overhead included.", "",
-             "| model | weights read (MiB) | embedding tables (MiB) | estimate ms | measured ms | estimate / measured |",
+             "| model | weights read (MiB) | embedding tables (MiB) | estimate ms | measured ms | "
+             "estimate / measured |",
              "|---|---:|---:|---:|---:|---:|"]
     for path in args.models:
         graph = load(path)

@@ -13,24 +13,13 @@ import argparse
 import math
 from pathlib import Path
 
-from rlflow.worldmodel.agent import load_checkpoint
-from rlflow.worldmodel.location import match_descriptors
-from rlflow.worldmodel.replay import Replay
-from rlflow.worldmodel.report import MOVED, encode_all, quality
+from rlflow.worldmodel.report import MOVED
+from rlflow.worldmodel.rerun_quality import checkpoint_quality
 
 
 def requality(path: Path) -> dict:
-    """`quality` of the run at `path` on its held-out episodes, as the run computed it, with its reported figures."""
-    agent, payload = load_checkpoint(path, optimisers=False)
-    replay = Replay.from_state_dict(payload["replay"])
-    last = payload["iteration"]
-    replay.episodes = [e for e in replay.episodes if not (e.source == "eval" and e.iteration == last)]
-    mu, logvar = encode_all(agent.vision, replay)
-    descriptors = (match_descriptors(agent.location, replay, replay.episodes, agent.mdrnn.match_features)
-                   if agent.mdrnn.match_features else None)
-    figures = quality(agent.vision, agent.mdrnn, replay, replay.split(True), replay.split(False), mu, logvar,
-                      payload["config"]["reward_scale"], descriptors)
-    reported = payload["history"][-1]
+    """`checkpoint_quality` of the run at `path`, refused where it does not reproduce the reported figures."""
+    figures, reported = checkpoint_quality(path)
     for key in ("reward_pearson", "reward_spearman"):
         if not math.isclose(figures[key], reported[key], rel_tol=1e-4, abs_tol=1e-6):
             raise SystemExit(f"{path}: recomputed {key} {figures[key]:.4f} differs from the reported "

@@ -36,7 +36,8 @@ def model(fused: bool, seq: int, hidden: int, bias: bool) -> onnx.ModelProto:
         nodes.append(helper.make_node("LayerNormalization", [nodes[-1].output[0], "gamma", "beta"], ["y"], axis=-1,
                                       epsilon=1e-12))
     graph = helper.make_graph(nodes, "skip_layernorm", inputs, [output], weights)
-    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    built = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     built.ir_version = 9  # onnxruntime 1.31 refuses onnx 1.23's default
     return built
 
