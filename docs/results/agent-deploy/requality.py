@@ -13,6 +13,7 @@ import argparse
 import math
 from pathlib import Path
 
+from rlflow.errors import RlflowError
 from rlflow.worldmodel.report import MOVED
 from rlflow.worldmodel.rerun_quality import checkpoint_quality
 
@@ -39,7 +40,10 @@ def main() -> None:
              "| run | transitions | Pearson | Spearman | moved | Spearman over the moved | real reward exactly 0 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for path in args.checkpoints:
-        q = requality(path)
+        try:
+            q = requality(path)
+        except RlflowError as exc:  # a missing or foreign checkpoint: one line, nothing written
+            raise SystemExit(f"error: {exc}") from None
         lines.append(f"| {path.parent.name} | {q['heldout_transitions']} | {q['reward_pearson']:.3f} | "
                      f"{q['reward_spearman']:.3f} | {q['moved_transitions']} | {q['reward_spearman_moved']:.3f} | "
                      f"{q['zero_transitions']} |")
