@@ -42,6 +42,8 @@ class AgentSpec:
     location_lr: float = 1e-3
     controller_hidden: int = 128
     controller_lr: float = 1e-3
+    reward_scale: float = 10.0
+    reward_symlog: float = 1.0
 
     @classmethod
     def of(cls, config) -> "AgentSpec":
@@ -69,7 +71,8 @@ class Agent:
         self.vision = GraphVAE(n_rules, spec.hidden, spec.rounds, spec.latent_size)
         self.mdrnn = MDRNN(spec.latent_size, n_rules + 1, n_rules, spec.rnn_hidden, spec.gaussians,
                            spec.reward_ensemble, location_flag=spec.learn_location, markov_reward=spec.markov_reward,
-                           match_features=match_width(spec.match_input, spec.hidden) if spec.learn_location else 0)
+                           match_features=match_width(spec.match_input, spec.hidden) if spec.learn_location else 0,
+                           reward_knee=spec.reward_symlog / spec.reward_scale)
         self.policy = LatentPolicy(spec.latent_size + spec.rnn_hidden, n_rules + 1, spec.controller_hidden)
         self.location = LocationScorer(n_rules, spec.hidden, spec.rounds) if spec.learn_location else None
         adam = torch.optim.Adam if optimisers else lambda *args, **kwargs: None
@@ -119,8 +122,9 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
     """
     payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
                                       algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
-    # checkpoints from before the learned location used the first match, from before match_input no description
-    stored = {"learn_location": False, "match_input": "none", **payload["config"]}
+    # checkpoints from before the learned location used the first match, from before match_input no description,
+    # from before reward_symlog rewards learnt as they are
+    stored = {"learn_location": False, "match_input": "none", "reward_symlog": 0.0, **payload["config"]}
     agent = Agent(AgentSpec.of(stored), len(payload["rules"]), optimisers=optimisers)
     agent.load_state_dict(payload["agent"])
     return agent, payload

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlflow.worldmodel.mdrnn import MDRNN, MDRNNCell, gmm_loss, mdrnn_loss, sample_gmm
+from rlflow.worldmodel.mdrnn import MDRNN, MDRNNCell, gmm_loss, mdrnn_loss, sample_gmm, symexp, symlog
 from rlflow.worldmodel.vae import VAE, kl_divergence, vae_loss
 
 
@@ -198,3 +198,39 @@ def test_a_description_of_the_random_match_lets_m_tell_apart_what_two_matches_ea
         model(actions, latents, flags=torch.zeros(t, b, 3))
     with pytest.raises(ValueError, match="needs location_flag"):
         MDRNN(4, 3, 2, match_features=1)
+
+
+def test_symlog_is_undone_by_symexp_and_is_the_identity_without_a_knee():
+    rewards = torch.tensor([-3.0, -0.05, 0.0, 0.001, 0.1, 2.5])
+    assert torch.allclose(symexp(symlog(rewards, 0.1), 0.1), rewards, atol=1e-6)
+    assert torch.equal(symlog(rewards, 0.0), rewards) and torch.equal(symexp(rewards, 0.0), rewards)
+    # below the knee about r/knee, far above it logarithmic: 30x the reward is not 30x the target
+    assert float(symlog(torch.tensor(0.001), 0.1)) == pytest.approx(0.01, rel=0.01)
+    assert float(symlog(torch.tensor(3.0), 0.1)) < 5 * float(symlog(torch.tensor(0.1), 0.1))
+    assert torch.isfinite(symexp(torch.tensor([1e4, -1e4]), 0.1)).all()  # a head far outside its range
+
+
+def test_with_a_knee_the_heads_learn_symlog_rewards_and_m_reports_rewards():
+    """With `reward_knee` the members' outputs are targets in symlog space: M's rewards (members, mean, spread) are
+    those targets turned back, and the loss's reward term compares the targets with the symlog of the real rewards
+    (zero where they agree), not the rewards themselves."""
+    torch.manual_seed(0)
+    t, b = 2, 3
+    model = MDRNN(latent_size=4, n_actions=3, n_rules=2, hidden=16, gaussians=1, reward_ensemble=3, reward_knee=0.1)
+    actions, latents = torch.randint(0, 3, (t, b)), torch.randn(t, b, 4)
+    out = model(actions, latents)
+    assert torch.allclose(out.reward_members, symexp(out.reward_targets, 0.1))
+    assert torch.allclose(out.reward, out.reward_members.mean(-1))
+    assert torch.allclose(out.reward_std, out.reward_members.std(-1, unbiased=False))
+    assert model.spec()["reward_knee"] == 0.1
+    args = (latents, None, torch.zeros(t, b), torch.ones(t, b, 2), torch.ones(t, b))
+    exact = symexp(out.reward_targets.mean(-1), 0.1)  # rewards whose symlog is the members' mean
+    members_apart = out.reward_targets.var(-1, unbiased=False).mean()  # the members' own spread around it
+    with torch.no_grad():
+        fitted = mdrnn_loss(out, args[0], exact, *args[2:], reward_knee=0.1)
+        shifted = mdrnn_loss(out, args[0], exact + 1.0, *args[2:], reward_knee=0.1)
+        no_reward = mdrnn_loss(out._replace(reward_targets=torch.zeros_like(out.reward_targets)), args[0],
+                               torch.zeros(t, b), *args[2:], reward_knee=0.1)
+    z = latents.shape[-1]
+    assert float(fitted["loss"] - no_reward["loss"]) == pytest.approx(float(members_apart) / (z + 2), rel=1e-4)
+    assert float(shifted["loss"]) > float(fitted["loss"])

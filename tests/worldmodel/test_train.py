@@ -87,6 +87,14 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     torch.save(old, tmp_path / "old.pt")
     before, _ = load_checkpoint(tmp_path / "old.pt")
     assert before.location is not None and before.mdrnn.match_features == 0
+    # one from before reward_symlog (M's heads learnt the rewards as they are) reads its heads as rewards
+    assert config.reward_symlog > 0 and agent.mdrnn.reward_knee == pytest.approx(config.reward_symlog / config.reward_scale)
+    old = torch.load(again, weights_only=False)
+    del old["config"]["reward_symlog"]
+    old["agent"] = Agent(dataclasses.replace(config, reward_symlog=0.0), agent.n_rules).state_dict()
+    torch.save(old, tmp_path / "old.pt")
+    before, _ = load_checkpoint(tmp_path / "old.pt")
+    assert before.mdrnn.reward_knee == 0.0
     with pytest.raises(RlflowError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
     # resuming a finished run trains no more iterations and keeps its figures
@@ -358,7 +366,8 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
     with torch.no_grad():
         out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
         now = float(mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
-                               seq["state_valid"], config.mask_weight)["loss"])
+                               seq["state_valid"], config.mask_weight,
+                               reward_knee=agent.mdrnn.reward_knee)["loss"])
     assert 1 <= stats["best_epoch"] <= 6
     assert now == pytest.approx(stats["best_validation_loss"], rel=1e-5)
     assert stats["best_validation_loss"] <= stats["validation_loss"] + 1e-9
@@ -426,3 +435,17 @@ def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     assert "invalid choice: 'everything'" in capsys.readouterr().err
 
+
+
+def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path):
+    """A knee below 0 has no meaning: `main` refuses it with an input error (one line from the command line) before
+    it builds a model or writes a file."""
+    import dataclasses
+
+    from rlflow.errors import InputError
+    from rlflow.worldmodel.train import Config, main
+
+    config = dataclasses.replace(Config(), reward_symlog=-1.0, out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"))
+    with pytest.raises(InputError, match="reward_symlog must be >= 0"):
+        main(config)
+    assert not any(tmp_path.iterdir())
