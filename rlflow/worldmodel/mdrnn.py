@@ -280,7 +280,8 @@ def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tens
     Returns:
         Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) /
         (Z + 2) as in ctallec plus mask_weight * mask BCE (per rule), where mse is the mean of the reward ensemble
-        members' squared errors in `symlog` space (`reward_knee`: the model's); and `gmm`, `reward_mse` (of the ensemble mean), `done_bce`, `mask_bce`.
+        members' squared errors in `symlog` space (`reward_knee`: the model's); and `gmm`, `reward_mse` (of the
+        ensemble mean, in reward units), `done_bce`, `mask_bce`.
     """
     valid = valid.float()
     count = valid.sum().clamp_min(1.0)

@@ -88,7 +88,8 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
     before, _ = load_checkpoint(tmp_path / "old.pt")
     assert before.location is not None and before.mdrnn.match_features == 0
     # one from before reward_symlog (M's heads learnt the rewards as they are) reads its heads as rewards
-    assert config.reward_symlog > 0 and agent.mdrnn.reward_knee == pytest.approx(config.reward_symlog / config.reward_scale)
+    assert config.reward_symlog > 0
+    assert agent.mdrnn.reward_knee == pytest.approx(config.reward_symlog / config.reward_scale)
     old = torch.load(again, weights_only=False)
     del old["config"]["reward_symlog"]
     old["agent"] = Agent(dataclasses.replace(config, reward_symlog=0.0), agent.n_rules).state_dict()
@@ -434,7 +435,6 @@ def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
         parse_args(["--match-input", "everything"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'everything'" in capsys.readouterr().err
-
 
 
 def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path):

@@ -57,7 +57,8 @@ def retrained(path: Path, symlog: float, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoints", nargs="+", type=Path)
-    parser.add_argument("--symlog", default="0,1", help="reward_symlog values, comma-separated (0: rewards as they are)")
+    parser.add_argument("--symlog", default="0,1",
+                        help="reward_symlog values, comma-separated (0: rewards as they are)")
     parser.add_argument("--repeats", type=int, default=2, help="training seeds per value")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
