@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlflow"
 
 TRAINERS = ("rlflow.worldmodel.train", "rlflow.controller.ppo", "rlflow.controller.dream_ppo",
             "rlflow.controller.evaluate", "rlflow.controller.ship", "rlflow.controller.finetune",
-            "rlflow.worldmodel.report", "rlflow.worldmodel.replay", "rlflow.worldmodel.dream")
+            "rlflow.worldmodel.report", "rlflow.worldmodel.replay", "rlflow.worldmodel.dream",
+            "rlflow.worldmodel.real_episodes")
 """Modules that train, evaluate or ship agents, or exist only for them."""
 
 

@@ -184,7 +184,7 @@ def test_controller_learns_in_a_dream_with_a_known_best_rule():
 def test_exploration_tries_every_rule_of_a_state_before_repeating_one():
     import numpy as np
 
-    from rlflow.worldmodel.train import explore_action
+    from rlflow.worldmodel.real_episodes import explore_action
 
     rng = np.random.default_rng(0)
     tried: dict = {}
@@ -204,7 +204,7 @@ def test_exploration_by_match_draws_rules_as_often_as_their_matches_and_still_tr
     19 (uniformly it would be one in three), and a state still has every rule tried before any twice."""
     import numpy as np
 
-    from rlflow.worldmodel.train import explore_action
+    from rlflow.worldmodel.real_episodes import explore_action
 
     rng = np.random.default_rng(0)
     rules, matches = np.array([0, 1, 2]), np.array([17, 1, 1, 0])
@@ -301,7 +301,8 @@ def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model
     from rlflow.env import RewriteEnv
     from rlflow.rewrites import RULES
     from rlflow.worldmodel.replay import Replay
-    from rlflow.worldmodel.train import Agent, Config, real_episode
+    from rlflow.worldmodel.real_episodes import real_episode
+    from rlflow.worldmodel.train import Agent, Config
 
     names = [r.name for r in RULES] + ["terminate"]
     config = Config(hidden=16, rounds=1, learn_location=False, max_nodes=128, max_edges=256, max_candidates=64)

@@ -1,0 +1,131 @@
+"""One real episode of the world-model agent's training, played and recorded in the replay (`real_episode`): random
+rule-level actions (count-based: `explore_action`), or the controller with epsilon exploration, each rule placed where
+the location scorer rates best or, exploring, at a random match.  `rlflow.worldmodel.train` collects and evaluates
+with it; apart from the training loop because how one episode is played is its own concern.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rlflow.worldmodel.agent import Agent, Memory
+
+
+def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.random.Generator,
+                   random_terminate: float, terminate: int, matches: np.ndarray | None = None) -> int:
+    """An exploratory action: terminate with probability `random_terminate` (or when no rule is available), else a
+    random rule among the available `rules` least tried from `state` so far (`tried`: (state, rule) -> count; all
+    equally when None): count-based exploration, so that the deterministic environment's recurring graphs have
+    every rewrite tried before any is tried twice.  With `matches` ((R,) listed matches per rule) the draw is in
+    proportion to them (`rlflow.worldmodel.train.Config.explore_by_match`), else uniform."""
+    if len(rules) == 0 or rng.random() < random_terminate:
+        return terminate
+    if tried is not None:
+        counts = np.array([tried.get((state, int(r)), 0) for r in rules])
+        rules = rules[counts == counts.min()]
+    if matches is None:
+        return int(rng.choice(rules))
+    weights = np.asarray(matches, float)[rules]
+    return int(rng.choice(rules, p=weights / weights.sum()))
+
+
+def tried_pairs(episodes: list) -> dict:
+    """(state, rule) -> how often `episodes` applied that rule to that state."""
+    tried: dict = {}
+    for e in episodes:
+        for s, a in zip(e.states, e.actions):
+            tried[(s, a)] = tried.get((s, a), 0) + 1
+    return tried
+
+
+def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.random.Generator, *, greedy: bool,
+                 epsilon: float = 0.0, random_terminate: float = 0.1, heldout: bool = False, source: str = "random",
+                 iteration: int = 0, max_steps: int | None = None, tried: dict | None = None,
+                 random_locations: bool = False, avoid_revisits: bool = False, explore_by_match: bool = False):
+    """One real episode with rule-level actions (random when `agent` is None, see `explore_action`), recorded in
+    `replay`; `tried` counts the (state, rule) pairs applied and is updated.  A rule goes where the agent's location
+    scorer rates best; random and exploratory actions go to a random match when `random_locations` is set (marked
+    as such where the rule had more than one), and everything goes to the first listed match when there is no
+    scorer.  With `avoid_revisits` the controller's
+    choices never lead back to a graph of the episode (`rlflow.controller.unvisited`): where its rule at that match
+    would, it takes its next choice, as `rlflow optimize` plays the agent.  `explore_by_match`: random rules are
+    drawn in proportion to their listed matches (`explore_action`).
+
+    Returns:
+        The `Episode` (also appended to `replay.episodes`).
+    """
+    import torch
+
+    from rlflow.controller.latent import first_candidate, rule_mask_from_obs, rule_match_counts
+    from rlflow.controller.unvisited import choose_unvisited
+    from rlflow.controller.wm_actor import candidate_logits
+    from rlflow.worldmodel.location import choose_location, describe_match
+    from rlflow.worldmodel.replay import Episode
+
+    n_rules = replay.n_rules
+    obs, info = env.reset(options={"model": model_index})
+    episode = Episode(model=info["model"], heldout=heldout, source=source, iteration=iteration)
+    memory = Memory(agent) if agent is not None else None
+    seen = {env.fingerprint} if avoid_revisits else None
+    done = False
+    while not done:
+        counts = rule_match_counts(obs, n_rules)
+        mask = np.append(counts > 0, True)
+        episode.states.append(replay.add_state(obs, mask))
+        rules = np.flatnonzero(mask[:n_rules])
+        explored = agent is None or (epsilon > 0 and rng.random() < epsilon)
+        env_action = None
+        if explored:
+            action = explore_action(rules, episode.states[-1], tried, rng, random_terminate, n_rules,
+                                    counts if explore_by_match else None)
+        else:
+            with torch.no_grad():
+                latent_state, rule_mask = memory.controller_input(obs)
+                if seen is None:
+                    chosen, *_ = agent.policy.get_action_and_value(latent_state, rule_mask, greedy=greedy)
+                    action = int(chosen.item())
+                else:
+                    per_rule = agent.policy.logits(latent_state, rule_mask)[0]
+                    env_action = choose_unvisited(env, candidate_logits(per_rule, obs, agent.location), seen,
+                                                  greedy=greedy)
+                    action = (n_rules if env_action == env.terminate_action
+                              else int(np.asarray(obs["cand_rule"])[env_action]))
+        scorer = agent.location if agent is not None else None
+        # a rule with one match leaves no choice: its step is the agent's kind too (bit 0), which grounds the
+        # dream's kind of step from the first, all-random iteration on
+        random_location = bool(action != n_rules and explored and random_locations
+                               and counts[action] > 1)
+        if env_action is None:  # not yet placed by the choice that avoids revisits
+            if action == n_rules:
+                env_action = env.terminate_action
+            elif random_location or scorer is not None:
+                env_action = choose_location(obs, action, scorer, rng, explore=random_location)
+            else:
+                env_action = first_candidate(obs, action)
+        match = ([int(n) for n in np.asarray(obs["cand_nodes"])[env_action] if n >= 0] if action != n_rules else [])
+        if agent is not None and action != n_rules:
+            where = torch.zeros(1 + agent.mdrnn.match_features)
+            where[0] = float(random_location)
+            if random_location and agent.mdrnn.match_features:
+                where[1:] = describe_match(scorer, obs, action, match, agent.mdrnn.match_features)
+        before = obs
+        obs, reward, terminated, truncated, info = env.step(env_action)
+        episode.actions.append(int(action))
+        episode.locations.append(match)
+        episode.random_locations.append(random_location)
+        episode.rewards.append(float(reward))
+        if seen is not None:
+            seen.add(env.fingerprint)
+        if tried is not None:
+            tried[(episode.states[-1], int(action))] = tried.get((episode.states[-1], int(action)), 0) + 1
+        if agent is not None and action != n_rules:
+            memory.step(action, before, where.unsqueeze(0))
+        done = terminated or truncated or (max_steps is not None and len(episode.actions) >= max_steps)
+        if done:
+            episode.states.append(replay.add_state(obs, rule_mask_from_obs(obs, n_rules)))
+            episode.ended_empty = bool(terminated and action != n_rules)
+            episode.truncated = bool(truncated)
+    replay.episodes.append(episode)
+    return episode
+
+
+__all__ = ["explore_action", "real_episode", "tried_pairs"]
