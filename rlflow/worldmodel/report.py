@@ -121,6 +121,7 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
     unseen = ~seen
     rules = seq["actions"][valid].numpy()
     sources = np.array([episodes[col].source for _, col in order])
+    moved = np.abs(real) >= MOVED
     by_source = {source: pearson(predicted[sources == source], real[sources == source])
                  for source in sorted(set(sources.tolist()))}
     return {
@@ -135,8 +136,8 @@ def quality(vision, mdrnn, replay: Replay, episodes: list[Episode], train_episod
         "reward_pearson": pearson(predicted, real),
         "reward_pearson_unseen": pearson(predicted[unseen], real[unseen]),
         "reward_spearman": spearman(predicted, real),
-        "reward_spearman_moved": spearman(predicted[np.abs(real) >= MOVED], real[np.abs(real) >= MOVED]),
-        "moved_transitions": int((np.abs(real) >= MOVED).sum()),
+        "reward_spearman_moved": spearman(predicted[moved], real[moved]),
+        "moved_transitions": int(moved.sum()),
         "zero_transitions": int((real == 0).sum()),
         "unseen_transitions": int(unseen.sum()),
         "reward_pearson_agent_location": pearson(predicted[~at_random], real[~at_random]),

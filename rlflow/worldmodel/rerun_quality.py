@@ -25,15 +25,22 @@ def checkpoint_inputs(path) -> tuple:
     return agent, payload, replay, mu, logvar, descriptors
 
 
+def last_figures_episodes(replay: Replay, payload: dict) -> tuple[list, list]:
+    """(held-out, training) episodes of a checkpointed run as its last figures saw them: the last iteration's greedy
+    evaluation episodes came after its figures, and are left out."""
+    then = [e for e in replay.episodes if not (e.source == "eval" and e.iteration == payload["iteration"])]
+    return [e for e in then if e.heldout], [e for e in then if not e.heldout]
+
+
 def checkpoint_quality(path) -> tuple[dict, dict]:
     """`quality` of the run checkpointed at `path`, recomputed (it includes figures added since the run), and the
     figures the run reported after its last iteration (docs/results/agent-deploy/requality.py).  The last
-    iteration's greedy evaluation episodes are left out: they came after its figures."""
+    iteration's greedy evaluation episodes are left out (`last_figures_episodes`)."""
     agent, payload, replay, mu, logvar, descriptors = checkpoint_inputs(path)
-    then = [e for e in replay.episodes if not (e.source == "eval" and e.iteration == payload["iteration"])]
-    figures = quality(agent.vision, agent.mdrnn, replay, [e for e in then if e.heldout],
-                      [e for e in then if not e.heldout], mu, logvar, payload["config"]["reward_scale"], descriptors)
+    held, train = last_figures_episodes(replay, payload)
+    figures = quality(agent.vision, agent.mdrnn, replay, held, train, mu, logvar, payload["config"]["reward_scale"],
+                      descriptors)
     return figures, payload["history"][-1]
 
 
-__all__ = ["checkpoint_inputs", "checkpoint_quality"]
+__all__ = ["checkpoint_inputs", "checkpoint_quality", "last_figures_episodes"]

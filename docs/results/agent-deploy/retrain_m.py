@@ -20,9 +20,8 @@ import torch
 
 from rlflow.errors import RlflowError
 from rlflow.worldmodel.mdrnn import MDRNN
-from rlflow.worldmodel.replay import sequences
-from rlflow.worldmodel.report import MOVED, pearson, spearman
-from rlflow.worldmodel.rerun_quality import checkpoint_inputs
+from rlflow.worldmodel.report import MOVED, quality
+from rlflow.worldmodel.rerun_quality import checkpoint_inputs, last_figures_episodes
 from rlflow.worldmodel.train import Config, train_mdrnn
 
 
@@ -37,21 +36,11 @@ def retrained(path: Path, symlog: float, seed: int) -> dict:
     torch.manual_seed(seed)
     agent.mdrnn = MDRNN(**spec)
     agent.mdrnn_opt = torch.optim.Adam(agent.mdrnn.parameters(), lr=config.mdrnn_lr)
-    # the episodes the run's last figures saw (its last greedy evaluation came after them)
-    then = [e for e in replay.episodes if not (e.source == "eval" and e.iteration == payload["iteration"])]
-    train_mdrnn(agent, replay, [e for e in then if not e.heldout], mu, logvar, config, np.random.default_rng(seed),
-                descriptors=descriptors)
-    held = [e for e in then if e.heldout]
-    seq = sequences(held, mu, logvar, torch.as_tensor(np.stack(replay.rule_masks)), agent.n_rules, sample=False,
-                    reward_scale=config.reward_scale, descriptors=descriptors)
-    with torch.no_grad():
-        out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
-    valid = seq["valid"].bool()
-    predicted = (out.reward[valid] * config.reward_scale).numpy()
-    real = (seq["rewards"][valid] * config.reward_scale).numpy()
-    moved = np.abs(real) >= MOVED
-    return {"pearson": pearson(predicted, real), "spearman": spearman(predicted, real),
-            "spearman_moved": spearman(predicted[moved], real[moved]), "transitions": int(valid.sum())}
+    held, train = last_figures_episodes(replay, payload)
+    train_mdrnn(agent, replay, train, mu, logvar, config, np.random.default_rng(seed), descriptors=descriptors)
+    figures = quality(agent.vision, agent.mdrnn, replay, held, train, mu, logvar, config.reward_scale, descriptors)
+    return {"pearson": figures["reward_pearson"], "spearman": figures["reward_spearman"],
+            "spearman_moved": figures["reward_spearman_moved"], "transitions": figures["heldout_transitions"]}
 
 
 def main() -> None:
