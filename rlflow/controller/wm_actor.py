@@ -34,7 +34,7 @@ class WorldModelActor:
     """
 
     def __init__(self, agent, config: Mapping | None = None, reward_range: tuple | None = None):
-        from rlflow.worldmodel.agent import Memory
+        from rlflow.worldmodel.agent import Memory, Planning
 
         self.agent = agent
         self.config = dict(config or {})  # the training run's settings (the dream's, for fine-tuning; its scope)
@@ -43,7 +43,7 @@ class WorldModelActor:
         for module in (agent.vision, agent.mdrnn, agent.policy, getattr(agent, "location", None)):
             if module is not None:
                 module.eval()
-        self.memory = Memory(agent)
+        self.memory = Memory(agent, Planning.of(self.config, reward_range))
 
     def reset(self) -> None:
         """A new episode: h back to M's initial state."""
@@ -61,6 +61,12 @@ class WorldModelActor:
     def logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
         """(C + 1,) logits over the observation's candidates and terminate (the last); see `candidate_logits`."""
         return candidate_logits(self.rule_logits(obs), obs, getattr(self.agent, "location", None))
+
+    def greedy_logits(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
+        """(C + 1,) what a greedy rollout takes the argmax of: as `logits`, with the rule M predicts to pay most in
+        place of the controller's choice where the agent was trained to plan (`greedy_by="model"`,
+        `rlflow.worldmodel.agent.Planning`)."""
+        return candidate_logits(self.memory.greedy_rule_scores(obs), obs, getattr(self.agent, "location", None))
 
     def observe(self, action: int, obs: Mapping[str, np.ndarray]) -> None:
         """Advances h by the rule of candidate `action` of `obs` (the observation it was chosen from)."""

@@ -3,7 +3,9 @@
 The agent (the world-model agent shipped as `rlflow/agents/default.pt`, see `rlflow.controller.wm_actor`, or a
 masked-PPO `rlflow.controller.policy.CandidatePolicy` such as `rlflow/agents/ppo.pt`) plays a few episodes
 of `rlflow/Rewrite-v0` on the model, in the scope it was trained in (one match or one rule wherever it matches per
-step, `rlflow.env.SCOPES`): the first greedily, stopping where the policy stops; the rest sampled from the
+step, `rlflow.env.SCOPES`): the first greedily, stopping where the policy stops (a world-model agent trained with
+`greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.worldmodel.agent.Planning`); the rest
+sampled from the
 policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops as soon as it is
 unsure, so its own stop would leave the measurements nothing to choose from).  An episode never returns to a graph
 it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row leave the
@@ -131,6 +133,9 @@ class CandidateActor:
 
         with torch.no_grad():
             return self.policy(obs_to_torch(obs))[0][0].clone()
+
+    def greedy_logits(self, obs) -> "torch.Tensor":
+        return self.logits(obs)
 
     def observe(self, action: int, obs) -> None:
         pass
@@ -272,7 +277,8 @@ def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: 
     seen = {env.fingerprint}
     done, taken = False, 0
     while not done and time.monotonic() < deadline:
-        action = choose_unvisited(env, actor.logits(obs), seen, greedy=greedy, may_terminate=greedy,
+        logits = actor.greedy_logits(obs) if greedy else actor.logits(obs)
+        action = choose_unvisited(env, logits, seen, greedy=greedy, may_terminate=greedy,
                                   temperature=temperature, generator=generator)
         actor.observe(action, obs)
         obs, _, terminated, truncated, info = env.step(action)

@@ -40,7 +40,8 @@ def tried_pairs(episodes: list) -> dict:
 def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.random.Generator, *, greedy: bool,
                  epsilon: float = 0.0, random_terminate: float = 0.1, heldout: bool = False, source: str = "random",
                  iteration: int = 0, max_steps: int | None = None, tried: dict | None = None,
-                 random_locations: bool = False, avoid_revisits: bool = False, explore_by_match: bool = False):
+                 random_locations: bool = False, avoid_revisits: bool = False, explore_by_match: bool = False,
+                 planning=None):
     """One real episode with rule-level actions (random when `agent` is None, see `explore_action`), recorded in
     `replay`; `tried` counts the (state, rule) pairs applied and is updated.  A rule goes where the agent's location
     scorer rates best; random and exploratory actions go to a random match when `random_locations` is set (marked
@@ -48,7 +49,8 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     scorer.  With `avoid_revisits` the controller's
     choices never lead back to a graph of the episode (`rlflow.controller.unvisited`): where its rule at that match
     would, it takes its next choice, as `rlflow optimize` plays the agent.  `explore_by_match`: random rules are
-    drawn in proportion to their listed matches (`explore_action`).
+    drawn in proportion to their listed matches (`explore_action`).  `planning` (`rlflow.worldmodel.agent.Planning`):
+    a greedy episode takes the rule M predicts to pay most instead of the controller's argmax.
 
     Returns:
         The `Episode` (also appended to `replay.episodes`).
@@ -64,7 +66,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     n_rules = replay.n_rules
     obs, info = env.reset(options={"model": model_index})
     episode = Episode(model=info["model"], heldout=heldout, source=source, iteration=iteration)
-    memory = Memory(agent) if agent is not None else None
+    memory = Memory(agent, planning if greedy else None) if agent is not None else None
     seen = {env.fingerprint} if avoid_revisits else None
     done = False
     while not done:
@@ -80,11 +82,14 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
         else:
             with torch.no_grad():
                 latent_state, rule_mask = memory.controller_input(obs)
-                if seen is None:
+                if seen is None and memory.planning is None:
                     chosen, *_ = agent.policy.get_action_and_value(latent_state, rule_mask, greedy=greedy)
                     action = int(chosen.item())
+                elif seen is None:  # planning in M (greedy episodes only)
+                    action = int(memory.greedy_rule_scores(obs).argmax())
                 else:
-                    per_rule = agent.policy.logits(latent_state, rule_mask)[0]
+                    per_rule = (memory.greedy_rule_scores(obs) if greedy
+                                else agent.policy.logits(latent_state, rule_mask)[0])
                     env_action = choose_unvisited(env, candidate_logits(per_rule, obs, agent.location), seen,
                                                   greedy=greedy)
                     action = (n_rules if env_action == env.terminate_action

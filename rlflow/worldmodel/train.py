@@ -43,7 +43,7 @@ import numpy as np
 from rlflow.env import MAX_EDGES, MAX_NODES
 from rlflow.errors import InputError
 from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything
-from rlflow.worldmodel.agent import Agent, AgentSpec, load_checkpoint, save_checkpoint
+from rlflow.worldmodel.agent import Agent, AgentSpec, Planning, load_checkpoint, save_checkpoint
 from rlflow.worldmodel.real_episodes import real_episode, tried_pairs
 
 log = logging.getLogger("rlflow")
@@ -116,6 +116,10 @@ class Config(AgentSpec):
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
             step (`RewriteEnv.peek`, no reward read), which counts as no real step.
+        greedy_by: how greedy real episodes (the evaluations, and the agent search's first rollout in `rlflow
+            optimize`) choose a rule: "model", the one M predicts to pay most (`rlflow.worldmodel.agent.Planning`);
+            "controller", the controller's argmax (checkpoints from before it).  The controller still plays the
+            sampled rollouts and the collection.
         match_input: what M's reward reads about a rule's match when it went to a random one (exploration),
             besides the bit that says so: "none"; "score", the location scorer's rating of the match; "embedding",
             the rating and the scorer's embedding of the matched nodes (`rlflow.worldmodel.location
@@ -187,6 +191,7 @@ class Config(AgentSpec):
     sample_latents: bool = False
     location_gamma: float = 0.95
     avoid_revisits: bool = True
+    greedy_by: typing.Literal["controller", "model"] = "model"
     location_epochs: int = 30
     mask_weight: float = 10.0
     temperature: float = 1.0
@@ -237,12 +242,15 @@ def collect(env, agent: Agent | None, replay, steps: int, config: Config, rng: n
     return episodes
 
 
-def evaluate_real(env, agent: Agent, replay, config: Config, rng: np.random.Generator, iteration: int) -> list:
+def evaluate_real(env, agent: Agent, replay, config: Config, rng: np.random.Generator, iteration: int,
+                  reward_range: tuple | None = None) -> list:
     """One greedy episode per model in the real environment (recorded: they are real experience too), never
-    returning to a graph of the episode when `config.avoid_revisits` is set."""
+    returning to a graph of the episode when `config.avoid_revisits` is set, choosing as `config.greedy_by` says
+    (`reward_range`: the dream's clip, for planning in M)."""
+    planning = Planning.of(dataclasses.asdict(config), reward_range)
     return [real_episode(env, index, agent, replay, rng, greedy=True,
                          heldout=bool(rng.random() < config.heldout_fraction), source="eval", iteration=iteration,
-                         avoid_revisits=config.avoid_revisits)
+                         avoid_revisits=config.avoid_revisits, planning=planning)
             for index in range(len(env.models))]
 
 
@@ -542,7 +550,8 @@ def main(config: Config) -> dict:
         # 5. real evaluation
         agent.vision.eval()
         agent.mdrnn.eval()
-        evals = evaluate_real(env, agent, replay, config, rng, iteration)
+        evals = evaluate_real(env, agent, replay, config, rng, iteration,
+                              dream_reward_range(train_eps, n_rules))
         real_steps += sum(len(e.actions) for e in evals)
         point = {"iteration": iteration, "real_steps": real_steps,
                  "eval_mean_return": float(np.mean([e.ret for e in evals])),
