@@ -51,11 +51,12 @@ AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
 AGENT_SEED ?= 0
 AGENT_STEPS ?= 4096
-# Where the two trainers report: the world-model seeds (symlog/seedN/: M learns symlog rewards, the default since
-# 2026-11-27, seventh part; the shipped default.pt is still the fifth part's seed 0, no-cap-early/seed0/, trained with
-# the rewards as they are) and the PPO baseline they compare with (quiet-table/ppo/: trained against a cost table
-# filled one process at a time; the shipped ppo.pt is still no-cap/ppo/'s)
-AGENT_RESULTS := docs/results/agent-deploy/symlog
+# Where the two trainers report: the world-model seeds (planned-250/seedN/: M learns symlog rewards, seventh part,
+# and the greedy episodes plan in M, greedy_by="model", tenth part, both defaults since 2026-11-27; the shipped
+# default.pt is still the fifth part's seed 0, no-cap-early/seed0/, trained with neither) and the PPO baseline they
+# compare with (quiet-table/ppo/: trained against a cost table filled one process at a time; the shipped ppo.pt is
+# still no-cap/ppo/'s)
+AGENT_RESULTS := docs/results/agent-deploy/planned-250
 PPO_RESULTS := docs/results/agent-deploy/quiet-table/ppo
 # The two trainers' options (docs/results/agent-deploy/run.sh reads them and the folders from here for its seeds)
 WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3 --random-steps 250

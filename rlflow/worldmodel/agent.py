@@ -136,7 +136,7 @@ class Planning:
     """One-step planning in M for greedy episodes (`greedy_by="model"`, `rlflow.worldmodel.train.Config`): the rule
     M predicts to pay most, as the dream would pay it, instead of the controller's argmax; terminate once none is
     predicted to pay.  Greedy episodes of the controller fell short of what M knows: on the eight training models
-    the same six checkpoints returned 7.57-10.34 (mean 8.77) by the controller's argmax and 8.74-10.41 (mean 9.59) by
+    the same six checkpoints returned 7.56-10.34 (mean 8.77) by the controller's argmax and 8.74-10.41 (mean 9.59) by
     M's predicted reward (docs/results/agent-deploy/README.md, ninth part).
 
     Attributes:
@@ -234,16 +234,3 @@ class Memory:
             paid = torch.minimum(torch.maximum(paid, low), high)
         rewards[rules] = paid
         return rewards
-        count = len(rules)
-        state = tuple(part.expand(count, -1).contiguous() for part in self.state)
-        out, (h, _) = self.cell(rules, self.latent(obs).expand(count, -1), state)
-        paid = (out.reward - reward_penalty * out.reward_std) * reward_scale
-        if reward_range is not None:
-            low, high = (torch.as_tensor(bound, dtype=torch.float32).expand(self.agent.n_rules)[rules]
-                         for bound in reward_range)
-            paid = torch.minimum(torch.maximum(paid, low), high)
-        following = sample_gmm(out.mus, out.sigmas, out.logpi, 0.0)
-        ended = (torch.sigmoid(out.done_logit) > 0.5) | ~(self.agent.mdrnn.mask_logits(following, h) > 0).any(-1)
-        critic = self.agent.policy.get_value(torch.cat([following, h], -1))
-        values[rules] = paid + gamma * torch.where(ended, torch.zeros(()), critic)
-        return values

@@ -59,6 +59,7 @@ class MDRNNOutput(NamedTuple):
     reward_std: torch.Tensor  # (*L,) spread of the reward ensemble (same units as reward)
     reward_members: torch.Tensor  # (*L, E) each ensemble member's reward
     reward_targets: torch.Tensor  # (*L, E) what the members output: their reward through `symlog` (the loss's space)
+    reward_knee: float = 0.0  # the model's `reward_knee`: `mdrnn_loss` compares targets in the same symlog space
 
 
 def symlog(reward: torch.Tensor, knee: float) -> torch.Tensor:
@@ -204,7 +205,7 @@ class MDRNN(nn.Module):
         mus, sigmas, logpi, done, targets = heads
         members = symexp(targets, self.reward_knee)
         return MDRNNOutput(mus, sigmas, logpi, members.mean(-1), done, mask_logits, members.std(-1, unbiased=False),
-                           members, targets)
+                           members, targets, self.reward_knee)
 
     def forward(self, actions: torch.Tensor, latents: torch.Tensor,
                 state: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -260,15 +261,14 @@ class MDRNNCell(nn.Module):
 
 def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tensor, dones: torch.Tensor,
                masks: torch.Tensor, valid: torch.Tensor, state_valid: torch.Tensor | None = None,
-               mask_weight: float = 1.0, member_weights: torch.Tensor | None = None,
-               reward_knee: float = 0.0) -> dict[str, torch.Tensor]:
+               mask_weight: float = 1.0, member_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The world model's training loss over padded sequences.
 
     Args:
         out: `MDRNN.forward` output, leading dims (T, B).
         next_latents: (T, B, Z) z_{t+1}.
         rewards: (T, B) real rewards (already divided by the reward scale); the members learn them through
-            `symlog` with the model's `reward_knee` (`out.reward_targets`).
+            `symlog` with the knee of the model that produced `out` (`out.reward_targets`, `out.reward_knee`).
         dones: (T, B) 1 where the episode ended after the step because no rewrite was left.
         masks: (T, B, R) real per-rule availability of state t.
         valid: (T, B) 1 on steps with a transition target (a rule was applied), 0 elsewhere.
@@ -280,13 +280,13 @@ def mdrnn_loss(out: MDRNNOutput, next_latents: torch.Tensor, rewards: torch.Tens
     Returns:
         Scalars averaged over valid steps (the availability loss over valid states): `loss` = (gmm + bce + mse) /
         (Z + 2) as in ctallec plus mask_weight * mask BCE (per rule), where mse is the mean of the reward ensemble
-        members' squared errors in `symlog` space (`reward_knee`: the model's); and `gmm`, `reward_mse` (of the
+        members' squared errors in `symlog` space (`out.reward_knee`); and `gmm`, `reward_mse` (of the
         ensemble mean, in reward units), `done_bce`, `mask_bce`.
     """
     valid = valid.float()
     count = valid.sum().clamp_min(1.0)
     gmm = (gmm_loss(next_latents, out.mus, out.sigmas, out.logpi, reduce=False) * valid).sum() / count
-    squared = (out.reward_targets - symlog(rewards, reward_knee).unsqueeze(-1)).pow(2)  # (T, B, E)
+    squared = (out.reward_targets - symlog(rewards, out.reward_knee).unsqueeze(-1)).pow(2)  # (T, B, E)
     if member_weights is None:
         mse = (squared.mean(-1) * valid).sum() / count
     else:  # each member's mean over its own episodes, then the mean over members

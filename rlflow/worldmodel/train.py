@@ -319,7 +319,7 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
         out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
         weights = torch.stack([members[id(e)] for e in chunk]) if members else None
         return mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
-                          seq["state_valid"], config.mask_weight, weights, agent.mdrnn.reward_knee)
+                          seq["state_valid"], config.mask_weight, weights)
 
     held = int(round(config.mdrnn_validation * len(episodes))) if len(episodes) >= 10 else 0
     validation: list = []

@@ -219,6 +219,7 @@ def test_with_a_knee_the_heads_learn_symlog_rewards_and_m_reports_rewards():
     model = MDRNN(latent_size=4, n_actions=3, n_rules=2, hidden=16, gaussians=1, reward_ensemble=3, reward_knee=0.1)
     actions, latents = torch.randint(0, 3, (t, b)), torch.randn(t, b, 4)
     out = model(actions, latents)
+    assert out.reward_knee == 0.1  # the loss reads the knee from the output, so it cannot be given another
     assert torch.allclose(out.reward_members, symexp(out.reward_targets, 0.1))
     assert torch.allclose(out.reward, out.reward_members.mean(-1))
     assert torch.allclose(out.reward_std, out.reward_members.std(-1, unbiased=False))
@@ -227,10 +228,10 @@ def test_with_a_knee_the_heads_learn_symlog_rewards_and_m_reports_rewards():
     exact = symexp(out.reward_targets.mean(-1), 0.1)  # rewards whose symlog is the members' mean
     members_apart = out.reward_targets.var(-1, unbiased=False).mean()  # the members' own spread around it
     with torch.no_grad():
-        fitted = mdrnn_loss(out, args[0], exact, *args[2:], reward_knee=0.1)
-        shifted = mdrnn_loss(out, args[0], exact + 1.0, *args[2:], reward_knee=0.1)
+        fitted = mdrnn_loss(out, args[0], exact, *args[2:])
+        shifted = mdrnn_loss(out, args[0], exact + 1.0, *args[2:])
         no_reward = mdrnn_loss(out._replace(reward_targets=torch.zeros_like(out.reward_targets)), args[0],
-                               torch.zeros(t, b), *args[2:], reward_knee=0.1)
+                               torch.zeros(t, b), *args[2:])
     z = latents.shape[-1]
     assert float(fitted["loss"] - no_reward["loss"]) == pytest.approx(float(members_apart) / (z + 2), rel=1e-4)
     assert float(shifted["loss"]) > float(fitted["loss"])

@@ -368,8 +368,7 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
     with torch.no_grad():
         out = agent.mdrnn(seq["actions"], seq["latents"], flags=seq["flags"])
         now = float(mdrnn_loss(out, seq["next_latents"], seq["rewards"], seq["dones"], seq["masks"], seq["valid"],
-                               seq["state_valid"], config.mask_weight,
-                               reward_knee=agent.mdrnn.reward_knee)["loss"])
+                               seq["state_valid"], config.mask_weight)["loss"])
     assert 1 <= stats["best_epoch"] <= 6
     assert now == pytest.approx(stats["best_validation_loss"], rel=1e-5)
     assert stats["best_validation_loss"] <= stats["validation_loss"] + 1e-9
@@ -450,3 +449,84 @@ def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path
     with pytest.raises(InputError, match="reward_symlog must be >= 0"):
         main(config)
     assert not any(tmp_path.iterdir())
+
+
+def _agent_whose_m_predicts(config, pays: dict[int, float], spread: float = 0.0):
+    """An agent whose M predicts reward `pays[a]` (in % of the runtime, 0 for other actions) for action a from any
+    state, the two ensemble members `spread` apart (mean as given)."""
+    from rlflow.rewrites import RULES
+    from rlflow.worldmodel.agent import Agent
+
+    agent = Agent(config, len(RULES))
+    m = agent.mdrnn
+    offset, lowest = m.hidden + m.latent_size, min(pays.values())
+    with torch.no_grad():
+        for member, head in enumerate(m.reward_heads):
+            first, last = head[0], head[2]
+            first.weight.zero_(), first.bias.zero_(), last.weight.zero_()
+            for action, reward in pays.items():  # hidden unit 0 carries the action's reward, lifted above 0
+                first.weight[0, offset + action] = (reward - lowest + 1.0) / config.reward_scale
+            last.weight[0, 0] = 1.0
+            last.bias.fill_((lowest - 1.0 + (spread / 2 if member else -spread / 2)) / config.reward_scale)
+    return agent
+
+
+def test_planning_takes_the_rule_m_predicts_to_pay_most_as_the_dream_pays_it(tiny_model, wm_cost_model):
+    """With `Planning` (greedy_by="model") a greedy episode takes the rule M predicts to pay most, its reward
+    counted as the dream pays it (ensemble mean less the penalty times its spread, clipped to the rule's range), and
+    stops once none is predicted to pay; without it (and for checkpoints from before the option) the controller's
+    argmax; sampled choices stay the controller's."""
+    import numpy as np
+
+    from rlflow.controller.latent import NEG
+    from rlflow.controller.wm_actor import WorldModelActor
+    from rlflow.env import RewriteEnv
+    from rlflow.rewrites import RULES
+    from rlflow.worldmodel.agent import Memory, Planning
+    from rlflow.worldmodel.real_episodes import real_episode
+    from rlflow.worldmodel.replay import Replay
+    from rlflow.worldmodel.train import Config
+
+    assert Planning.of({}) is None and Planning.of({"greedy_by": "controller"}) is None
+    assert Planning.of({"greedy_by": "model", "reward_scale": 5.0}) == Planning(5.0, 1.0, None)
+    config = Config(hidden=16, rounds=1, learn_location=False, reward_symlog=0.0, reward_ensemble=2, max_nodes=128,
+                    max_edges=256, max_candidates=64)
+    env = RewriteEnv(tiny_model, cost_model=wm_cost_model, max_episode_steps=4, max_nodes=128, max_edges=256,
+                     max_candidates=64)
+    obs, _ = env.reset()
+    listed = sorted({int(r) for r in np.asarray(obs["cand_rule"])[np.asarray(obs["cand_mask"]).astype(bool)]})
+    assert len(listed) >= 2
+    favourite, second = listed[0], listed[1]
+    agent = _agent_whose_m_predicts(config, {favourite: 3.0, second: 1.0}, spread=0.4)
+    with torch.no_grad():  # the controller prefers the other rule
+        agent.policy.actor[-1].weight.zero_()
+        agent.policy.actor[-1].bias.fill_(-5.0)
+        agent.policy.actor[-1].bias[second] = 5.0
+
+    rewards = Memory(agent, Planning(config.reward_scale, 1.0)).predicted_rewards(obs)
+    assert float(rewards[favourite]) == pytest.approx(3.0 - 0.2, abs=1e-4)  # mean less one spread (0.2 each side)
+    assert float(rewards[second]) == pytest.approx(1.0 - 0.2, abs=1e-4)
+    assert float(rewards[-1]) == 0.0 and all(float(rewards[r]) == NEG for r in range(len(RULES)) if r not in listed)
+    assert float(Memory(agent, Planning(config.reward_scale, 0.0)).predicted_rewards(obs)[favourite]) == \
+        pytest.approx(3.0, abs=1e-4)
+    clipped = Memory(agent, Planning(config.reward_scale, 0.0, (-1.0, 2.5))).predicted_rewards(obs)
+    assert float(clipped[favourite]) == pytest.approx(2.5)
+
+    replay, rng = Replay(len(RULES)), np.random.default_rng(0)
+    planned = real_episode(env, 0, agent, replay, rng, greedy=True, planning=Planning(config.reward_scale, 1.0))
+    assert planned.actions[0] == favourite
+    assert real_episode(env, 0, agent, replay, rng, greedy=True).actions[0] == second  # the controller's argmax
+    avoiding = real_episode(env, 0, agent, replay, rng, greedy=True, avoid_revisits=True,
+                            planning=Planning(config.reward_scale, 1.0))
+    assert avoiding.actions[0] == favourite
+    nothing_pays = _agent_whose_m_predicts(config, {r: -1.0 for r in listed})
+    assert real_episode(env, 0, nothing_pays, replay, rng, greedy=True,
+                        planning=Planning(config.reward_scale, 0.0)).actions == [len(RULES)]  # terminate
+
+    def chosen_rule(logits):
+        return int(np.asarray(obs["cand_rule"])[int(logits.argmax())])
+
+    old = WorldModelActor(agent, {"reward_scale": config.reward_scale})  # a checkpoint from before greedy_by
+    planning = WorldModelActor(agent, {"reward_scale": config.reward_scale, "greedy_by": "model"})
+    assert chosen_rule(old.greedy_logits(obs)) == second and chosen_rule(planning.greedy_logits(obs)) == favourite
+    assert torch.equal(planning.logits(obs), old.logits(obs))  # the sampled rollouts: the controller's

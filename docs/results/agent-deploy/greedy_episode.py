@@ -35,8 +35,8 @@ def greedy_episode(agent: Path, model: Path, cost_model, settings) -> list[tuple
     actor.reset()
     seen, steps, done = {env.fingerprint}, [], False
     while not done:
-        action = choose_unvisited(env, actor.logits(obs), seen, greedy=True, may_terminate=True, temperature=1.0,
-                                  generator=torch.Generator().manual_seed(0))
+        action = choose_unvisited(env, actor.greedy_logits(obs), seen, greedy=True, may_terminate=True,
+                                  temperature=1.0, generator=torch.Generator().manual_seed(0))
         rules = np.asarray(obs["cand_rule"])
         rule = int(rules[action]) if action < len(rules) else len(RULES)
         predicted = None
