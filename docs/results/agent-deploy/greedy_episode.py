@@ -23,15 +23,22 @@ from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
 
 
-@torch.no_grad()
 def greedy_episode(agent: Path, model: Path, cost_model, settings) -> list[tuple[str, float | None, float]]:
-    """[(rule or "stop", M's predicted reward or None, the environment's reward)] of the agent's greedy episode, played
-    as the agent search plays it (rule-wide steps, never revisiting a graph, as long as its training episodes)."""
+    """`play_greedy` of the agent at `agent` on `model`, in the scope and at most the length of its training
+    episodes."""
     actor, _ = load_actor(agent)
-    scale = float(actor.config.get("reward_scale", 10.0))
     env = RewriteEnv(load(model), cost_model=cost_model, settings=settings, scope=actor.config.get("scope", "match"),
                      max_episode_steps=int(actor.config.get("max_episode_steps", 25)))
-    obs, _ = env.reset(options={"model": 0})
+    return play_greedy(actor, env)
+
+
+@torch.no_grad()
+def play_greedy(actor, env, index: int = 0) -> list[tuple[str, float | None, float]]:
+    """[(rule or "stop", M's predicted reward or None, the environment's reward)] of `actor`'s greedy episode on model
+    `index` of `env`, played as the agent search plays it (never revisiting a graph; plan_vs_controller.py sums its
+    rewards)."""
+    scale = float(actor.config.get("reward_scale", 10.0))
+    obs, _ = env.reset(options={"model": index})
     actor.reset()
     seen, steps, done = {env.fingerprint}, [], False
     while not done:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from greedy_episode import play_greedy  # beside this script
 
-from rlflow.controller.unvisited import choose_unvisited
 from rlflow.controller.wm_actor import WorldModelActor, load_actor
 from rlflow.env import RewriteEnv
 from rlflow.measure.costmodel import CostModel
@@ -25,7 +25,6 @@ from rlflow.training import resolve_models
 WAYS = ("controller", "model")
 
 
-@torch.no_grad()
 def returns(agent: Path, zoo_dir: str, cost_model) -> dict[str, dict[str, float]]:
     """{way: {model: return of one greedy real episode}} over the agent's training models."""
     base, _ = load_actor(agent)
@@ -38,16 +37,7 @@ def returns(agent: Path, zoo_dir: str, cost_model) -> dict[str, dict[str, float]
         actor = WorldModelActor(base.agent, {**config, "greedy_by": way}, base.reward_range)
         out[way] = {}
         for index, name in enumerate(config["models"]):
-            obs, _ = env.reset(options={"model": index})
-            actor.reset()
-            seen, total, done = {env.fingerprint}, 0.0, False
-            while not done:
-                action = choose_unvisited(env, actor.greedy_logits(obs), seen, greedy=True)
-                actor.observe(action, obs)
-                obs, reward, terminated, truncated, _ = env.step(action)
-                total, done = total + reward, terminated or truncated
-                seen.add(env.fingerprint)
-            out[way][name] = total
+            out[way][name] = sum(reward for _, _, reward in play_greedy(actor, env, index))
     return out
 
 
