@@ -24,6 +24,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from rlflow import shapes as _shapes
 from rlflow.errors import InputError
 from rlflow.fingerprint import fingerprint as _fingerprint
+from rlflow.gs_copy import copy_graph
 from rlflow.model_file import (any_mapped, check_model, external_array, external_reference, max_ir_version,
                                read_model, resolve_external_data, save_model)
 
@@ -154,7 +155,7 @@ class Graph:
         `lineage_cache` is carried over (its entries are replaced, never edited): its facts are keyed by tensor name,
         and a name keeps its value along the lineage, since a rewrite keeps the value of every tensor it keeps the name
         of and `fresh_name` never hands out a name a fact is held for (`rlflow.rewrites.util.dynamic_axes`)."""
-        copy = Graph(self.gs.copy(), interface=self.interface, input_shapes=dict(self.input_shapes),
+        copy = Graph(copy_graph(self.gs), interface=self.interface, input_shapes=dict(self.input_shapes),
                      model_info=self.model_info, source=self.source)
         copy.profiles = self.profiles
         copy.lineage_cache = dict(self.lineage_cache)

@@ -128,6 +128,53 @@ def test_clone_is_independent(tmp_path, matmul_model):
     assert graph.fingerprint() == before != clone.fingerprint()
 
 
+@pytest.mark.parametrize("export", ["bert-tiny-dynamo.onnx", "gpt2-tiny-decode-ts.onnx"])
+def test_copy_graph_copies_what_gs_copies_and_shares_only_arrays(export):
+    """`copy_graph` (the clone every rewrite starts from) must be `gs.Graph.copy`'s copy, only quicker: the same model
+    when exported, no node or tensor shared with the original, both ends of every edge linked, arrays shared."""
+    import onnx_graphsurgeon as gs
+
+    from rlflow.gs_copy import copy_graph
+
+    graph = load(f"tests/fixtures/exports/{export}")
+    original = graph.gs
+    copy = copy_graph(original)
+    assert (gs.export_onnx(copy, do_type_check=False).graph.SerializeToString()
+            == gs.export_onnx(original.copy(), do_type_check=False).graph.SerializeToString())
+    old = {id(n) for n in original.nodes} | {id(t) for t in original.tensors().values()}
+    assert not old & ({id(n) for n in copy.nodes} | {id(t) for t in copy.tensors().values()})
+    for node in copy.nodes:
+        assert all(any(c is node for c in t.outputs) for t in node.inputs)
+        assert all(any(p is node for p in t.inputs) for t in node.outputs)
+    for tensor in copy.tensors().values():
+        assert all(any(t is tensor for t in n.inputs) for n in tensor.outputs)
+    constants = {n: t for n, t in original.tensors().items() if isinstance(t, gs.Constant)}
+    assert constants and all(copy.tensors()[n].values is t.values for n, t in constants.items())
+    copy.nodes[0].inputs[0] = gs.Variable("elsewhere")  # editing the copy leaves the original as it was
+    assert graph.fingerprint() == load(f"tests/fixtures/exports/{export}").fingerprint()
+
+
+def test_copy_graph_leaves_subgraphs_to_gs():
+    """If, Loop and Scan bodies read tensors from the graph around them, which gs's own copy maps."""
+    import onnx_graphsurgeon as gs
+
+    from rlflow.gs_copy import copy_graph
+
+    then_g = helper.make_graph([helper.make_node("Relu", ["x"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    model = tiny_model([helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)],
+                       [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                        helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    original = gs.import_onnx(model)
+    copy = copy_graph(original)
+    body = copy.nodes[0].attrs["then_branch"]
+    assert body is not original.nodes[0].attrs["then_branch"]
+    assert body.nodes[0].inputs[0] is copy.inputs[1]  # the body reads the copy's x, not the original's
+
+
 def test_save_is_atomic_and_uses_accepted_ir(tmp_path, matmul_model):
     graph = load(save(matmul_model, tmp_path / "m.onnx"))
     out = graph.save(tmp_path / "out" / "m2.onnx")
