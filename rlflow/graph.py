@@ -24,7 +24,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from rlflow import shapes as _shapes
 from rlflow.errors import InputError
 from rlflow.fingerprint import fingerprint as _fingerprint
-from rlflow.gs_copy import copy_graph
+from rlflow.gs_fast import copy_graph, toposort
 from rlflow.model_file import (any_mapped, check_model, external_array, external_reference, max_ir_version,
                                read_model, resolve_external_data, save_model)
 
@@ -145,7 +145,7 @@ class Graph:
         graph._map_external_constants()
         graph._name_nodes()
         graph._lower_constant_nodes()
-        graph.gs.cleanup(remove_unused_graph_inputs=False).toposort()
+        toposort(graph.gs.cleanup(remove_unused_graph_inputs=False))
         graph.infer_shapes()
         return graph
 
@@ -418,7 +418,7 @@ class Graph:
 
     def finish_edit(self) -> None:
         """Removes dead nodes, restores topological order and gives the tensors a rule added their shapes."""
-        self.gs.cleanup(remove_unused_graph_inputs=False).toposort()
+        toposort(self.gs.cleanup(remove_unused_graph_inputs=False))
         self._used_names = None
         fresh = [n for n in self.gs.nodes if any(t.dtype is None or self.shape(t) is None for t in n.outputs)]
         if fresh and not _shapes.infer_locally(self, fresh):

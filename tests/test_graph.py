@@ -134,7 +134,7 @@ def test_copy_graph_copies_what_gs_copies_and_shares_only_arrays(export):
     when exported, no node or tensor shared with the original, both ends of every edge linked, arrays shared."""
     import onnx_graphsurgeon as gs
 
-    from rlflow.gs_copy import copy_graph
+    from rlflow.gs_fast import copy_graph
 
     graph = load(f"tests/fixtures/exports/{export}")
     original = graph.gs
@@ -154,11 +154,34 @@ def test_copy_graph_copies_what_gs_copies_and_shares_only_arrays(export):
     assert graph.fingerprint() == load(f"tests/fixtures/exports/{export}").fingerprint()
 
 
+@pytest.mark.parametrize("export", ["bert-tiny-torchscript.onnx", "gpt2-tiny-prefill-dynamo.onnx"])
+def test_toposort_orders_nodes_as_gs_does(export):
+    """The agent's observations list nodes in sorted order, so `toposort` must give gs's order, not just a valid one:
+    from the same shuffled order, on the export and on graphs a few rewrites away from it."""
+    import random
+
+    from rlflow.gs_fast import toposort
+    from rlflow.rewrites import apply, find_matches
+
+    rng = random.Random(0)
+    graphs = [load(f"tests/fixtures/exports/{export}")]
+    for _ in range(4):
+        graphs.append(apply(graphs[-1], rng.choice(find_matches(graphs[-1]))))
+    for graph in graphs:
+        ours, theirs = graph.clone(), graph.clone()
+        rng.shuffle(ours.gs.nodes)
+        theirs.gs.nodes = list(ours.gs.nodes)
+        shuffled = [n.name for n in ours.gs.nodes]
+        toposort(ours.gs)
+        theirs.gs.toposort()
+        assert [n.name for n in ours.gs.nodes] == [n.name for n in theirs.gs.nodes] != shuffled
+
+
 def test_copy_graph_leaves_subgraphs_to_gs():
     """If, Loop and Scan bodies read tensors from the graph around them, which gs's own copy maps."""
     import onnx_graphsurgeon as gs
 
-    from rlflow.gs_copy import copy_graph
+    from rlflow.gs_fast import copy_graph
 
     then_g = helper.make_graph([helper.make_node("Relu", ["x"], ["t"])], "then", [],
                                [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])

@@ -29,6 +29,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from rlflow.errors import InputError
+from rlflow.frozen_heap import frozen_heap
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
@@ -173,8 +174,10 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     endings: list[str] = []
     stop, steps = "all rollouts done", 0
     loaded = time.monotonic()
-    # the policy on one torch thread: its forward passes are too small to gain from more (see `torch_threads`)
-    with measuring_until(cost_model, loaded + COST_TABLE_SHARE * max(search_deadline - loaded, 0.0)), torch_threads(1):
+    # the policy on one torch thread: its forward passes are too small to gain from more (see `torch_threads`); the
+    # heap held before the rollouts out of the collector's rescans (`frozen_heap`)
+    with measuring_until(cost_model, loaded + COST_TABLE_SHARE * max(search_deadline - loaded, 0.0)), torch_threads(1), \
+            frozen_heap():
         trained = actor.config  # its scope, and its episodes' length: what the actor learned to play
         env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings,
                          scope=trained.get("scope", "match"),
