@@ -158,7 +158,7 @@ def train(algo, options) -> None:
     if algo == "ppo":
         from rlflow.controller import ppo as trainer
     else:
-        from rlflow.worldmodel import train as trainer
+        from rlflow.controller import wm_train as trainer
     trainer.main(trainer.parse_args(list(options)))
 
 

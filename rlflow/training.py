@@ -1,7 +1,7 @@
 """What the trainers share, so that none imports another: seeding, checkpoint files, the CSV metrics writer, model
 lists, environment construction and the PPO results (`ppo.json` and its learning curve).
 
-The agents' own modules (`rlflow.controller.policy`, `rlflow.worldmodel.agent`) use only the checkpoint functions;
+The agents' own modules (`rlflow.controller.policy`, `rlflow.controller.wm_agent`) use only the checkpoint functions;
 nothing here imports a trainer, torch or the environment at import time.
 """
 from __future__ import annotations

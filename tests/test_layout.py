@@ -10,10 +10,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rlflow"
 
-TRAINERS = ("rlflow.worldmodel.train", "rlflow.controller.ppo", "rlflow.controller.dream_ppo",
+TRAINERS = ("rlflow.controller.wm_train", "rlflow.controller.ppo", "rlflow.controller.dream_ppo",
             "rlflow.controller.evaluate", "rlflow.controller.ship", "rlflow.controller.finetune",
             "rlflow.worldmodel.report", "rlflow.worldmodel.replay", "rlflow.worldmodel.dream",
-            "rlflow.worldmodel.real_episodes")
+            "rlflow.controller.real_episodes")
 """Modules that train, evaluate or ship agents, or exist only for them."""
 
 
@@ -82,6 +82,17 @@ def test_the_package_imports_form_no_circle():
     graph = import_graph()
     assert "rlflow.controller.policy" in graph["rlflow.search.agent"]  # the walk sees function-local imports
     assert cycles(graph) == []
+
+
+def test_the_world_model_imports_nothing_from_the_agents_above_it():
+    """The world model (V, M, the dream, the location scorer) sits below the agents and trainers that use it
+    (`rlflow.controller`: C, the actors, the world-model agent and its training, PPO, shipping), and the observation
+    helpers both read sit below both: the two packages used to import each other."""
+    graph = import_graph()
+    upward = {(m, t) for m, targets in graph.items() if m.startswith("rlflow.worldmodel")
+              for t in targets if t.startswith("rlflow.controller")}
+    assert upward == set()
+    assert "rlflow.worldmodel.location" in graph["rlflow.controller.wm_actor"]  # the walk sees the downward imports
 
 
 def test_the_circle_finder_finds_a_circle():

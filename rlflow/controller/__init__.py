@@ -1,4 +1,7 @@
-"""Controllers: the candidate-scoring policy and its trainers (`ppo`: model-free masked PPO on the real environment).
+"""The agents and their trainers: the candidate-scoring policy and masked PPO on the real environment (`policy`,
+`ppo`), the world-model agent (`wm_agent`: V, M and the controller C of `latent`; `wm_actor` plays it on a real graph)
+and its training (`wm_train`, `real_episodes`, `dream_ppo`), evaluation, shipping and fine-tuning.
 
-Submodules import torch; this package itself imports nothing heavy.
+They sit above the world model (`rlflow.worldmodel`).  Submodules import torch; this package itself imports nothing
+heavy.
 """

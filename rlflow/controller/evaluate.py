@@ -28,7 +28,7 @@ def rollout_greedy(policy, env, index: int):
     """One greedy episode on model `index`: (final graph, applied rewrites, return, steps)."""
     import torch
 
-    from rlflow.controller.policy import obs_to_torch
+    from rlflow.observation import obs_to_torch
 
     obs, info = env.reset(options={"model": index})
     total, done = 0.0, False

@@ -116,7 +116,7 @@ def finetune_in_dream(actor, graph, steps: int, *, settings=None, rules=None, co
     with cost_model.measuring_until(deadline):  # past it, groups the table lacks are estimated, not measured
         obs, _ = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings).reset()
     with torch.no_grad():
-        from rlflow.controller.policy import obs_to_torch
+        from rlflow.observation import obs_to_torch
 
         mu, logvar = agent.vision.encode(obs_to_torch(obs))
     if not cfg.get("sample_latents", False):  # as training's dreams start: at the posterior mean

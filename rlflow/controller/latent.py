@@ -1,20 +1,17 @@
-"""The world-model agent's controller network and how a real observation masks it.
+"""The world-model agent's controller network.
 
 `LatentPolicy` is the C of World Models: an actor-critic over the world model's state (z, h) that picks a rule type
 or terminate.  The dream masks it with the rules the world model predicts to be available; a real graph with the
-rules that really have a listed match (`rule_mask_from_obs`).  Training it is `rlflow.controller.dream_ppo`'s.
+rules that really have a listed match (`rlflow.observation.rule_mask_from_obs`).  Training it is
+`rlflow.controller.dream_ppo`'s.
 """
 from __future__ import annotations
 
-from typing import Mapping
-
-import numpy as np
 import torch
 from torch import nn
 from torch.distributions import Categorical
 
-NEG = -1e8
-"""Logit of an action that cannot be taken."""
+from rlflow.observation import NEG
 
 
 class LatentPolicy(nn.Module):
@@ -56,28 +53,3 @@ class LatentPolicy(nn.Module):
         logp = torch.log_softmax(logits, -1)
         entropy = -(torch.where(mask, logp.exp() * logp, torch.zeros_like(logp))).sum(-1)
         return action, dist.log_prob(action), entropy, self.get_value(obs)
-
-
-def rule_match_counts(obs: Mapping[str, np.ndarray], n_rules: int) -> np.ndarray:
-    """(n_rules,) how many listed candidates each rule has in a real observation."""
-    rules = np.asarray(obs["cand_rule"])[np.asarray(obs["cand_mask"]).astype(bool)]
-    return np.bincount(rules[rules < n_rules], minlength=n_rules)
-
-
-def rule_mask_from_obs(obs: Mapping[str, np.ndarray], n_rules: int) -> np.ndarray:
-    """(n_rules + 1,) bool: the rules with a listed candidate in a real observation, and terminate."""
-    return np.append(rule_match_counts(obs, n_rules) > 0, True)
-
-
-def rule_candidates(obs: Mapping[str, np.ndarray], rule: int) -> np.ndarray:
-    """Indices of the listed candidates of `rule` in a real observation (find_matches order)."""
-    listed = np.asarray(obs["cand_mask"]).astype(bool)
-    return np.flatnonzero(listed & (np.asarray(obs["cand_rule"]) == rule))
-
-
-def first_candidate(obs: Mapping[str, np.ndarray], rule: int) -> int:
-    """The location heuristic: the index of the first listed candidate of `rule` (find_matches order)."""
-    hits = rule_candidates(obs, rule)
-    if not len(hits):
-        raise ValueError(f"rule {rule} has no listed candidate")
-    return int(hits[0])

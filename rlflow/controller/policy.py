@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-import numpy as np
 import torch
 from torch import nn
 from torch.distributions import Categorical
@@ -100,19 +99,6 @@ def masked_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(torch.where(valid, p * logp, torch.zeros_like(p))).sum(-1)
 
 
-def obs_to_torch(obs: Mapping[str, np.ndarray], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """One observation (no batch dimension) or a stacked batch -> tensors with a batch dimension."""
-    out = {}
-    for key, value in obs.items():
-        tensor = torch.as_tensor(np.asarray(value), device=device)
-        out[key] = tensor.unsqueeze(0) if tensor.dim() == _RANK[key] else tensor
-    return out
-
-
-_RANK = {"node_op": 1, "node_features": 2, "node_mask": 1, "edge_index": 2, "edge_features": 2, "edge_mask": 1,
-         "cand_rule": 1, "cand_nodes": 2, "cand_mask": 1, "graph": 1}
-
-
 # ------------------------------------------------------------------------------------------------- checkpoints
 def save_checkpoint(path: str | os.PathLike, policy: CandidatePolicy, optimizer: torch.optim.Optimizer | None = None,
                     config: dict | None = None, **extra) -> Path:
@@ -151,5 +137,5 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
     return policy, payload
 
 
-__all__ = ["CandidatePolicy", "action_mask_from_obs", "masked_entropy", "obs_to_torch", "save_checkpoint",
+__all__ = ["CandidatePolicy", "action_mask_from_obs", "masked_entropy", "save_checkpoint",
            "load_checkpoint", "CHECKPOINT_FORMAT"]

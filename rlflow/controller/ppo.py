@@ -168,7 +168,7 @@ class Learner:
         """One rollout of `num_steps` real steps; finished episodes are appended to `episodes`."""
         import torch
 
-        from rlflow.controller.policy import obs_to_torch
+        from rlflow.observation import obs_to_torch
 
         config, env, policy = self.config, self.env, self.policy
         for t in range(config.num_steps):
@@ -201,7 +201,7 @@ class Learner:
         import torch
         from torch import nn
 
-        from rlflow.controller.policy import obs_to_torch
+        from rlflow.observation import obs_to_torch
 
         config, policy, values = self.config, self.policy, self.values
         with torch.no_grad():

@@ -75,8 +75,8 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     episodes, without the replay) and `<out>/<name>.json` from a world-model run (`rlflow train --algo
     worldmodel`)."""
     from rlflow.worldmodel.replay import Replay
-    from rlflow.worldmodel.agent import load_checkpoint, save_checkpoint
-    from rlflow.worldmodel.train import dream_reward_range
+    from rlflow.controller.wm_agent import load_checkpoint, save_checkpoint
+    from rlflow.controller.wm_train import dream_reward_range
     from rlflow.zoo import DEPLOY, names
 
     agent, payload = load_checkpoint(checkpoint)

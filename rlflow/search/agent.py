@@ -4,7 +4,7 @@ The agent (the world-model agent shipped as `rlflow/agents/default.pt`, see `rlf
 masked-PPO `rlflow.controller.policy.CandidatePolicy` such as `rlflow/agents/ppo.pt`) plays a few episodes of
 `rlflow/Rewrite-v0` on the model, in the scope it was trained in (one match or one rule wherever it matches per step,
 `rlflow.env.SCOPES`): the first greedily, stopping where the policy stops (a world-model agent trained with
-`greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.worldmodel.agent.Planning`); the rest
+`greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.controller.wm_agent.Planning`); the rest
 sampled from the policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops
 as soon as it is unsure, so its own stop would leave the measurements nothing to choose from). An episode never
 returns to a graph it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row
@@ -129,7 +129,7 @@ class CandidateActor:
     def logits(self, obs) -> "torch.Tensor":
         import torch
 
-        from rlflow.controller.policy import obs_to_torch
+        from rlflow.observation import obs_to_torch
 
         with torch.no_grad():
             return self.policy(obs_to_torch(obs))[0][0].clone()

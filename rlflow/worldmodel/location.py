@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlflow.observation import NEG, obs_to_torch, rule_candidates
 from rlflow.worldmodel.encoder import GraphEncoder, trim
 
 
@@ -78,12 +79,44 @@ class LocationScorer(nn.Module):
 @torch.no_grad()
 def candidate_scores(scorer: LocationScorer, obs: Mapping[str, np.ndarray], candidates: np.ndarray) -> torch.Tensor:
     """(len(candidates),) the scorer's predicted rewards of the given candidates of a real observation."""
-    from rlflow.controller.policy import obs_to_torch
-
     scorer.eval()
     rules = torch.as_tensor(np.asarray(obs["cand_rule"])[candidates], dtype=torch.long)
     nodes = torch.as_tensor(np.asarray(obs["cand_nodes"])[candidates], dtype=torch.long)
     return scorer(obs_to_torch(obs), torch.zeros(len(candidates), dtype=torch.long), rules, nodes)
+
+
+LOCATION_TEMPERATURE = 0.1
+"""Spread of the location distribution, in the scorer's units (reward / reward scale): matches whose predicted
+rewards differ by one percentage point (0.1 at the usual scale of 10) differ by a factor e in probability."""
+
+
+def candidate_logits(per_rule: torch.Tensor, obs: Mapping[str, np.ndarray], scorer=None) -> torch.Tensor:
+    """(C + 1,) logits over a real observation's candidates and terminate (the last) from the controller's (R + 1,)
+    logits over rules: each listed candidate gets its rule's logit plus its location's preference (with a location
+    `scorer`), unlisted slots NEG."""
+    n_rules = len(per_rule) - 1
+    rules = torch.as_tensor(np.asarray(obs["cand_rule"]), dtype=torch.long).clamp(0, n_rules - 1)
+    listed = torch.as_tensor(np.asarray(obs["cand_mask"]).astype(bool))
+    out = torch.full((len(rules) + 1,), NEG)
+    out[:-1] = torch.where(listed, per_rule[rules] + location_preference(obs, scorer), torch.full((), NEG))
+    out[-1] = per_rule[n_rules]
+    return out
+
+
+def location_preference(obs: Mapping[str, np.ndarray], scorer=None) -> torch.Tensor:
+    """(C,) per listed candidate, (its predicted reward - the best of its rule's matches) / LOCATION_TEMPERATURE:
+    0 at each rule's best-scored match, negative elsewhere (zeros without a location scorer, and for unlisted
+    slots)."""
+    out = torch.zeros(len(np.asarray(obs["cand_rule"])))
+    listed = np.flatnonzero(np.asarray(obs["cand_mask"]).astype(bool))
+    if scorer is None or not len(listed):
+        return out
+    scores = candidate_scores(scorer, obs, listed) / LOCATION_TEMPERATURE
+    rules = torch.as_tensor(np.asarray(obs["cand_rule"])[listed], dtype=torch.long)
+    for rule in rules.unique():
+        same = rules == rule
+        out[torch.as_tensor(listed)[same]] = scores[same] - scores[same].max()
+    return out
 
 
 def choose_location(obs: Mapping[str, np.ndarray], rule: int, scorer: LocationScorer | None,
@@ -94,8 +127,6 @@ def choose_location(obs: Mapping[str, np.ndarray], rule: int, scorer: LocationSc
     Raises:
         ValueError: the rule has no listed candidate.
     """
-    from rlflow.controller.latent import rule_candidates
-
     candidates = rule_candidates(obs, rule)
     if not len(candidates):
         raise ValueError(f"rule {rule} has no listed candidate")
@@ -192,8 +223,6 @@ def match_descriptors(scorer: LocationScorer, replay, episodes: list, width: int
 def describe_match(scorer: LocationScorer, obs: Mapping[str, np.ndarray], rule: int, match: list[int],
                    width: int) -> torch.Tensor:
     """(width,) what M reads about one random match of a real observation (as `match_descriptors`)."""
-    from rlflow.controller.policy import obs_to_torch
-
     scorer.eval()
     described = scorer.describe(obs_to_torch(obs), torch.zeros(1, dtype=torch.long), torch.tensor([rule]),
                                 torch.as_tensor([match], dtype=torch.long))
@@ -248,6 +277,6 @@ def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scal
             "location_transitions": len(rows)}
 
 
-__all__ = ["LocationScorer", "MATCH_INPUTS", "best_returns", "candidate_scores", "choose_location", "describe_match",
-           "location_transitions", "match_descriptors", "match_width", "score_transitions", "train_location",
+__all__ = ["LOCATION_TEMPERATURE", "LocationScorer", "MATCH_INPUTS", "best_returns", "candidate_logits",
+           "candidate_scores", "choose_location", "describe_match", "location_preference", "location_transitions", "match_descriptors", "match_width", "score_transitions", "train_location",
            "location_quality"]

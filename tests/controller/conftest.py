@@ -1,7 +1,10 @@
-"""Fixtures of the controller tests: two -tiny zoo models of different sizes and a private cost-model table."""
+"""Fixtures of the controller tests: two -tiny zoo models of different sizes and a private cost-model table (and the
+world model's, for the tests of its training)."""
 from __future__ import annotations
 
 import pytest
+
+from tests.worldmodel.conftest import tiny_model, wm_cost_model  # noqa: F401 - the world-model training's tests use them
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlflow.controller.policy import CandidatePolicy, load_checkpoint, obs_to_torch, save_checkpoint
+from rlflow.controller.policy import CandidatePolicy, load_checkpoint, save_checkpoint
+from rlflow.observation import obs_to_torch
 from rlflow.env import RewriteEnv
 from rlflow.errors import RlflowError
 from rlflow.rewrites import REGISTRY_VERSION, RULES

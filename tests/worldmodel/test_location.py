@@ -9,7 +9,7 @@ import torch
 @pytest.fixture(scope="module")
 def graph_with_a_repeated_rule(tiny_model, wm_cost_model):
     """A real observation of resnet-18-tiny and a rule with several listed matches there."""
-    from rlflow.controller.latent import rule_candidates
+    from rlflow.observation import rule_candidates
     from rlflow.env import RewriteEnv
 
     obs, _ = RewriteEnv(tiny_model, cost_model=wm_cost_model, max_nodes=128, max_edges=256,
@@ -65,7 +65,7 @@ def test_the_world_model_actor_plays_the_best_scored_match(graph_with_a_repeated
     a scorer (checkpoints from before it) every match carries the rule's logit."""
     from rlflow.controller.wm_actor import WorldModelActor
     from rlflow.rewrites import RULES
-    from rlflow.worldmodel.train import Agent, Config
+    from rlflow.controller.wm_train import Agent, Config
 
     obs, rule, candidates = graph_with_a_repeated_rule
     good = int(candidates[1])

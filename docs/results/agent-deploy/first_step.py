@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlflow.controller.latent import first_candidate, rule_mask_from_obs
+from rlflow.observation import first_candidate, rule_mask_from_obs
 from rlflow.controller.wm_actor import load_actor
 from rlflow.env import RewriteEnv
 from rlflow.graph import load

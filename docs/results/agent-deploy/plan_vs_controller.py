@@ -1,5 +1,5 @@
 """World-model agents' greedy real episodes on their training models, two ways: the controller's argmax, and the rule
-M predicts to pay most (`greedy_by="model"`, `rlflow.worldmodel.agent.Planning`).  Each episode is played as the
+M predicts to pay most (`greedy_by="model"`, `rlflow.controller.wm_agent.Planning`).  Each episode is played as the
 trainer's evaluation plays it (rule-wide steps, never back to a graph of the episode, at most the training's
 episode length), and its return is the cost table's (% of the estimated runtime saved), so the controller's column
 repeats the run's own last evaluation where the table is the run's.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlflow.errors import RlflowError
 from rlflow.worldmodel.report import MOVED
-from rlflow.worldmodel.rerun_quality import checkpoint_quality
+from rlflow.controller.rerun_quality import checkpoint_quality
 
 
 def requality(path: Path) -> dict:

@@ -21,8 +21,8 @@ import torch
 from rlflow.errors import RlflowError
 from rlflow.worldmodel.mdrnn import MDRNN
 from rlflow.worldmodel.report import MOVED, quality
-from rlflow.worldmodel.rerun_quality import checkpoint_inputs, last_figures_episodes
-from rlflow.worldmodel.train import Config, train_mdrnn
+from rlflow.controller.rerun_quality import checkpoint_inputs, last_figures_episodes
+from rlflow.controller.wm_train import Config, train_mdrnn
 
 
 def retrained(path: Path, symlog: float, seed: int) -> dict:

@@ -11,7 +11,7 @@ from rlflow.errors import RlflowError
 
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory):
-    from rlflow.worldmodel.train import Config, main
+    from rlflow.controller.wm_train import Config, main
 
     out = tmp_path_factory.mktemp("wm")
     config = Config(models=(tiny_model,), iterations=2, random_steps=40, collect_steps=20, vae_epochs=2,
@@ -43,7 +43,7 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
 
     import dataclasses
 
-    from rlflow.worldmodel.train import Agent, load_checkpoint, main, save_checkpoint
+    from rlflow.controller.wm_train import Agent, load_checkpoint, main, save_checkpoint
 
     config, result = run
     path = Path(config.run_dir) / "worldmodel.pt"
@@ -109,8 +109,8 @@ def test_dream_returns_are_uncapped_unless_asked(run):
     import dataclasses
     from pathlib import Path
 
-    from rlflow.worldmodel.rerun_quality import checkpoint_inputs
-    from rlflow.worldmodel.train import make_dream
+    from rlflow.controller.rerun_quality import checkpoint_inputs
+    from rlflow.controller.wm_train import make_dream
 
     config, _ = run
     agent, _, replay, mu, logvar, descriptors = checkpoint_inputs(Path(config.run_dir) / "worldmodel.pt")
@@ -128,7 +128,7 @@ def test_quality_recomputed_from_the_checkpoint_is_the_reported_one(run):
     episodes): docs/results/agent-deploy/requality.py rests on it.  The moved-only Spearman counts its transitions."""
     from pathlib import Path
 
-    from rlflow.worldmodel.rerun_quality import checkpoint_quality
+    from rlflow.controller.rerun_quality import checkpoint_quality
 
     config, _ = run
     again, reported = checkpoint_quality(Path(config.run_dir) / "worldmodel.pt")
@@ -184,7 +184,7 @@ def test_controller_learns_in_a_dream_with_a_known_best_rule():
 def test_exploration_tries_every_rule_of_a_state_before_repeating_one():
     import numpy as np
 
-    from rlflow.worldmodel.real_episodes import explore_action
+    from rlflow.controller.real_episodes import explore_action
 
     rng = np.random.default_rng(0)
     tried: dict = {}
@@ -204,7 +204,7 @@ def test_exploration_by_match_draws_rules_as_often_as_their_matches_and_still_tr
     19 (uniformly it would be one in three), and a state still has every rule tried before any twice."""
     import numpy as np
 
-    from rlflow.worldmodel.real_episodes import explore_action
+    from rlflow.controller.real_episodes import explore_action
 
     rng = np.random.default_rng(0)
     rules, matches = np.array([0, 1, 2]), np.array([17, 1, 1, 0])
@@ -225,7 +225,8 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
     import numpy as np
 
     from rlflow.controller.ship import ship_worldmodel
-    from rlflow.controller.wm_actor import NEG, WorldModelActor
+    from rlflow.controller.wm_actor import WorldModelActor
+    from rlflow.observation import NEG
     from rlflow.env import RewriteEnv
     from rlflow.measure.costmodel import CostModel
     from rlflow.optimize import optimize
@@ -301,8 +302,8 @@ def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model
     from rlflow.env import RewriteEnv
     from rlflow.rewrites import RULES
     from rlflow.worldmodel.replay import Replay
-    from rlflow.worldmodel.real_episodes import real_episode
-    from rlflow.worldmodel.train import Agent, Config
+    from rlflow.controller.real_episodes import real_episode
+    from rlflow.controller.wm_train import Agent, Config
 
     names = [r.name for r in RULES] + ["terminate"]
     config = Config(hidden=16, rounds=1, learn_location=False, max_nodes=128, max_edges=256, max_candidates=64)
@@ -351,7 +352,7 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
     from rlflow.worldmodel.mdrnn import mdrnn_loss
     from rlflow.worldmodel.replay import Replay, sequences
     from rlflow.worldmodel.report import encode_all
-    from rlflow.worldmodel.train import load_checkpoint, train_mdrnn
+    from rlflow.controller.wm_train import load_checkpoint, train_mdrnn
 
     config, _ = run
     agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")
@@ -390,7 +391,7 @@ def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
     """Each episode goes to about `share` of the members, at least one, the same ones on every call (the draw rests
     on the episode's place in the replay, so iterations keep members apart); 0 and 1 deal everything to all."""
     from rlflow.worldmodel.replay import Episode, Replay
-    from rlflow.worldmodel.train import reward_bootstrap
+    from rlflow.controller.wm_train import reward_bootstrap
 
     replay = Replay(3)
     replay.episodes = [Episode(model=f"m{i}") for i in range(400)]
@@ -411,7 +412,7 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from rlflow.worldmodel.train import load_checkpoint, main
+    from rlflow.controller.wm_train import load_checkpoint, main
 
     config, result = run
     assert config.match_input == "embedding" and result["quality"]["random_location_transitions"] > 0
@@ -428,7 +429,7 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
 def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
     """The command line offers match_input's values as choices: a wrong one exits 2 with one error line, before any
     work; a right one reaches the Config."""
-    from rlflow.worldmodel.train import parse_args
+    from rlflow.controller.wm_train import parse_args
 
     assert parse_args(["--match-input", "score"]).match_input == "score"
     with pytest.raises(SystemExit) as exit_info:
@@ -443,7 +444,7 @@ def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path
     import dataclasses
 
     from rlflow.errors import InputError
-    from rlflow.worldmodel.train import Config, main
+    from rlflow.controller.wm_train import Config, main
 
     config = dataclasses.replace(Config(), reward_symlog=-1.0, out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"))
     with pytest.raises(InputError, match="reward_symlog must be >= 0"):
@@ -455,7 +456,7 @@ def _agent_whose_m_predicts(config, pays: dict[int, float], spread: float = 0.0)
     """An agent whose M predicts reward `pays[a]` (in % of the runtime, 0 for other actions) for action a from any
     state, the two ensemble members `spread` apart (mean as given)."""
     from rlflow.rewrites import RULES
-    from rlflow.worldmodel.agent import Agent
+    from rlflow.controller.wm_agent import Agent
 
     agent = Agent(config, len(RULES))
     m = agent.mdrnn
@@ -478,14 +479,14 @@ def test_planning_takes_the_rule_m_predicts_to_pay_most_as_the_dream_pays_it(tin
     argmax; sampled choices stay the controller's."""
     import numpy as np
 
-    from rlflow.controller.latent import NEG
+    from rlflow.observation import NEG
     from rlflow.controller.wm_actor import WorldModelActor
     from rlflow.env import RewriteEnv
     from rlflow.rewrites import RULES
-    from rlflow.worldmodel.agent import Memory, Planning
-    from rlflow.worldmodel.real_episodes import real_episode
+    from rlflow.controller.wm_agent import Memory, Planning
+    from rlflow.controller.real_episodes import real_episode
     from rlflow.worldmodel.replay import Replay
-    from rlflow.worldmodel.train import Config
+    from rlflow.controller.wm_train import Config
 
     assert Planning.of({}) is None and Planning.of({"greedy_by": "controller"}) is None
     assert Planning.of({"greedy_by": "model", "reward_scale": 5.0}) == Planning(5.0, 1.0, None)

@@ -18,14 +18,14 @@ Actions are rule types plus terminate, masked by the real availability.  In the 
 applied where the learned location scorer (`rlflow.worldmodel.location`, trained on the real transitions after V)
 predicts the most: the reward plus the discounted best return the real transitions show after it (`location_gamma`);
 random and exploratory actions pick a random match (with `learn_location` off: the first listed match,
-`rlflow.controller.dream_ppo.first_candidate`).
+`rlflow.observation.first_candidate`).
 
 Everything the run needs to resume (weights, optimiser states, replay, curves, config, rule-registry version) is in
 `<run_dir>/worldmodel.pt`; metrics (`charts/`, `losses/`, `eval/`) go to `<run_dir>/metrics.csv`; the report
 (`worldmodel.json`, `worldmodel-quality.png`, `sample-efficiency.png`) goes to `<out>`, compared with the model-free
 PPO results in `ppo_results`.
 
-    python -m rlflow.worldmodel.train --out docs/results
+    python -m rlflow.controller.wm_train --out docs/results
 """
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ import numpy as np
 from rlflow.env import MAX_EDGES, MAX_NODES
 from rlflow.errors import InputError
 from rlflow.training import CsvWriter, make_env, resolve_models, seed_everything
-from rlflow.worldmodel.agent import Agent, AgentSpec, Planning, load_checkpoint, save_checkpoint
-from rlflow.worldmodel.real_episodes import real_episode, tried_pairs
+from rlflow.controller.wm_agent import Agent, AgentSpec, Planning, load_checkpoint, save_checkpoint
+from rlflow.controller.real_episodes import real_episode, tried_pairs
 
 log = logging.getLogger("rlflow")
 
@@ -117,7 +117,7 @@ class Config(AgentSpec):
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
             step (`RewriteEnv.peek`, no reward read), which counts as no real step.
         greedy_by: how greedy real episodes (the evaluations, and the agent search's first rollout in `rlflow
-            optimize`) choose a rule: "model", the one M predicts to pay most (`rlflow.worldmodel.agent.Planning`);
+            optimize`) choose a rule: "model", the one M predicts to pay most (`rlflow.controller.wm_agent.Planning`);
             "controller", the controller's argmax (checkpoints from before it).  The controller still plays the
             sampled rollouts and the collection.
         match_input: what M's reward reads about a rule's match when it went to a random one (exploration),
@@ -426,7 +426,7 @@ def make_dream(agent: Agent, episodes: list, mu, logvar, config: Config, seed: i
 def command_line(config: Config) -> str:
     """The command that reproduces `config` (options that differ from the defaults)."""
     defaults = Config()
-    parts = ["python -m rlflow.worldmodel.train"]
+    parts = ["python -m rlflow.controller.wm_train"]
     for f in dataclasses.fields(Config):
         value, default = getattr(config, f.name), getattr(defaults, f.name)
         if value == default:
@@ -702,7 +702,7 @@ def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
     """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
     from rlflow.config_args import config_from_args
 
-    return config_from_args(Config, argv, "python -m rlflow.worldmodel.train", __doc__.split("\n")[0])
+    return config_from_args(Config, argv, "python -m rlflow.controller.wm_train", __doc__.split("\n")[0])
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)

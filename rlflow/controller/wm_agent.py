@@ -3,7 +3,7 @@
 V (`GraphVAE`), M (`MDRNN`), the controller (`rlflow.controller.latent.LatentPolicy`) and the location scorer
 (`rlflow.worldmodel.location.LocationScorer`), built from an `AgentSpec`; `save_checkpoint` / `load_checkpoint`; and
 `Memory`, the state the agent carries through a real episode (V's encoding of the graph, M's memory of the rewrites
-applied), which both the actor (`rlflow.controller.wm_actor`) and training's real episodes (`rlflow.worldmodel.train`)
+applied), which both the actor (`rlflow.controller.wm_actor`) and training's real episodes (`rlflow.controller.wm_train`)
 step.  Nothing here trains: importing this module pulls in no trainer.
 """
 from __future__ import annotations
@@ -133,7 +133,7 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
 # ------------------------------------------------------------------------------------------------ on a real graph
 @dataclass(frozen=True)
 class Planning:
-    """One-step planning in M for greedy episodes (`greedy_by="model"`, `rlflow.worldmodel.train.Config`): the rule
+    """One-step planning in M for greedy episodes (`greedy_by="model"`, `rlflow.controller.wm_train.Config`): the rule
     M predicts to pay most, as the dream would pay it, instead of the controller's argmax; terminate once none is
     predicted to pay.  Greedy episodes of the controller fell short of what M knows: on the eight training models
     the same six checkpoints returned 7.56-10.34 (mean 8.77) by the controller's argmax and 8.74-10.41 (mean 9.59) by
@@ -143,7 +143,7 @@ class Planning:
         reward_scale: M predicts rewards divided by this (`AgentSpec.reward_scale`).
         reward_penalty: the reward counted is the ensemble mean less this times its spread (the dream's pessimism).
         reward_range: (low, high) per rule, each a float or (R,): the real rewards each rule earned in M's training
-            data (`rlflow.worldmodel.train.dream_reward_range`); None: no clip.
+            data (`rlflow.controller.wm_train.dream_reward_range`); None: no clip.
     """
 
     reward_scale: float
@@ -181,7 +181,7 @@ class Memory:
     @torch.no_grad()
     def latent(self, obs: Mapping[str, np.ndarray]) -> torch.Tensor:
         """(1, Z) V's encoding (the posterior mean) of a real observation."""
-        from rlflow.controller.policy import obs_to_torch
+        from rlflow.observation import obs_to_torch
 
         if self._encoded[0] is not obs:
             self._encoded = (obs, self.agent.vision.encode(obs_to_torch(obs))[0])
@@ -189,7 +189,7 @@ class Memory:
 
     def controller_input(self, obs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """((1, Z + H) state, (1, R + 1) bool mask: the rules with a listed match, and terminate)."""
-        from rlflow.controller.latent import rule_mask_from_obs
+        from rlflow.observation import rule_mask_from_obs
 
         mask = torch.as_tensor(rule_mask_from_obs(obs, self.agent.n_rules)).unsqueeze(0)
         return torch.cat([self.latent(obs), self.state[0]], -1), mask
@@ -216,7 +216,7 @@ class Memory:
         """(R + 1,) the reward the dream would pay for each rule with a listed match, one step through M from here:
         the ensemble mean less `reward_penalty` times its spread, in % of the runtime, clipped to the rule's range
         (`Planning`); terminate 0, unavailable rules NEG."""
-        from rlflow.controller.latent import NEG
+        from rlflow.observation import NEG
 
         plan = self.planning
         _, mask = self.controller_input(obs)

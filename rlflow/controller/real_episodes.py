@@ -1,13 +1,13 @@
 """One real episode of the world-model agent's training, played and recorded in the replay (`real_episode`): random
 rule-level actions (count-based: `explore_action`), or the controller with epsilon exploration, each rule placed where
-the location scorer rates best or, exploring, at a random match.  `rlflow.worldmodel.train` collects and evaluates
+the location scorer rates best or, exploring, at a random match.  `rlflow.controller.wm_train` collects and evaluates
 with it; apart from the training loop because how one episode is played is its own concern.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from rlflow.worldmodel.agent import Agent, Memory
+from rlflow.controller.wm_agent import Agent, Memory
 
 
 def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.random.Generator,
@@ -16,7 +16,7 @@ def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.ra
     random rule among the available `rules` least tried from `state` so far (`tried`: (state, rule) -> count; all
     equally when None): count-based exploration, so that the deterministic environment's recurring graphs have
     every rewrite tried before any is tried twice.  With `matches` ((R,) listed matches per rule) the draw is in
-    proportion to them (`rlflow.worldmodel.train.Config.explore_by_match`), else uniform."""
+    proportion to them (`rlflow.controller.wm_train.Config.explore_by_match`), else uniform."""
     if len(rules) == 0 or rng.random() < random_terminate:
         return terminate
     if tried is not None:
@@ -49,7 +49,7 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     scorer.  With `avoid_revisits` the controller's
     choices never lead back to a graph of the episode (`rlflow.controller.unvisited`): where its rule at that match
     would, it takes its next choice, as `rlflow optimize` plays the agent.  `explore_by_match`: random rules are
-    drawn in proportion to their listed matches (`explore_action`).  `planning` (`rlflow.worldmodel.agent.Planning`):
+    drawn in proportion to their listed matches (`explore_action`).  `planning` (`rlflow.controller.wm_agent.Planning`):
     a greedy episode takes the rule M predicts to pay most instead of the controller's argmax.
 
     Returns:
@@ -57,9 +57,9 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     """
     import torch
 
-    from rlflow.controller.latent import first_candidate, rule_mask_from_obs, rule_match_counts
+    from rlflow.observation import first_candidate, rule_mask_from_obs, rule_match_counts
     from rlflow.controller.unvisited import choose_unvisited
-    from rlflow.controller.wm_actor import candidate_logits
+    from rlflow.worldmodel.location import candidate_logits
     from rlflow.worldmodel.location import choose_location, describe_match
     from rlflow.worldmodel.replay import Episode
 

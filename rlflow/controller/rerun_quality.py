@@ -7,7 +7,7 @@ from `report` because it loads agents, which `report` must not import (the agent
 """
 from __future__ import annotations
 
-from rlflow.worldmodel.agent import load_checkpoint
+from rlflow.controller.wm_agent import load_checkpoint
 from rlflow.worldmodel.location import match_descriptors
 from rlflow.worldmodel.replay import Replay
 from rlflow.worldmodel.report import encode_all, quality
