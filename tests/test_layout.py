@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "rlflow"
 TRAINERS = ("rlflow.controller.wm_train", "rlflow.controller.ppo", "rlflow.controller.dream_ppo",
             "rlflow.controller.evaluate", "rlflow.controller.ship", "rlflow.controller.finetune",
             "rlflow.worldmodel.report", "rlflow.worldmodel.replay", "rlflow.worldmodel.dream",
-            "rlflow.controller.real_episodes")
+            "rlflow.controller.real_episodes", "rlflow.controller.wm_config", "rlflow.controller.wm_learn",
+            "rlflow.controller.wm_result")
 """Modules that train, evaluate or ship agents, or exist only for them."""
 
 

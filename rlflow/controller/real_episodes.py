@@ -1,13 +1,20 @@
 """One real episode of the world-model agent's training, played and recorded in the replay (`real_episode`): random
 rule-level actions (count-based: `explore_action`), or the controller with epsilon exploration, each rule placed where
-the location scorer rates best or, exploring, at a random match.  `rlflow.controller.wm_train` collects and evaluates
-with it; apart from the training loop because how one episode is played is its own concern.
+the location scorer rates best or, exploring, at a random match.  `collect` plays them for an iteration's experience,
+`evaluate_real` greedily, once per model; apart from the training loop (`rlflow.controller.wm_train`) because how
+episodes are played is its own concern.
 """
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 import numpy as np
 
-from rlflow.controller.wm_agent import Agent, Memory
+from rlflow.controller.wm_agent import Agent, Memory, Planning
+
+if typing.TYPE_CHECKING:
+    from rlflow.controller.wm_config import Config
 
 
 def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.random.Generator,
@@ -16,7 +23,7 @@ def explore_action(rules: np.ndarray, state: int, tried: dict | None, rng: np.ra
     random rule among the available `rules` least tried from `state` so far (`tried`: (state, rule) -> count; all
     equally when None): count-based exploration, so that the deterministic environment's recurring graphs have
     every rewrite tried before any is tried twice.  With `matches` ((R,) listed matches per rule) the draw is in
-    proportion to them (`rlflow.controller.wm_train.Config.explore_by_match`), else uniform."""
+    proportion to them (`rlflow.controller.wm_config.Config.explore_by_match`), else uniform."""
     if len(rules) == 0 or rng.random() < random_terminate:
         return terminate
     if tried is not None:
@@ -133,4 +140,36 @@ def real_episode(env, model_index: int, agent: Agent | None, replay, rng: np.ran
     return episode
 
 
-__all__ = ["explore_action", "real_episode", "tried_pairs"]
+def collect(env, agent: Agent | None, replay, steps: int, config: Config, rng: np.random.Generator, *,
+            iteration: int, progress=None) -> list:
+    """Real episodes, models in turn, until `steps` real steps: random (agent None) or the controller with
+    epsilon exploration (sampled actions)."""
+    episodes, taken = [], 0
+    tried = tried_pairs(replay.episodes) if config.explore_untried else None
+    while taken < steps:
+        index = len(replay.episodes) % len(env.models)
+        heldout = bool(rng.random() < config.heldout_fraction)
+        ep = real_episode(env, index, agent, replay, rng, greedy=False, epsilon=config.explore_epsilon,
+                          random_terminate=config.random_terminate, heldout=heldout,
+                          source="random" if agent is None else "controller", iteration=iteration, tried=tried,
+                          random_locations=config.learn_location, explore_by_match=config.explore_by_match)
+        episodes.append(ep)
+        taken += len(ep.actions)
+        if progress is not None:
+            progress.update(len(ep.actions))
+    return episodes
+
+
+def evaluate_real(env, agent: Agent, replay, config: Config, rng: np.random.Generator, iteration: int,
+                  reward_range: tuple | None = None) -> list:
+    """One greedy episode per model in the real environment (recorded: they are real experience too), never
+    returning to a graph of the episode when `config.avoid_revisits` is set, choosing as `config.greedy_by` says
+    (`reward_range`: the dream's clip, for planning in M)."""
+    planning = Planning.of(dataclasses.asdict(config), reward_range)
+    return [real_episode(env, index, agent, replay, rng, greedy=True,
+                         heldout=bool(rng.random() < config.heldout_fraction), source="eval", iteration=iteration,
+                         avoid_revisits=config.avoid_revisits, planning=planning)
+            for index in range(len(env.models))]
+
+
+__all__ = ["collect", "evaluate_real", "explore_action", "real_episode", "tried_pairs"]

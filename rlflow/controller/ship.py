@@ -76,7 +76,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     worldmodel`)."""
     from rlflow.worldmodel.replay import Replay
     from rlflow.controller.wm_agent import load_checkpoint, save_checkpoint
-    from rlflow.controller.wm_train import dream_reward_range
+    from rlflow.controller.wm_learn import dream_reward_range
     from rlflow.zoo import DEPLOY, names
 
     agent, payload = load_checkpoint(checkpoint)

@@ -7,8 +7,8 @@ one-step cell advances h after every rewrite, and the controller's logits over r
 really have a match) become logits over the environment's candidates.  With a location scorer (see
 `rlflow.worldmodel.location`) a candidate's logit is its rule's logit less how far its score (predicted reward, plus
 what follows it with `location_gamma`) falls short of the rule's best-scored match, divided by
-`rlflow.worldmodel.location.LOCATION_TEMPERATURE`: a greedy choice takes the controller's rule at its best-scored match, as the real episodes
-that trained the world model did, and sampled rollouts favour the better matches.
+`rlflow.worldmodel.location.LOCATION_TEMPERATURE`: a greedy choice takes the controller's rule at its best-scored
+match, as the real episodes that trained the world model did, and sampled rollouts favour the better matches.
 Without one (checkpoints from before it) every candidate of a rule gets its rule's logit, so a greedy choice takes
 the rule's first listed match.
 """

@@ -3,8 +3,8 @@
 V (`GraphVAE`), M (`MDRNN`), the controller (`rlflow.controller.latent.LatentPolicy`) and the location scorer
 (`rlflow.worldmodel.location.LocationScorer`), built from an `AgentSpec`; `save_checkpoint` / `load_checkpoint`; and
 `Memory`, the state the agent carries through a real episode (V's encoding of the graph, M's memory of the rewrites
-applied), which both the actor (`rlflow.controller.wm_actor`) and training's real episodes (`rlflow.controller.wm_train`)
-step.  Nothing here trains: importing this module pulls in no trainer.
+applied), which both the actor (`rlflow.controller.wm_actor`) and training's real episodes
+(`rlflow.controller.real_episodes`) step.  Nothing here trains: importing this module pulls in no trainer.
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
 # ------------------------------------------------------------------------------------------------ on a real graph
 @dataclass(frozen=True)
 class Planning:
-    """One-step planning in M for greedy episodes (`greedy_by="model"`, `rlflow.controller.wm_train.Config`): the rule
+    """One-step planning in M for greedy episodes (`greedy_by="model"`, `rlflow.controller.wm_config.Config`): the rule
     M predicts to pay most, as the dream would pay it, instead of the controller's argmax; terminate once none is
     predicted to pay.  Greedy episodes of the controller fell short of what M knows: on the eight training models
     the same six checkpoints returned 7.56-10.34 (mean 8.77) by the controller's argmax and 8.74-10.41 (mean 9.59) by
@@ -143,7 +143,7 @@ class Planning:
         reward_scale: M predicts rewards divided by this (`AgentSpec.reward_scale`).
         reward_penalty: the reward counted is the ensemble mean less this times its spread (the dream's pessimism).
         reward_range: (low, high) per rule, each a float or (R,): the real rewards each rule earned in M's training
-            data (`rlflow.controller.wm_train.dream_reward_range`); None: no clip.
+            data (`rlflow.controller.wm_learn.dream_reward_range`); None: no clip.
     """
 
     reward_scale: float

@@ -278,5 +278,5 @@ def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scal
 
 
 __all__ = ["LOCATION_TEMPERATURE", "LocationScorer", "MATCH_INPUTS", "best_returns", "candidate_logits",
-           "candidate_scores", "choose_location", "describe_match", "location_preference", "location_transitions", "match_descriptors", "match_width", "score_transitions", "train_location",
-           "location_quality"]
+           "candidate_scores", "choose_location", "describe_match", "location_preference", "location_quality",
+           "location_transitions", "match_descriptors", "match_width", "score_transitions", "train_location"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worldmodel.conftest import tiny_model, wm_cost_model  # noqa: F401 - the world-model training's tests use them
+# the world model's fixtures, for the tests of its training (test_wm_train.py)
+from tests.worldmodel.conftest import tiny_model, wm_cost_model  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,8 @@ def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
 
     import dataclasses
 
-    from rlflow.controller.wm_train import Agent, load_checkpoint, main, save_checkpoint
+    from rlflow.controller.wm_agent import Agent, load_checkpoint, save_checkpoint
+    from rlflow.controller.wm_train import main
 
     config, result = run
     path = Path(config.run_dir) / "worldmodel.pt"
@@ -110,7 +111,7 @@ def test_dream_returns_are_uncapped_unless_asked(run):
     from pathlib import Path
 
     from rlflow.controller.rerun_quality import checkpoint_inputs
-    from rlflow.controller.wm_train import make_dream
+    from rlflow.controller.wm_learn import make_dream
 
     config, _ = run
     agent, _, replay, mu, logvar, descriptors = checkpoint_inputs(Path(config.run_dir) / "worldmodel.pt")
@@ -303,7 +304,8 @@ def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model
     from rlflow.rewrites import RULES
     from rlflow.worldmodel.replay import Replay
     from rlflow.controller.real_episodes import real_episode
-    from rlflow.controller.wm_train import Agent, Config
+    from rlflow.controller.wm_agent import Agent
+    from rlflow.controller.wm_config import Config
 
     names = [r.name for r in RULES] + ["terminate"]
     config = Config(hidden=16, rounds=1, learn_location=False, max_nodes=128, max_edges=256, max_candidates=64)
@@ -352,7 +354,8 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
     from rlflow.worldmodel.mdrnn import mdrnn_loss
     from rlflow.worldmodel.replay import Replay, sequences
     from rlflow.worldmodel.report import encode_all
-    from rlflow.controller.wm_train import load_checkpoint, train_mdrnn
+    from rlflow.controller.wm_agent import load_checkpoint
+    from rlflow.controller.wm_learn import train_mdrnn
 
     config, _ = run
     agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")
@@ -391,7 +394,7 @@ def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
     """Each episode goes to about `share` of the members, at least one, the same ones on every call (the draw rests
     on the episode's place in the replay, so iterations keep members apart); 0 and 1 deal everything to all."""
     from rlflow.worldmodel.replay import Episode, Replay
-    from rlflow.controller.wm_train import reward_bootstrap
+    from rlflow.controller.wm_learn import reward_bootstrap
 
     replay = Replay(3)
     replay.episodes = [Episode(model=f"m{i}") for i in range(400)]
@@ -412,7 +415,8 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from rlflow.controller.wm_train import load_checkpoint, main
+    from rlflow.controller.wm_agent import load_checkpoint
+    from rlflow.controller.wm_train import main
 
     config, result = run
     assert config.match_input == "embedding" and result["quality"]["random_location_transitions"] > 0
@@ -486,7 +490,7 @@ def test_planning_takes_the_rule_m_predicts_to_pay_most_as_the_dream_pays_it(tin
     from rlflow.controller.wm_agent import Memory, Planning
     from rlflow.controller.real_episodes import real_episode
     from rlflow.worldmodel.replay import Replay
-    from rlflow.controller.wm_train import Config
+    from rlflow.controller.wm_config import Config
 
     assert Planning.of({}) is None and Planning.of({"greedy_by": "controller"}) is None
     assert Planning.of({"greedy_by": "model", "reward_scale": 5.0}) == Planning(5.0, 1.0, None)

@@ -65,7 +65,8 @@ def test_the_world_model_actor_plays_the_best_scored_match(graph_with_a_repeated
     a scorer (checkpoints from before it) every match carries the rule's logit."""
     from rlflow.controller.wm_actor import WorldModelActor
     from rlflow.rewrites import RULES
-    from rlflow.controller.wm_train import Agent, Config
+    from rlflow.controller.wm_agent import Agent
+    from rlflow.controller.wm_config import Config
 
     obs, rule, candidates = graph_with_a_repeated_rule
     good = int(candidates[1])

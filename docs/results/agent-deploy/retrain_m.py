@@ -22,7 +22,8 @@ from rlflow.errors import RlflowError
 from rlflow.worldmodel.mdrnn import MDRNN
 from rlflow.worldmodel.report import MOVED, quality
 from rlflow.controller.rerun_quality import checkpoint_inputs, last_figures_episodes
-from rlflow.controller.wm_train import Config, train_mdrnn
+from rlflow.controller.wm_config import Config
+from rlflow.controller.wm_learn import train_mdrnn
 
 
 def retrained(path: Path, symlog: float, seed: int) -> dict:
