@@ -64,7 +64,7 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
              profiles_file, ops, cuda_graph, json_path, seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
-    from rlflow.graph import parse_input_shapes
+    from rlflow.input_shapes import parse_input_shapes
     from rlflow.optimize import optimize as run
     from rlflow.report import format_report
     from rlflow.profiles import given_profiles
@@ -89,7 +89,8 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...")
 def rules(model, input_shapes) -> None:
     """List the rewrite rules (with --model: how often each matches)."""
-    from rlflow.graph import load, parse_input_shapes
+    from rlflow.graph import load
+    from rlflow.input_shapes import parse_input_shapes
     from rlflow.rewrites import RULES, match_counts
 
     counts = match_counts(load(model, parse_input_shapes(input_shapes))) if model else None

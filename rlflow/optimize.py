@@ -17,7 +17,8 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError
-from rlflow.graph import Graph, deployed_shapes
+from rlflow.graph import Graph
+from rlflow.input_shapes import deployed_shapes
 from rlflow.model_file import max_ir_version, read_model, save_model
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
 from rlflow.measure.profiled import export_at

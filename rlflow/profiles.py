@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError
-from rlflow.graph import parse_dims
+from rlflow.input_shapes import parse_dims
 from rlflow.measure.timing import Ratio
 
 TEXT_SEQUENCES = (16, 128)

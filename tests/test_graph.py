@@ -13,7 +13,8 @@ import rlflow
 from rlflow import graph as graph_module
 from rlflow import model_file
 from rlflow.errors import InputError
-from rlflow.graph import Graph, load, parse_input_shapes
+from rlflow.graph import Graph, load
+from rlflow.input_shapes import DEPLOYED_SHAPES_KEY, parse_input_shapes
 from rlflow.model_file import max_ir_version
 from rlflow.measure.verify import verify
 from tests.conftest import save, tiny_model
@@ -34,7 +35,7 @@ def test_deployed_shapes_in_the_metadata_fix_dynamic_dimensions(tmp_path, matmul
                                    ("x:four", None, (1, 8)), ("y:3,3;x:6,8", None, (6, 8))):
         model = onnx.ModelProto()
         model.CopyFrom(matmul_model)
-        helper.set_model_props(model, {graph_module.DEPLOYED_SHAPES_KEY: value})
+        helper.set_model_props(model, {DEPLOYED_SHAPES_KEY: value})
         with caplog.at_level(logging.WARNING, logger="rlflow"):
             graph = load(save(model, tmp_path / "m.onnx"), given)
         assert graph.input_shapes == {"x": expected}, value

@@ -13,7 +13,7 @@ import pytest
 from rlflow import zoo
 from rlflow.cli import main
 from rlflow.errors import RlflowError
-from rlflow.graph import format_input_shapes, parse_input_shapes
+from rlflow.input_shapes import format_input_shapes, parse_input_shapes
 
 DEPLOY = zoo.names(family="deploy")
 ARCHS = ["bert-l2-h128", "bert-l4-h256", "minilm-l12-h384", "distilbert-base", "roberta-base", "deit-small",
