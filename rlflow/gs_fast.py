@@ -51,11 +51,14 @@ def copy_graph(graph: gs.Graph) -> gs.Graph:
         for t in outputs:
             list.append(t.inputs, copy)
         nodes.append(copy)
-    return gs.Graph(nodes=nodes, inputs=[tensor(t) for t in graph.inputs],
-                    outputs=[tensor(t) for t in graph.outputs], name=graph.name, doc_string=graph.doc_string,
-                    opset=graph.opset, import_domains=graph.import_domains, producer_name=graph.producer_name,
-                    producer_version=graph.producer_version, functions=list(graph.functions),
-                    ir_version=graph.ir_version)
+    copy = object.__new__(type(graph))  # every field as it is (name, opset, domains...), whatever gs's version
+    fields = copy.__dict__
+    fields.update(graph.__dict__)
+    fields.update(nodes=nodes, inputs=[tensor(t) for t in graph.inputs], outputs=[tensor(t) for t in graph.outputs])
+    for key in ("_functions", "functions"):  # a list of its own (gs's setter would empty the original's in place)
+        if key in fields:
+            fields[key] = list(fields[key])
+    return copy
 
 
 def _bare(original: gs.Tensor) -> gs.Tensor:

@@ -151,6 +151,7 @@ def test_copy_graph_copies_what_gs_copies_and_shares_only_arrays(export):
         assert all(any(t is tensor for t in n.inputs) for n in tensor.outputs)
     constants = {n: t for n, t in original.tensors().items() if isinstance(t, gs.Constant)}
     assert constants and all(copy.tensors()[n].values is t.values for n, t in constants.items())
+    assert copy.functions is not original.functions  # gs's setter edits the list in place: the copy owns its own
     copy.nodes[0].inputs[0] = gs.Variable("elsewhere")  # editing the copy leaves the original as it was
     assert graph.fingerprint() == load(f"tests/fixtures/exports/{export}").fingerprint()
 
