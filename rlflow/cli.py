@@ -24,7 +24,8 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("model", type=click.Path(path_type=Path))
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output file [default: MODEL.rlflow.onnx].")
+@click.option("-o", "--output", "--out", "output", type=click.Path(path_type=Path),
+              help="Output file [default: MODEL.rlflow.onnx] (--out as `rlflow bench` and `rlflow zoo build` spell it).")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Execution provider to optimise for.")
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True,

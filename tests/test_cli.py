@@ -86,6 +86,13 @@ def test_default_output_name(tmp_path, matmul_model, capsys):
     assert (tmp_path / "m.rlflow.onnx").exists()
 
 
+def test_out_names_the_output_as_in_the_other_commands(tmp_path, matmul_model, capsys):
+    path = save(matmul_model, tmp_path / "m.onnx")
+    assert main(["optimize", path, "--time-limit", "1", "--quiet", "--out", str(tmp_path / "x.onnx")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "x.onnx")
+    assert (tmp_path / "x.onnx").exists() and not (tmp_path / "m.rlflow.onnx").exists()
+
+
 def test_rules_listing(tmp_path, cnn_opset9_ir3_path, capsys):
     assert main(["rules"]) == 0
     listing = capsys.readouterr().out
