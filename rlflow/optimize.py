@@ -343,11 +343,12 @@ def _finetuned(graph: Graph, settings: SessionSettings, agent, steps: int, seed:
     """The agent adapted to this graph (`rlflow.controller.finetune`), and what adaptation did."""
     from rlflow.controller.finetune import finetune, finetune_in_dream  # the one way from optimize to a trainer
     from rlflow.controller.wm_actor import WorldModelActor
-    from rlflow.search.agent import load_agent
+    from rlflow.search.agent import known_rules, load_agent
 
     loaded = load_agent(agent)
     adapt = finetune_in_dream if isinstance(loaded, WorldModelActor) else finetune
-    policy, report = adapt(loaded, graph, steps, settings=settings, rules=rules, seed=seed, deadline=deadline)
+    policy, report = adapt(loaded, graph, steps, settings=settings, rules=known_rules(loaded, rules), seed=seed,
+                           deadline=deadline)
     log.info("finetuned the agent: %d steps, %d updates in %.1f s (%s)", report.steps, report.updates, report.seconds,
              report.stop_reason)
     return policy, report

@@ -78,8 +78,12 @@ def checkpoint_algo(path: str | os.PathLike) -> str | None:
 
 
 def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_version: str | None = None,
-                            algo: str | None = None, retrain: str = "retrain") -> dict:
+                            algo: str | None = None, retrain: str = "retrain", prefix: bool = False) -> dict:
     """A checkpoint's dictionary, refused with one clear line unless it fits this rlflow.
+
+    `prefix`: also take a checkpoint trained on an earlier registry that this one extends (its rules are the first
+    ones of `RULES`, which is append-only, so its rule ids still mean the same rules), for an agent that only acts:
+    it acts on the rules it knows (`rlflow.search.agent.known_rules`), and adding a rule does not retire it.
 
     Raises:
         RlflowError: missing file, not a checkpoint (of `algo`, when given), or trained on another rule registry or
@@ -87,7 +91,8 @@ def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_versi
     """
     from rlflow.errors import RlflowError
     from rlflow.features import OBS_VERSION
-    from rlflow.rewrites import REGISTRY_VERSION
+    from rlflow.rewrites import REGISTRY_VERSION, RULES
+    from rlflow.rewrites.base import registry_version as version_of
 
     path = Path(path)
     if not path.is_file():
@@ -105,7 +110,10 @@ def load_checkpoint_payload(path: str | os.PathLike, *, fmt: int, registry_versi
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise RlflowError(f"{path}: not an rlflow {kind}checkpoint (format {found})")
     expected = registry_version or REGISTRY_VERSION
-    if payload["registry_version"] != expected:
+    trained = RULES[:len(payload.get("rules") or [])]  # the registry it names, if this one extends it
+    extended = (prefix and registry_version is None and trained and payload.get("rules") == [r.name for r in trained]
+                and payload["registry_version"] == version_of(trained))
+    if payload["registry_version"] != expected and not extended:
         raise RlflowError(f"{path}: trained on rule registry {payload['registry_version']} "
                           f"({len(payload['rules'])} rules), but this rlflow has registry {expected}: rule ids would "
                           f"mean other rules; {retrain}")

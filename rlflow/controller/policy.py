@@ -121,8 +121,10 @@ def save_checkpoint(path: str | os.PathLike, policy: CandidatePolicy, optimizer:
     return save_checkpoint_atomic(payload, path)
 
 
-def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None) -> tuple[CandidatePolicy, dict]:
-    """The policy stored at `path` and the whole checkpoint dictionary.
+def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None,
+                    prefix: bool = False) -> tuple[CandidatePolicy, dict]:
+    """The policy stored at `path` and the whole checkpoint dictionary (`prefix`: see
+    `rlflow.training.load_checkpoint_payload`).
 
     Raises:
         RlflowError: the file is missing or not a checkpoint, or it was trained on another rule registry or
@@ -130,7 +132,7 @@ def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None
     """
     payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
                                       retrain="retrain the policy (rlflow train --algo ppo) or use the rlflow "
-                                              "version it was trained with")
+                                              "version it was trained with", prefix=prefix)
     policy = CandidatePolicy(**payload["policy"])
     policy.load_state_dict(payload["model"])
     policy.config = dict(payload["config"])  # the training run's settings: the agent search plays its scope

@@ -73,10 +73,10 @@ class WorldModelActor:
 
 def load_actor(path) -> tuple[WorldModelActor, dict]:
     """The world-model checkpoint at `path` as an actor, and its payload (refused with one clear line if it is not
-    one, or is from another rule registry; see `rlflow.controller.wm_agent.load_checkpoint`)."""
+    one, or is from a rule registry this one does not extend; see `rlflow.controller.wm_agent.load_checkpoint`)."""
     from rlflow.controller.wm_agent import load_checkpoint
 
-    agent, payload = load_checkpoint(path, optimisers=False)  # it only acts
+    agent, payload = load_checkpoint(path, optimisers=False, prefix=True)  # it only acts, on the rules it knows
     return WorldModelActor(agent, payload.get("config"), payload.get("reward_range")), payload
 
 

@@ -113,15 +113,17 @@ def save_checkpoint(path: str | os.PathLike, agent: Agent, config, **extra) -> P
 
 
 def load_checkpoint(path: str | os.PathLike, registry_version: str | None = None,
-                    optimisers: bool = True) -> tuple[Agent, dict]:
-    """The agent stored at `path` and the whole checkpoint; `optimisers=False`: an agent that only acts (see `Agent`).
+                    optimisers: bool = True, prefix: bool = False) -> tuple[Agent, dict]:
+    """The agent stored at `path` and the whole checkpoint; `optimisers=False`: an agent that only acts (see `Agent`;
+    `prefix`: see `rlflow.training.load_checkpoint_payload`).
 
     Raises:
         RlflowError: missing file, not a world-model checkpoint, or another rule registry or observation version
             (rule ids would mean other rules).
     """
     payload = load_checkpoint_payload(path, fmt=CHECKPOINT_FORMAT, registry_version=registry_version,
-                                      algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)")
+                                      algo="worldmodel", retrain="retrain (rlflow train --algo worldmodel)",
+                                      prefix=prefix)
     # checkpoints from before the learned location used the first match, from before match_input no description,
     # from before reward_symlog rewards learnt as they are
     stored = {"learn_location": False, "match_input": "none", "reward_symlog": 0.0, **payload["config"]}

@@ -1,7 +1,8 @@
 """The rewrite rule library.
 
 `RULES` is the ordered registry: its order is the action id space of the environment and the agent, so it is
-append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record).
+append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record; an agent trained before rules were
+appended still acts, on the rules it knows: `rlflow.search.agent.known_rules`).
 
 Example:
     >>> import rlflow

@@ -77,8 +77,12 @@ def load_agent(path: str | os.PathLike | None = None):
     (`rlflow train --algo ppo`) or a world-model agent (`rlflow train --algo worldmodel`, as a
     `rlflow.controller.wm_actor.WorldModelActor`).
 
+    An agent trained on an earlier rule registry that this one extends is taken too: it acts on the rules it knows
+    (`known_rules`).
+
     Raises:
-        RlflowError: the file is missing, is not an rlflow agent, or was trained on another rule registry.
+        RlflowError: the file is missing, is not an rlflow agent, or was trained on a rule registry this one does not
+            extend.
     """
     from rlflow.controller.policy import load_checkpoint
     from rlflow.training import checkpoint_algo
@@ -91,8 +95,19 @@ def load_agent(path: str | os.PathLike | None = None):
         from rlflow.controller.wm_actor import load_actor
 
         return load_actor(path)[0]
-    policy, _ = load_checkpoint(path)
+    policy, _ = load_checkpoint(path, prefix=True)
     return policy.eval()
+
+
+def known_rules(agent, rules: Sequence[Rule] = RULES) -> list[Rule]:
+    """The rules of `rules` that `agent` (a loaded policy or actor) was trained on: those whose action id is below
+    the size of its registry.  `RULES` is append-only, so an agent trained before a rule was added knows every rule
+    but the new ones, and its environment must not offer those (their ids index nothing it learnt)."""
+    trained = getattr(agent, "n_rules", None)
+    if trained is None:
+        trained = agent.policy.n_rules  # a CandidateActor
+    ids = {r.name: i for i, r in enumerate(RULES)}
+    return [r for r in rules if ids.get(r.name, trained) < trained]
 
 
 def trained_provider(path: str | os.PathLike | None = None) -> str:
@@ -168,6 +183,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                             f"{reserve:.0f} s of the {config.time_limit:.0f} s limit; a time limit of about "
                             f"{2 * reserve:.0f} s would leave the rollouts their share")
     actor = as_actor(policy if policy is not None else load_agent(config.agent))
+    rules = known_rules(actor, rules)
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     generator = torch.Generator().manual_seed(config.seed)
     visited: dict[str, tuple[float, Candidate]] = {}
@@ -307,4 +323,4 @@ def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], origi
     return [visited[fp][1] for fp in chosen[:top_k]]
 
 
-__all__ = ["AgentConfig", "CandidateActor", "DEFAULT_AGENT", "agent_search", "as_actor", "load_agent"]
+__all__ = ["AgentConfig", "CandidateActor", "DEFAULT_AGENT", "agent_search", "as_actor", "known_rules", "load_agent"]

@@ -210,3 +210,57 @@ def test_the_agent_plays_the_scope_its_checkpoint_was_trained_in(tmp_path, zoo_p
                  AgentConfig(rollouts=1, length=3, top_k=1, rounds=3, time_limit=30), cost_model=cost_model,
                  policy=loaded)
     assert scopes == [("rule", 2)]  # the scope and the episode length it was trained with
+
+
+def test_an_agent_from_a_registry_this_one_extends_acts_on_the_rules_it_knows(zoo_paths, cost_model, monkeypatch):
+    """RULES is append-only: after a rule is added, the shipped agents (trained before it) still load, and their
+    environment offers only the rules they were trained on; a registry that is not an extension is still refused."""
+    import rlflow.env
+    import rlflow.rewrites
+    from rlflow.rewrites import rule
+    from rlflow.rewrites.base import registry_version
+    from rlflow.search.agent import known_rules
+
+    base = type(rule("attention-fusion"))
+    extra = type("ExtraAttentionFusion", (base,), {"name": "extra-attention-fusion", "__doc__": base.__doc__})()
+    extended = (*RULES, extra)
+    for module in (rlflow.rewrites, rlflow.env, agent_module):
+        monkeypatch.setattr(module, "RULES", extended)
+    monkeypatch.setattr(rlflow.rewrites, "REGISTRY_VERSION", registry_version(extended))
+
+    shipped = load_agent()  # trained on RULES before `extra`: taken, where any other registry change refuses it
+    assert known_rules(shipped, extended) == list(RULES)
+    offered = []
+
+    class Recording(rlflow.env.RewriteEnv):
+        def __init__(self, *args, rules=(), **kwargs):
+            offered.append([r.name for r in rules])
+            super().__init__(*args, rules=rules, **kwargs)
+
+    monkeypatch.setattr(rlflow.env, "RewriteEnv", Recording)
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    assert extra.find(graph)  # the new rule matches here, so only the restriction keeps it from the agent
+    result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, time_limit=6, rounds=3), extended,
+                          cost_model=cost_model, policy=shipped)
+    assert offered and all("extra-attention-fusion" not in names for names in offered)
+    assert all(m.rule != "extra-attention-fusion" for m in result.applied)
+
+    import types
+
+    import rlflow.controller.finetune as finetune_module
+    from rlflow.optimize import _finetuned
+
+    adapted = []
+
+    def adapt(agent, graph, steps, *, rules, **kwargs):  # what --finetune would train on
+        adapted.append([r.name for r in rules])
+        return agent, types.SimpleNamespace(steps=0, updates=0, seconds=0.0, stop_reason="stub")
+
+    monkeypatch.setattr(finetune_module, "finetune_in_dream", adapt)
+    _finetuned(graph, SessionSettings(), None, 1, 0, extended, deadline=None)
+    assert adapted == [[r.name for r in RULES]]
+
+    monkeypatch.setattr(rlflow.rewrites, "RULES", (extra, *RULES))  # not an extension: the ids would move
+    monkeypatch.setattr(rlflow.rewrites, "REGISTRY_VERSION", registry_version((extra, *RULES)))
+    with pytest.raises(RlflowError, match="registry"):
+        load_agent()
