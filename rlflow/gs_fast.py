@@ -84,12 +84,13 @@ def toposort(graph: gs.Graph) -> gs.Graph:
     gs gives each node a level (0 for a node reading no other node's output, else one more than its highest
     producer's), records the levels in the order of a depth-first walk from each node in turn through its inputs'
     producers, and sorts those records stably by level.  The same walk here is iterative and keyed by identity.
-    Graphs with subgraphs or functions, and anything gs would refuse (a producer outside the graph, a cycle), are left
-    to gs.
+    Graphs with subgraphs or functions, a node listed twice, and anything gs would refuse (a producer outside the
+    graph, a cycle) are left to gs.
     """
-    if graph.functions or any(isinstance(v, gs.Graph) for node in graph.nodes for v in node.attrs.values()):
-        return graph.toposort()
     members = {id(node) for node in graph.nodes}
+    if graph.functions or len(members) != len(graph.nodes) or any(  # a node listed twice: gs counts it twice
+            isinstance(v, gs.Graph) for node in graph.nodes for v in node.attrs.values()):
+        return graph.toposort()
     level: dict[int, int] = {}
     order: list[gs.Node] = []  # the walk's post-order: the order gs records its levels in
     for start in graph.nodes:
