@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
+from rlflow.frozen_heap import frozen_heap
 from rlflow.graph import Graph
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.session import SessionSettings
@@ -82,7 +83,9 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     steps, measured, unmeasured, stop, refused = [], 0, 0, "step limit", []
     pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
     most = LARGE_MODEL_CANDIDATES if shares_weights(graph) else None
-    with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar:
+    # the heap held before the search out of the collector's rescans while candidates are built (`frozen_heap`)
+    with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar, \
+            frozen_heap():
         for _ in range(config.max_steps):
             if time.monotonic() > deadline:
                 stop = "time limit"

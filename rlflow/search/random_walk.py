@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from rlflow.frozen_heap import frozen_heap
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
@@ -62,7 +63,8 @@ def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | 
     pooled = {root_fingerprint}
     estimated, stop = 0, "all walks done"
     walked = 0
-    with measuring_until(cost_model, search_deadline):  # a cold table must not take the whole limit
+    # a cold table must not take the whole limit; the heap held before the search out of the collector's rescans
+    with measuring_until(cost_model, search_deadline), frozen_heap():
         with tqdm(total=config.walks, desc="random", unit="walk", disable=not progress, leave=False) as bar:
             for _ in range(config.walks):
                 current = Candidate(graph, (), root_fingerprint)

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
+from rlflow.frozen_heap import frozen_heap
 from rlflow.graph import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
@@ -62,7 +63,8 @@ def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = No
     pace = Pace()
     search_deadline = start + config.time_limit - measurement_reserve(graph, settings, config.time_limit, pace,
                                                                       config.seed)
-    with measuring_until(cost_model, search_deadline):  # a cold table must not take the whole limit
+    # a cold table must not take the whole limit; the heap held before the search out of the collector's rescans
+    with measuring_until(cost_model, search_deadline), frozen_heap():
         root = Candidate(graph, (), graph.fingerprint())
         best_cost = cost_model.graph_cost(graph)
         order = itertools.count()
