@@ -96,34 +96,36 @@ def toposort(graph: gs.Graph) -> gs.Graph:
     for start in graph.nodes:
         if id(start) in level:
             continue
-        stack = [(start, _producers(start))]
+        producers = _producers(start)
+        stack = [(start, producers, iter(producers))]  # a node, its producers, and where the walk is among them
         on_path = {id(start)}
         while stack:
-            node, pending = stack[-1]
+            node, producers, pending = stack[-1]
             for producer in pending:
                 if id(producer) not in level:
                     if id(producer) not in members or id(producer) in on_path:
                         return graph.toposort()  # gs's own error says what is wrong
                     on_path.add(id(producer))
-                    stack.append((producer, _producers(producer)))
+                    below = _producers(producer)
+                    stack.append((producer, below, iter(below)))
                     break
             else:
                 stack.pop()
                 on_path.discard(id(node))
-                level[id(node)] = max((level[id(p)] for p in _producers(node)), default=-1) + 1
+                level[id(node)] = max((level[id(p)] for p in producers), default=-1) + 1
                 order.append(node)
     graph.nodes = sorted(order, key=lambda node: level[id(node)])
     return graph
 
 
-def _producers(node: gs.Node):
+def _producers(node: gs.Node) -> list[gs.Node]:
     """The nodes producing `node`'s inputs, each once, in input order (gs's `get_used_nodes`: an omitted optional
-    tensor, named "", has none), as an iterator the walk resumes where it left off."""
+    tensor, named "", has none)."""
     seen: dict[int, gs.Node] = {}
     for tensor in node.inputs:
         for producer in tensor.inputs if tensor.name else ():
             seen.setdefault(id(producer), producer)
-    return iter(list(seen.values()))
+    return list(seen.values())
 
 
 __all__ = ["copy_graph", "toposort"]

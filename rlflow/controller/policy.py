@@ -21,10 +21,10 @@ from torch.distributions import Categorical
 
 from rlflow.training import load_checkpoint_payload, save_checkpoint_atomic
 from rlflow.features import MAX_TOUCHED, OBS_VERSION
+from rlflow.observation import NEG
 from rlflow.worldmodel.encoder import GraphEncoder, trim
 
 CHECKPOINT_FORMAT = 1
-_NEG = -1e8
 
 
 def action_mask_from_obs(obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -70,10 +70,10 @@ class CandidatePolicy(nn.Module):
         touched_mean = gathered.sum(2) / valid.sum(-1, keepdim=True).clamp_min(1)
         rule = self.rule_embed(obs["cand_rule"][:, :c].long().clamp(0, self.rule_embed.num_embeddings - 1))
         features = torch.cat([rule, root, touched_mean, graph.unsqueeze(1).expand(-1, c, -1)], -1)
-        logits = torch.full((b, full_c + 1), _NEG, dtype=nodes.dtype, device=nodes.device)
+        logits = torch.full((b, full_c + 1), NEG, dtype=nodes.dtype, device=nodes.device)
         logits[:, :c] = self.score(features).squeeze(-1)
         logits[:, -1] = self.stop(graph).squeeze(-1)
-        logits = torch.where(mask, logits, torch.full_like(logits, _NEG))
+        logits = torch.where(mask, logits, torch.full_like(logits, NEG))
         return logits, self.critic(graph).squeeze(-1)
 
     def get_value(self, obs: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -95,7 +95,7 @@ def masked_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy (B,) over the valid actions only (masked logits contribute exactly 0)."""
     logp = torch.log_softmax(logits, -1)
     p = logp.exp()
-    valid = logits > _NEG / 2
+    valid = logits > NEG / 2
     return -(torch.where(valid, p * logp, torch.zeros_like(p))).sum(-1)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from rlflow.observation import NEG
+
 _INVALID = -1e7
-"""Logits at or below this are actions that cannot be taken (policies mark them -1e8)."""
+"""Logits at or below this are actions that cannot be taken (policies mark them NEG, -1e8)."""
 
 
 def choose_unvisited(env, logits: torch.Tensor, seen: set[str], *, greedy: bool, may_terminate: bool = True,
@@ -30,7 +32,7 @@ def choose_unvisited(env, logits: torch.Tensor, seen: set[str], *, greedy: bool,
     logits = logits.clone()
     terminate = env.terminate_action
     if not may_terminate:
-        logits[terminate] = -1e8
+        logits[terminate] = NEG
     while True:
         valid = logits > _INVALID
         if not bool(valid.any()):
@@ -45,7 +47,7 @@ def choose_unvisited(env, logits: torch.Tensor, seen: set[str], *, greedy: bool,
         child = env.peek(action)
         if child is not None and child not in seen:
             return action
-        logits[action] = -1e8
+        logits[action] = NEG
 
 
 __all__ = ["choose_unvisited"]

@@ -18,8 +18,6 @@ def train_vision(agent: Agent, replay, ids: list[int], episodes: list, config: C
                  progress=None) -> dict:
     """Epochs of V over the training states (rewards observed in `episodes`); returns the last epoch's mean
     losses."""
-    import torch
-
     from rlflow.worldmodel.vae import graph_vae_loss
 
     agent.vision.train()
@@ -36,12 +34,7 @@ def train_vision(agent: Agent, replay, ids: list[int], episodes: list, config: C
             target, known = replay.reward_targets(chunk.tolist(), table)
             losses = graph_vae_loss(out, replay.masks(chunk.tolist()), obs["graph"], config.beta,
                                     reward_target=target, reward_known=known)
-            agent.vision_opt.zero_grad()
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(agent.vision.parameters(), 5.0)
-            agent.vision_opt.step()
-            for key, value in losses.items():
-                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            _step(agent.vision_opt, agent.vision, losses, totals)
             batches += 1
         totals = {k: v / max(batches, 1) for k, v in totals.items()}
         if progress is not None:
@@ -95,12 +88,7 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
         for begin in range(0, len(order), config.mdrnn_batch):
             losses = losses_of([episodes[i] for i in order[begin: begin + config.mdrnn_batch]],
                                config.sample_latents)
-            agent.mdrnn_opt.zero_grad()
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(agent.mdrnn.parameters(), 5.0)
-            agent.mdrnn_opt.step()
-            for key, value in losses.items():
-                totals[key] = totals.get(key, 0.0) + float(value.detach())
+            _step(agent.mdrnn_opt, agent.mdrnn, losses, totals)
             batches += 1
         totals = {k: v / max(batches, 1) for k, v in totals.items()}
         if validation:
@@ -118,6 +106,19 @@ def train_mdrnn(agent: Agent, replay, episodes: list, mu, logvar, config: Config
         totals.update(best_epoch=float(best_epoch), best_validation_loss=best_loss)
     agent.mdrnn.eval()
     return totals
+
+
+def _step(optimizer, module, losses: dict, totals: dict) -> None:
+    """One gradient step of `module` on `losses["loss"]` (gradient norm clipped to 5), each loss added to `totals`:
+    what an epoch of V and one of M do per batch."""
+    import torch
+
+    optimizer.zero_grad()
+    losses["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 5.0)
+    optimizer.step()
+    for key, value in losses.items():
+        totals[key] = totals.get(key, 0.0) + float(value.detach())
 
 
 def reward_bootstrap(replay, members: int, share: float, seed: int) -> dict:

@@ -136,6 +136,13 @@ def _timed(cell, row: dict | None) -> str:
     return f"{cell(row)}, {seconds:.1f} s" if seconds is not None else cell(row)
 
 
+def _best_peer(rows: dict, model: str) -> dict | None:
+    """The fastest peer tool's row for `model` among bench rows keyed by (model, method); None without one."""
+    peers = [row for (name, _), row in rows.items() if name == model and row["kind"] != "rlflow"
+             and row["status"] == "ok"]
+    return max(peers, key=lambda row: row["speedup"], default=None)
+
+
 def _target(agent: dict | None, greedy: dict | None) -> str | None:
     """Whether `agent` reaches `greedy`'s median in TARGET_TIME_SHARE of its search time; None where greedy's
     interval does not lie above 1 (no gain to reach)."""
@@ -168,9 +175,7 @@ def heldout_markdown(bench: dict, others: dict[str, dict], deploy: dict, cell) -
     gains = 0
     for model in models:
         agent, greedy = ours.get((model, "agent")), ours.get((model, "greedy"))
-        peers = [deploy[(m, p)] for (m, p) in deploy if m == model and deploy[(m, p)]["kind"] != "rlflow"
-                 and deploy[(m, p)]["status"] == "ok"]
-        peer = max(peers, key=lambda r: r["speedup"], default=None)
+        peer = _best_peer(deploy, model)
         verdict = _target(agent, greedy)
         gains += verdict is not None
         counts["shipped"] += verdict == "holds"
@@ -206,8 +211,7 @@ def methods_markdown(bench: dict, folder: str, cell) -> str:
     gains = holds = 0
     for model in models:
         agent, greedy = rows.get((model, "agent")), rows.get((model, "greedy"))
-        peers = [r for (m, _), r in rows.items() if m == model and r["kind"] != "rlflow" and r["status"] == "ok"]
-        peer = max(peers, key=lambda r: r["speedup"], default=None)
+        peer = _best_peer(rows, model)
         verdict = _target(agent, greedy)
         gains += verdict is not None
         holds += verdict == "holds"
