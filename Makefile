@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test fuzz bench agent ppo-agent clean
+.PHONY: install demo test lint fuzz bench agent ppo-agent clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" tests
 
+# ruff (pyproject.toml's [tool.ruff]): pyflakes, the pycodestyle errors and import order; `ruff check --fix` fixes most
+lint: $(STAMP)
+	$(BIN)/ruff check rlflow tests gpu models docs
+
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
 
@@ -39,7 +43,7 @@ bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
 	$(BIN)/rlflow bench models --methods agent,greedy,taso,random --peers --threads 1 \
 		--rounds $(BENCH_ROUNDS) $(if $(RAY),$(if $(filter local,$(RAY)),--ray,--ray $(RAY))) --out docs/results
-	$(BIN)/python -m rlflow.bench_wallclock models --out docs/results
+	$(BIN)/rlflow wallclock models --out docs/results
 
 # The shipped agents are trained on the deployment section (issue #28): DistilBERT, Whisper-tiny's encoder, DeiT-small
 # and DeiT-tiny (a 192-wide model, so that attention fusion on small hidden sizes is seen in training), each from both
@@ -49,7 +53,7 @@ bench: $(STAMP)
 AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts,deit-tiny-b1-ts,deit-tiny-b1-dynamo
 AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts,bert-l4-h256-s16-dynamo,minilm-l12-h384-s16-ts,minilm-l12-h384-s16-dynamo
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
-# The shipped agent is seed 2 (docs/results/agent-deploy/README.md, eleventh part): of the recipe's four seeds the one
+# The shipped agent is seed 2 (docs/agents.md, docs/results/agent-deploy/planned-250/): of the recipe's four seeds the one
 # that meets both learning targets (held-out reward correlation, sample efficiency) and reaches the demo block's 1.4x
 AGENT_SEED ?= 2
 AGENT_STEPS ?= 4096
@@ -63,21 +67,21 @@ PPO_RESULTS := docs/results/agent-deploy/quiet-table/ppo
 WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3 --random-steps 250
 PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate
 
-# The shipped agent (rlflow/agents/default.pt, what `rlflow optimize --method agent` plays): the world-model agent
+# The shipped agent (rlflow/checkpoints/default.pt, what `rlflow optimize --method agent` plays): the world-model agent
 # (VAE + MDN-RNN, controller trained in the dream), its report (sample efficiency against the committed PPO baseline
 # run) into $(AGENT_RESULTS)/seed$(AGENT_SEED)/.  Three iterations: on these 250-750-node graphs an iteration takes
 # 2-7 minutes, most of it training V and the location scorer (11-15 minutes in all on a shared 2-core machine).
 agent: $(STAMP)
 	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --seed $(AGENT_SEED) \
 		--out $(AGENT_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent/run --ppo-results $(PPO_RESULTS)/ppo.json
-	$(BIN)/python -m rlflow.controller.ship --checkpoint build/agent/run/worldmodel.pt \
+	$(BIN)/rlflow ship --checkpoint build/agent/run/worldmodel.pt \
 		--results $(AGENT_RESULTS)/seed$(AGENT_SEED)/worldmodel.json
 
-# The model-free baseline (rlflow/agents/ppo.pt, `--agent rlflow/agents/ppo.pt`): masked PPO on the same models, its
+# The model-free baseline (rlflow/checkpoints/ppo.pt, `--agent rlflow/checkpoints/ppo.pt`): masked PPO on the same models, its
 # results and learning curve into $(PPO_RESULTS)/ (the world-model runs compare with them; 25 minutes).
 ppo-agent: $(STAMP)
 	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --out $(PPO_RESULTS) --run-dir build/ppo-agent/run
-	$(BIN)/python -m rlflow.controller.ship --checkpoint build/ppo-agent/run/ppo.pt --results $(PPO_RESULTS)/ppo.json
+	$(BIN)/rlflow ship --checkpoint build/ppo-agent/run/ppo.pt --results $(PPO_RESULTS)/ppo.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

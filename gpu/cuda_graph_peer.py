@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from rlflow.files import write_text_atomic
-from rlflow.graph import load
+from rlflow.graph.core import load
+from rlflow.measure.bootstrap import bootstrap_ratio
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, inference_session, session_options
-from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner, bootstrap_ratio
+from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner
 from rlflow.measure.verify import compare_arrays
 
 PROVIDER = "CUDAExecutionProvider"

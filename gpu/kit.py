@@ -1,6 +1,6 @@
 """Prepares what the GPU machine lacks, as chunks small enough to travel, and writes the commands that carry them.
 
-The GPU machine (see README, "On a GPU machine") has Python 3.12, torch with CUDA 13, onnx, the nvidia cuDNN 9 and
+The GPU machine (docs/gpu.md) has Python 3.12, torch with CUDA 13, onnx, the nvidia cuDNN 9 and
 cuBLAS packages and onnxruntime *without* CUDA, and no network.  Each device call carries a copy of the working tree
 plus at most 64 MiB in all, so the kit:
 
@@ -53,8 +53,7 @@ MARGIN = 3 * 2**20
 
 LEASE_PLAN = ('GPU_STEPS="optimize bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=20 '
               'GPU_ZOO="gpt2-small bert-l4-h256-s16-ts vit-b-16 bert-base"')
-"""The measurement the last call starts: what fits a 15-minute lease (README, "rlflow's outputs on CUDA, and the next
-lease").  measure.sh's own defaults (the whole zoo, bench, capture and cost check) took 28 minutes on an H100; this plan
+"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  measure.sh's own defaults (the whole zoo, bench, capture and cost check) took 28 minutes on an H100; this plan
 on four smaller transformers took 9.7 on an H200 (docs/results/gpu/h200-1126-cg/).  Next: gpt2-small with its GELU
 fused, which candidates BERT-L4 drops under capture, and the two large transformers captured beside the peers."""
 

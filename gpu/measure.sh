@@ -52,7 +52,7 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
       fi ;;
     costcheck)
       step "cost table: random rewrite sequences, estimates against end-to-end measurement"
-      "$PY" -m rlflow.measure.costmodel_check $MODELS --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} \
+      "$PY" -m rlflow.cli costmodel check $MODELS --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} \
         --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" ;;
     optimize)
       mkdir -p "$R/optimize"

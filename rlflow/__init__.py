@@ -3,8 +3,12 @@
 torch and onnxruntime are imported only by the parts that need them, so `import rlflow` stays light.
 """
 from rlflow.errors import InputError, ProviderError, RlflowError
-from rlflow.graph import Graph, load
-from rlflow.optimize import Result, optimize  # rebinds the name: `rlflow.optimize` is the function, as documented
+from rlflow.graph.core import Graph, load
+from rlflow.optimize import (  # rebinds the name: `rlflow.optimize` is the function, as documented
+    Options,
+    Result,
+    optimize,
+)
 
 __version__ = "0.1.0"
 
@@ -14,9 +18,9 @@ def _register_env() -> None:
     import gymnasium
 
     if "rlflow/Rewrite-v0" not in gymnasium.registry:
-        gymnasium.register(id="rlflow/Rewrite-v0", entry_point="rlflow.env:RewriteEnv")
+        gymnasium.register(id="rlflow/Rewrite-v0", entry_point="rlflow.env.rewrite_env:RewriteEnv")
 
 
 _register_env()
 
-__all__ = ["Graph", "load", "optimize", "Result", "InputError", "ProviderError", "RlflowError", "__version__"]
+__all__ = ["Graph", "load", "optimize", "Options", "Result", "InputError", "ProviderError", "RlflowError", "__version__"]

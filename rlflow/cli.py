@@ -65,10 +65,10 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
              profiles_file, ops, cuda_graph, json_path, seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
-    from rlflow.input_shapes import parse_input_shapes
-    from rlflow.optimize import optimize as run
-    from rlflow.report import format_report
-    from rlflow.profiles import given_profiles
+    from rlflow.graph.input_shapes import parse_input_shapes
+    from rlflow.measure.shape_profiles import given_profiles
+    from rlflow.optimize.pipeline import optimize as run
+    from rlflow.optimize.report import format_report
 
     output = output or model.with_name(model.name[: -len(".onnx")] + ".rlflow.onnx" if model.name.endswith(".onnx")
                                        else model.name + ".rlflow.onnx")
@@ -90,8 +90,8 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
 @click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...")
 def rules(model, input_shapes) -> None:
     """List the rewrite rules (with --model: how often each matches)."""
-    from rlflow.graph import load
-    from rlflow.input_shapes import parse_input_shapes
+    from rlflow.graph.core import load
+    from rlflow.graph.input_shapes import parse_input_shapes
     from rlflow.rewrites import RULES, match_counts
 
     counts = match_counts(load(model, parse_input_shapes(input_shapes))) if model else None
@@ -99,7 +99,7 @@ def rules(model, input_shapes) -> None:
     for index, rule in enumerate(RULES):
         count = "" if counts is None else f"{counts.get(rule.name, 0):>6}  "
         contrib = " [contrib]" if rule.contrib else ""
-        click.echo(f"{index:>3}  {rule.name:<{width}}  {rule.category:<8}  {count}{rule.description}{contrib}")
+        click.echo(f"{index:>3}  {rule.name:<{width}}  {rule.group:<8}  {count}{rule.description}{contrib}")
     if counts is not None:
         click.echo(f"{sum(counts.values())} matches of {sum(c > 0 for c in counts.values())} rules in {model}")
 
@@ -134,14 +134,14 @@ def rules(model, input_shapes) -> None:
 def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, ray_address,
           cuda_graph, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
-    from rlflow.bench import BenchConfig, find_models, run_bench
+    from rlflow.bench.run import BenchConfig, find_models, run_bench
 
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
                          agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address,
                          cuda_graph=cuda_graph)
     if ray_address is not None:
-        from rlflow.bench_ray import run_on_ray
+        from rlflow.bench.cluster import run_on_ray
 
         results = run_on_ray(find_models(models), config, out)
     else:
@@ -158,9 +158,9 @@ def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, a
 def train(algo, options) -> None:
     """Train an agent; every option of the trainer's Config is accepted (`rlflow train --algo ppo --help`)."""
     if algo == "ppo":
-        from rlflow.controller import ppo as trainer
+        from rlflow.train import ppo as trainer
     else:
-        from rlflow.controller import wm_train as trainer
+        from rlflow.train.worldmodel import loop as trainer
     trainer.main(trainer.parse_args(list(options)))
 
 
@@ -230,6 +230,45 @@ def zoo_build(names, out, force, tiny, family) -> None:
     if failed:
         click.echo(f"error: {len(failed)} of {len(wanted)} models not built: {', '.join(failed)}", err=True)
         raise click.exceptions.Exit(1)
+
+
+_PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+"""Settings of the commands whose options their module's own parser reads (its `--help` lists them)."""
+
+
+def _passthrough(group: click.Group, name: str, module: str, summary: str) -> None:
+    """Registers `rlflow [GROUP] NAME ARGS...`: `module.main(ARGS)`, whose argparse parser documents the options.
+    A main that returns an int returns it as the exit code; one that returns its results (a dict) exits 0."""
+
+    @group.command(name, context_settings=_PASSTHROUGH, help=summary + "  Options: `--help`.")
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args) -> int:
+        import importlib
+
+        done = importlib.import_module(module).main(list(args))
+        return done if type(done) is int else 0
+
+
+@cli.group()
+def costmodel() -> None:
+    """The cost model's table: check it against measurement, audit its entries, fit the GPU estimate."""
+
+
+_passthrough(cli, "ship", "rlflow.train.ship", "Turn a training run's checkpoint into a shipped agent.")
+_passthrough(cli, "evaluate", "rlflow.train.evaluate",
+             "A trained policy against the random-walk baseline, measured end to end.")
+_passthrough(cli, "wallclock", "rlflow.bench.wallclock",
+             "How long `rlflow optimize` takes with every default: a fresh process per model, wall clock.")
+_passthrough(cli, "bench-rules", "rlflow.bench.rule_speed",
+             "Speed of the rule library itself: matching every rule, and one apply, on large graphs.")
+_passthrough(zoo, "build-large", "rlflow.zoo.large_models",
+             "Build a model over protobuf's 2 GB limit (its weights in an external-data file).")
+_passthrough(costmodel, "check", "rlflow.measure.costmodel.check",
+             "Rank correlation of the cost model's estimates with interleaved end-to-end measurements.")
+_passthrough(costmodel, "audit", "rlflow.measure.costmodel.audit",
+             "Measure a model's fusion groups again and list the cached costs the new measurements do not confirm.")
+_passthrough(costmodel, "fit", "rlflow.measure.costmodel.gpu_estimate",
+             "Fit the estimate of a GPU's group costs to a table measured on it, and report its held-out error.")
 
 
 def _interrupted() -> int:

@@ -10,7 +10,7 @@ def torch_threads(count: int) -> Iterator[None]:
     """Runs the block with torch on `count` threads, then puts the caller's count back (a library call must not leave
     it changed).  One thread is what the small work in rlflow wants: the agent's forward passes over graphs of a few
     hundred nodes (5x slower on two threads of a busy 2-core machine) and the zoo's bit-identical batch-norm
-    calibration (`rlflow.zoo_deploy` keeps its own copy: its source is part of every deployment export's definition
+    calibration (`rlflow.zoo.deploy` keeps its own copy: its source is part of every deployment export's definition
     hash, so editing it rebuilds them all)."""
     import torch
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.bench import _outcome_lines, find_models, markdown_table, outcome
+from rlflow.bench.results import _outcome_lines, markdown_table, outcome
+from rlflow.bench.run import find_models
 from rlflow.cli import main
 from rlflow.errors import RlflowError
 from tests.conftest import save
@@ -93,9 +94,9 @@ def test_find_models(tmp_path, matmul_model):
 
 def test_the_cost_table_is_filled_before_any_method_runs(tmp_path, matmul_model, monkeypatch):
     """The first method on a model must not pay, inside its time limit, for table entries later methods read free."""
-    from rlflow.bench import warm_cost_table
-    from rlflow.graph import Graph
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.bench.run import warm_cost_table
+    from rlflow.graph.core import Graph
+    from rlflow.measure.costmodel.model import CostModel
     from rlflow.measure.session import SessionSettings
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
@@ -108,9 +109,9 @@ def test_the_cost_table_is_filled_before_any_method_runs(tmp_path, matmul_model,
 
 def test_a_failed_warm_up_leaves_the_run_going(matmul_model, monkeypatch):
     """The cost model failing on a graph is the methods' rows to report, not a reason to stop the whole bench."""
-    from rlflow.bench import warm_cost_table
-    from rlflow.graph import Graph
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.bench.run import warm_cost_table
+    from rlflow.graph.core import Graph
+    from rlflow.measure.costmodel.model import CostModel
     from rlflow.measure.session import SessionSettings
 
     def broken(self, graph):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from rlflow.bench import BenchConfig, run_bench
+from rlflow.bench.run import BenchConfig, run_bench
 from tests.conftest import save
 
 ray = pytest.importorskip("ray")
@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module")
 def cluster():
     """One local Ray instance for the module, with the measurement slot `rlflow bench --ray` asks for."""
-    from rlflow.bench_ray import MEASUREMENT_SLOT
+    from rlflow.bench.cluster import MEASUREMENT_SLOT
 
     ray.init(num_cpus=2, resources={MEASUREMENT_SLOT: 1}, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
@@ -50,7 +50,7 @@ def _kinds(results) -> list[tuple[str, str, str]]:
 
 
 def test_a_ray_run_gives_the_rows_of_a_local_run(cluster, models, tmp_path):
-    from rlflow.bench_ray import run_on_ray
+    from rlflow.bench.cluster import run_on_ray
 
     config = BenchConfig(methods=("greedy", "random"), time_limit=1, rounds=3)
     here = run_bench(models, config, tmp_path / "here", progress=False)
@@ -63,7 +63,7 @@ def test_a_ray_run_gives_the_rows_of_a_local_run(cluster, models, tmp_path):
 
 def _dies_once(model, config, settings):
     """A task whose worker process is killed the first time it runs on the MLP (a marker file remembers)."""
-    from rlflow.bench_ray import _measure_model
+    from rlflow.bench.cluster import _measure_model
 
     marker = os.environ["RLFLOW_TEST_MARKER"]
     if model.endswith("mlp.onnx") and not os.path.exists(marker):
@@ -73,7 +73,7 @@ def _dies_once(model, config, settings):
 
 
 def _always_dies(model, config, settings):
-    from rlflow.bench_ray import _measure_model
+    from rlflow.bench.cluster import _measure_model
 
     if model.endswith("mlp.onnx"):
         os._exit(1)
@@ -83,10 +83,10 @@ def _always_dies(model, config, settings):
 @pytest.mark.parametrize("task, mlp_status", [(_dies_once, "ok"), (_always_dies, "failed")])
 def test_a_killed_worker_is_retried_once_and_never_harms_the_other_models(cluster, mlp_and_cnn, tmp_path,
                                                                           monkeypatch, task, mlp_status):
-    from rlflow import bench_ray
-    from rlflow.measure.session import SessionSettings
-
     import sys
+
+    from rlflow.bench import cluster as bench_ray
+    from rlflow.measure.session import SessionSettings
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import the tests package
     monkeypatch.setenv("RLFLOW_TEST_MARKER", str(tmp_path / "died"))
@@ -107,5 +107,5 @@ def test_without_ray_nothing_of_ray_is_imported():
     import subprocess
     import sys
 
-    code = "import sys, rlflow.bench, rlflow.cli, rlflow.optimize; print('ray' in sys.modules)"
+    code = "import sys, rlflow.bench.run, rlflow.cli, rlflow.optimize.pipeline; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -5,7 +5,7 @@ import json
 
 import onnx
 
-from rlflow import bench_wallclock
+from rlflow.bench import wallclock as bench_wallclock
 
 
 def test_records_each_model_and_a_failure(tmp_path, matmul_model):

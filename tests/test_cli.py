@@ -100,7 +100,7 @@ def test_rules_listing(tmp_path, cnn_opset9_ir3_path, capsys):
     assert main(["rules", "--model", cnn_opset9_ir3_path]) == 0
     counted = capsys.readouterr().out
     assert "matches of" in counted
-    line = next(l for l in counted.splitlines() if "conv-bn-fold" in l)
+    line = next(text for text in counted.splitlines() if "conv-bn-fold" in text)
     assert " 2  " in line
 
 

@@ -8,7 +8,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.env import RewriteEnv
+from rlflow.env.rewrite_env import RewriteEnv
 from rlflow.errors import InputError
 from rlflow.rewrites import RULES
 
@@ -16,7 +16,7 @@ from rlflow.rewrites import RULES
 def _register() -> None:
     """What `import rlflow` does (guarded), so these tests do not depend on the package's __init__."""
     if "rlflow/Rewrite-v0" not in gymnasium.registry:
-        gymnasium.register(id="rlflow/Rewrite-v0", entry_point="rlflow.env:RewriteEnv")
+        gymnasium.register(id="rlflow/Rewrite-v0", entry_point="rlflow.env.rewrite_env:RewriteEnv")
 
 
 def two_branch_model() -> onnx.ModelProto:
@@ -48,7 +48,7 @@ def model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def cost_model(tmp_path_factory):
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.costmodel.model import CostModel
 
     return CostModel(cache_dir=tmp_path_factory.mktemp("costmodel"))
 

@@ -4,13 +4,20 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.features import (EDGE_FEATURES, MAX_TOUCHED, NODE_FEATURES, OP_INDEX, candidate_arrays, graph_arrays,
-                             node_flops, order_candidates)
-from rlflow.graph import Graph
-from rlflow.measure.flops import count_flops
+from rlflow.env.features import (
+    EDGE_FEATURES,
+    MAX_TOUCHED,
+    NODE_FEATURES,
+    OP_INDEX,
+    candidate_arrays,
+    graph_arrays,
+    node_flops,
+    order_candidates,
+)
+from rlflow.graph.core import Graph
+from rlflow.graph.flops import count_flops
 from rlflow.rewrites import Match
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from rlflow.frozen_heap import frozen_heap
+from rlflow.search.frozen_heap import frozen_heap
 
 
 class _Cycle:

@@ -221,6 +221,7 @@ def test_the_captured_comparison_times_a_rewrite_in_the_same_rounds(matmul_model
     """The bookkeeping of `cuda_graph_peer.measure --rewritten` on the CPU provider, the captured sessions standing
     in as plain ones (capture itself needs CUDA): four configurations per round, the three ratios, output errors."""
     import onnx
+
     from rlflow.measure.session import SessionSettings
 
     sys.path.insert(0, str(ROOT / "gpu"))

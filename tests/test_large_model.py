@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow import model_file
 from rlflow.errors import InputError
-from rlflow.graph import load
-from rlflow.model_file import is_mapped, read_model, save_model
+from rlflow.graph import model_file
+from rlflow.graph.core import load
+from rlflow.graph.model_file import is_mapped, read_model, save_model
 from rlflow.measure import session as session_module
 from rlflow.measure.session import create_session, run_session
 from rlflow.measure.verify import verify
@@ -265,8 +265,8 @@ def test_sessions_sharing_weights_read_one_map_of_the_file(external_model):
 
 def test_large_mapped_weights_make_optimize_share_them_and_report_its_memory(external_model, monkeypatch):
     from rlflow.measure import memory
-    from rlflow.optimize import optimize
-    from rlflow.report import format_report
+    from rlflow.optimize.pipeline import optimize
+    from rlflow.optimize.report import format_report
 
     path, _ = external_model
     monkeypatch.setattr(memory, "SHARE_WEIGHTS_BYTES", 1000)
@@ -281,9 +281,9 @@ def test_large_mapped_weights_make_optimize_share_them_and_report_its_memory(ext
 
 @pytest.mark.slow
 def test_dense_weights_over_2gb_stay_within_three_times_their_size(tmp_path):
-    """Issue #29's dense case (`python -m rlflow.large_models dense`): 2.5 GiB of random MatMul weights, optimised
+    """Issue #29's dense case (`rlflow zoo build-large dense`): 2.5 GiB of random MatMul weights, optimised
     from the command line, peaks under three times the weights (it peaked at 6.1 times before sessions shared them)."""
-    from rlflow.large_models import dense_chain
+    from rlflow.zoo.large_models import dense_chain
 
     path = dense_chain(tmp_path / "in")
     weights = (tmp_path / "in" / "dense.onnx.data").stat().st_size
@@ -304,10 +304,10 @@ def test_dense_weights_over_2gb_stay_within_three_times_their_size(tmp_path):
 
 @pytest.mark.slow
 def test_gpt2_large_decode_step_stays_within_three_times_its_weights(tmp_path):
-    """Issue #29's language-model case (`python -m rlflow.large_models gpt2-large`, 2.9 GiB of weights): `rlflow
+    """Issue #29's language-model case (`rlflow zoo build-large gpt2-large`, 2.9 GiB of weights): `rlflow
     optimize` with its defaults keeps the input or writes a verified output, under three times the weights."""
     pytest.importorskip("transformers")
-    from rlflow.large_models import gpt2_large
+    from rlflow.zoo.large_models import gpt2_large
 
     path = gpt2_large(tmp_path / "in")
     weights = sum(f.stat().st_size for f in (tmp_path / "in").glob("*.data"))

@@ -1,5 +1,6 @@
-"""The package's shape: its imports (function-local ones included) form no circle, and `rlflow optimize` with the
-shipped agent loads no trainer."""
+"""The package's shape: imports run one way down the declared layers (function-local ones included) and form no
+circle, no module outgrows a screenful of screens, one module draws plots, the CLI is the one entry point, and
+`rlflow optimize` with the shipped agent loads no trainer."""
 from __future__ import annotations
 
 import ast
@@ -10,13 +11,31 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rlflow"
 
-TRAINERS = ("rlflow.controller.wm_train", "rlflow.controller.ppo", "rlflow.controller.dream_ppo",
-            "rlflow.controller.evaluate", "rlflow.controller.ship", "rlflow.controller.finetune",
-            "rlflow.worldmodel.report", "rlflow.worldmodel.replay", "rlflow.worldmodel.dream",
-            "rlflow.controller.real_episodes", "rlflow.controller.wm_config", "rlflow.controller.wm_learn",
-            "rlflow.controller.wm_result")
-"""Modules that train, evaluate or ship agents, or exist only for them."""
+LAYERS = (
+    ("rlflow.cli",),
+    ("rlflow.bench",),
+    ("rlflow.optimize",),
+    ("rlflow.train",),
+    ("rlflow.search",),
+    ("rlflow.agents",),
+    ("rlflow.worldmodel",),
+    ("rlflow.env",),
+    ("rlflow.measure",),
+    ("rlflow.rewrites",),
+    ("rlflow.zoo",),
+    ("rlflow.graph",),
+    ("rlflow.errors", "rlflow.files", "rlflow.plots", "rlflow.torch_threads"),
+)
+"""The declared order, top to bottom: a module may import its own layer and the layers below it, never one above.
+The trainers sit above what they train and below `rlflow.optimize` (its `--finetune` trains before it searches) and
+the bench (which reads what a shipped agent trained on).  `rlflow/__init__.py`, the library's front door, may
+import anything."""
 
+MAX_LINES = 400
+"""No module longer than this: past it a module has more than one concern (issue #48)."""
+
+PLOTTING = "rlflow.plots"
+"""The one module that imports matplotlib."""
 
 def modules() -> dict[str, Path]:
     found = {}
@@ -81,19 +100,54 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_imports_form_no_circle():
     graph = import_graph()
-    assert "rlflow.controller.policy" in graph["rlflow.search.agent"]  # the walk sees function-local imports
+    assert "rlflow.agents.policy" in graph["rlflow.search.agent"]  # the walk sees function-local imports
     assert cycles(graph) == []
 
 
-def test_the_world_model_imports_nothing_from_the_agents_above_it():
-    """The world model (V, M, the dream, the location scorer) sits below the agents and trainers that use it
-    (`rlflow.controller`: C, the actors, the world-model agent and its training, PPO, shipping), and the observation
-    helpers both read sit below both: the two packages used to import each other."""
+def layer(module: str) -> int:
+    """The index of `module`'s layer in `LAYERS` (0 is the top)."""
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no declared layer: add it to LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) pairs where the imported module sits in a higher layer than its importer."""
+    return {(m, t) for m, targets in graph.items() if m != "rlflow" for t in targets
+            if t != "rlflow" and layer(t) < layer(m)}
+
+
+def test_imports_run_one_way_down_the_layers():
     graph = import_graph()
-    upward = {(m, t) for m, targets in graph.items() if m.startswith("rlflow.worldmodel")
-              for t in targets if t.startswith("rlflow.controller")}
-    assert upward == set()
-    assert "rlflow.worldmodel.location" in graph["rlflow.controller.wm_actor"]  # the walk sees the downward imports
+    assert upward_imports(graph) == set()
+    assert "rlflow.worldmodel.location" in graph["rlflow.agents.actor"]  # the walk sees the downward imports
+
+
+def test_an_upward_import_is_caught():
+    assert upward_imports({"rlflow.graph.core": {"rlflow.search.greedy"}, "rlflow.search.greedy": set()}) == {
+        ("rlflow.graph.core", "rlflow.search.greedy")}
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_only_the_plotting_module_imports_matplotlib():
+    importers = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] == "matplotlib" for n in names):
+                importers.add(name)
+    assert importers <= {PLOTTING}
+
+
+def test_the_cli_is_the_one_entry_point():
+    mains = {name for name, path in modules().items() if "__main__" in path.read_text()}
+    assert mains == {"rlflow.cli"}
 
 
 def test_the_circle_finder_finds_a_circle():
@@ -103,12 +157,13 @@ def test_the_circle_finder_finds_a_circle():
 def test_optimize_with_the_shipped_agent_loads_no_trainer(tmp_path):
     from rlflow import zoo
 
+    trainers = sorted(name for name in modules() if name.startswith("rlflow.train"))
     model = zoo.build("demo-block", tmp_path).path
-    script = (f"import sys, json\nfrom rlflow.optimize import optimize\n"
+    script = (f"import sys, json\nfrom rlflow.optimize.pipeline import optimize\n"
               f"optimize({str(model)!r}, method='agent', time_limit=5, rounds=3)\n"
-              f"print(json.dumps(sorted(m for m in sys.modules if m in {TRAINERS!r})))")
+              f"print(json.dumps(sorted(m for m in sys.modules if m in {trainers!r})))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "RLFLOW_CACHE": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
-    assert "rlflow.controller.wm_actor" in import_graph()["rlflow.search.agent"]
+    assert "rlflow.agents.actor" in import_graph()["rlflow.search.agent"]

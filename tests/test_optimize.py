@@ -11,10 +11,10 @@ import pytest
 
 import rlflow
 from rlflow.cli import main
-from rlflow.graph import load
+from rlflow.graph.core import load
 from rlflow.measure.verify import verify
-from rlflow.optimize import verification_shapes
-from rlflow.report import format_report
+from rlflow.optimize.pipeline import verification_shapes
+from rlflow.optimize.report import format_report
 from tests.conftest import save
 
 
@@ -71,7 +71,7 @@ def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else
     """The shipped agent learnt on the CPU; on CUDA the default is greedy search (docs/results/gpu/h200-1126)."""
     import shutil
 
-    from rlflow.optimize import default_method
+    from rlflow.optimize.options import default_method
     from rlflow.search.agent import DEFAULT_AGENT, trained_provider
 
     assert trained_provider() == "cpu"
@@ -89,7 +89,7 @@ def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else
 
 
 def test_a_default_method_other_than_the_agent_is_reported_with_its_reason(tmp_path, matmul_model, monkeypatch):
-    module = importlib.import_module("rlflow.optimize")  # `rlflow.optimize` the attribute is the function
+    module = importlib.import_module("rlflow.optimize.pipeline")  # `rlflow.optimize.pipeline` the attribute is the function
     monkeypatch.setattr(module, "default_method", lambda provider, agent=None: ("greedy", "a stated reason"))
     result = rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), time_limit=1, rounds=5)
     assert result.settings["method"] == "greedy" and result.settings["method_reason"] == "a stated reason"
@@ -118,7 +118,7 @@ def test_rewrites_are_kept_only_when_verified(cnn_opset9_ir3_path, monkeypatch):
     """A rewrite that breaks the numbers must never reach the output, whatever it measures."""
     from rlflow.rewrites import fold
 
-    pipeline = importlib.import_module("rlflow.optimize")  # `rlflow.optimize` itself is the function
+    pipeline = importlib.import_module("rlflow.optimize.pipeline")  # `rlflow.optimize.pipeline` itself is the function
 
     original = fold.ConvBatchNorm.rewrite
 
@@ -143,7 +143,7 @@ def test_rewrites_are_kept_only_when_measurably_faster(cnn_opset9_ir3_path, monk
     """A verified rewrite whose speedup interval reaches 1 or below is not handed back: it shows no gain."""
     from rlflow.measure.timing import Ratio
 
-    pipeline = importlib.import_module("rlflow.optimize")
+    pipeline = importlib.import_module("rlflow.optimize.pipeline")
     gate = importlib.import_module("rlflow.measure.gate")
     real_compare = gate.compare
 
@@ -179,7 +179,7 @@ def test_a_kept_input_says_whether_time_left_candidates_unmeasured(cnn_opset9_ir
                                                                    expected):
     from rlflow.search.candidates import SearchResult
 
-    pipeline = importlib.import_module("rlflow.optimize")
+    pipeline = importlib.import_module("rlflow.optimize.pipeline")
     monkeypatch.setattr(pipeline, "greedy", lambda graph, *args, **kwargs: SearchResult(
         graph, [], 1, 0.1, "time limit", candidates_unmeasured=unmeasured))
     result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5)
@@ -195,7 +195,7 @@ def test_ops_standard_leaves_out_every_rule_with_contrib_output(monkeypatch):
     from rlflow.rewrites import RULES
     from rlflow.search.candidates import SearchResult
 
-    pipeline = importlib.import_module("rlflow.optimize")
+    pipeline = importlib.import_module("rlflow.optimize.pipeline")
     given = {}
 
     def search(graph, settings, config, rules, **kwargs):
@@ -217,7 +217,7 @@ def test_ops_standard_leaves_out_every_rule_with_contrib_output(monkeypatch):
 def test_runs_on_names_the_contrib_operators_of_the_output():
     from pathlib import Path
 
-    from rlflow.optimize import runtimes
+    from rlflow.optimize.result import runtimes
     from rlflow.rewrites import apply, rule
 
     graph = load(Path(__file__).parent / "fixtures" / "exports" / "bert-tiny-dynamo.onnx",
@@ -250,7 +250,7 @@ def test_with_cuda_graph_the_input_is_timed_as_its_static_export(tmp_path, matmu
                                                                  first_dim):
     """A dynamic input computes its shapes on the CPU, and onnxruntime refuses to capture it (BERT-L4 on an H200):
     captured, the input is checked and timed as the search and the final measurement run it."""
-    module = importlib.import_module("rlflow.optimize")
+    module = importlib.import_module("rlflow.optimize.pipeline")
     monkeypatch.setattr(module, "resolve_provider", lambda name: "CUDAExecutionProvider")
     seen = []
 
@@ -274,7 +274,7 @@ def test_with_cuda_graph_the_input_is_timed_as_its_static_export(tmp_path, matmu
 def test_rules_for_leave_out_what_the_output_could_not_use():
     """`standard` drops every contrib rule; CUDA drops the rules emitting an operator it has no kernel for (FusedGemm),
     which would run on the CPU and refuse CUDA graph capture; the CPU keeps them all."""
-    from rlflow.optimize import rules_for
+    from rlflow.optimize.options import rules_for
     from rlflow.rewrites import RULES
 
     names = lambda rules: {r.name for r in rules}  # noqa: E731

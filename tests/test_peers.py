@@ -1,4 +1,4 @@
-"""rlflow.peers: the registry, and onnxruntime's transformers optimizer as a peer (hints, settings, verification)."""
+"""rlflow.bench.peers: the registry, and onnxruntime's transformers optimizer as a peer (hints, settings, verification)."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,24 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.bench import BenchConfig, _peer_settings_lines, _run_peer
-from rlflow.graph import load
+from rlflow.bench.peers import (
+    PEER_SETTINGS_KEY,
+    PEERS,
+    NotApplicable,
+    graph_heads_and_hidden,
+    graph_model_type,
+    has_attention,
+    ort_transformers,
+    peer_settings,
+    peer_tools,
+    transformer_settings,
+    zoo_hints,
+)
+from rlflow.bench.results import _peer_settings_lines
+from rlflow.bench.run import BenchConfig, _run_peer
+from rlflow.graph.core import load
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.verify import verify
-from rlflow.peers import (PEER_SETTINGS_KEY, PEERS, NotApplicable, graph_heads_and_hidden, graph_model_type,
-                          has_attention, ort_transformers, peer_settings, peer_tools, transformer_settings, zoo_hints)
 from tests.conftest import save, tiny_model
 
 

@@ -12,9 +12,16 @@ from onnx import TensorProto, helper, numpy_helper
 import rlflow
 from rlflow.cli import main
 from rlflow.errors import InputError
+from rlflow.measure.shape_profiles import (
+    arrange,
+    combine,
+    default_profiles,
+    instantiate,
+    parse_profile,
+    read_profiles,
+    slower,
+)
 from rlflow.measure.timing import Ratio
-from rlflow.profiles import (arrange, combine, default_profiles, instantiate, parse_profile, read_profiles,
-                             slower)
 from tests.conftest import save, tiny_model
 from tests.test_optimize import _accept_first_candidate
 
@@ -112,7 +119,7 @@ def _measured_as(monkeypatch, speedups: list[Ratio]):
         calls.append(models)
         return comparison
 
-    monkeypatch.setattr(importlib.import_module("rlflow.optimize"), "greedy", _accept_first_candidate)
+    monkeypatch.setattr(importlib.import_module("rlflow.optimize.pipeline"), "greedy", _accept_first_candidate)
     monkeypatch.setattr(gate, "compare", measured)
     return calls
 
@@ -136,7 +143,7 @@ def test_a_rewrite_kept_when_the_weights_make_it_pay_and_no_profile_is_slower(te
                              profiles=[parse_profile(S16 + "@3"), parse_profile(S64)])
     assert result.rewritten and result.reason.endswith("(weighted geometric mean over 2 profiles)")
     assert result.speedup == combine([Ratio(1.30, 1.20, 1.40, 0.95), Ratio(0.99, 0.95, 1.02, 0.95)], [3, 1])
-    report = importlib.import_module("rlflow.report").format_report(result)
+    report = importlib.import_module("rlflow.optimize.report").format_report(result)
     assert f"{S16} (75% of traffic)" in report and f"{S64} (25% of traffic)" in report
 
 
@@ -148,9 +155,9 @@ def test_a_text_model_given_no_shapes_is_measured_at_the_default_profiles(text_m
 
 
 def test_the_search_measures_its_candidates_at_every_profile(text_model, monkeypatch):
-    from rlflow.graph import Graph
+    from rlflow.graph.core import Graph
     from rlflow.measure.session import SessionSettings
-    from rlflow.profiles import attach
+    from rlflow.measure.shape_profiles import attach
     from rlflow.search import candidates
 
     profiles = arrange([parse_profile(S16), parse_profile(S64)], text_model)
@@ -158,7 +165,7 @@ def test_the_search_measures_its_candidates_at_every_profile(text_model, monkeyp
     attach(graph, profiles)
     pool = candidates.expand(graph)
     assert pool and all(c.graph.profiles == graph.profiles for c in pool)  # rewrites keep the profiles
-    profiled = importlib.import_module("rlflow.measure.profiled")
+    profiled = importlib.import_module("rlflow.measure.profile_comparison")
     real_compare, seen = profiled.compare, []
 
     def counting(models, settings, **kwargs):
@@ -190,9 +197,9 @@ def test_bad_profiles_exit_2_with_one_line(text_model, tmp_path, capsys, args, m
 def test_bench_measures_rewritten_outputs_at_every_profile(text_model, tmp_path, monkeypatch):
     import csv
 
-    from rlflow.bench import BenchConfig, run_bench
+    from rlflow.bench.run import BenchConfig, run_bench
 
-    monkeypatch.setattr(importlib.import_module("rlflow.optimize"), "greedy", _accept_first_candidate)
+    monkeypatch.setattr(importlib.import_module("rlflow.optimize.pipeline"), "greedy", _accept_first_candidate)
     _measured_as(monkeypatch, [Ratio(1.30, 1.20, 1.40, 0.95), Ratio(1.10, 1.05, 1.15, 0.95)])
     path = save(text_model, tmp_path / "m.onnx")
     config = BenchConfig(methods=("greedy",), time_limit=2, rounds=3, profiles=(S16, S64))

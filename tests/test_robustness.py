@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import rlflow
 from rlflow.cli import main
 from rlflow.errors import InputError
-from rlflow.graph import load
+from rlflow.graph.core import load
 from rlflow.measure import memory
 from rlflow.measure.verify import verify
 from rlflow.rewrites import find_matches

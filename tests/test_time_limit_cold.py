@@ -17,10 +17,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import rlflow
-from rlflow.controller.policy import CandidatePolicy
-from rlflow.graph import Graph
-from rlflow.measure.costmodel import CostModel
-from rlflow.measure.fallback import Fallback, cpu_figures, features
+from rlflow.agents.policy import CandidatePolicy
+from rlflow.graph.core import Graph
+from rlflow.measure.costmodel.fallback import Fallback, cpu_figures, features
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
 from rlflow.search.agent import AgentConfig, agent_search
@@ -87,7 +87,7 @@ def test_agent_search_on_a_cold_table_keeps_its_limit_and_lists_what_it_skipped(
 def test_optimize_reports_what_the_limit_left_undone(transformer_path, tmp_path, monkeypatch):
     """With the shipped agent, a cold cost table and a tiny limit: the JSON report has `not_reached` and
     `cost_table`, and the printed summary says it in one line."""
-    from rlflow.report import format_report
+    from rlflow.optimize.report import format_report
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
     limit = 1.0
@@ -139,7 +139,7 @@ def test_a_gather_reads_the_rows_it_returns_not_its_table(tmp_path):
 
 def test_a_group_with_large_weights_is_timed_as_one_copy(tmp_path, monkeypatch):
     """Replicating a fast group that reads a large table would build sessions of gigabytes (BERT's embedding: 35 s)."""
-    import rlflow.measure.group_timing as group_timing
+    import rlflow.measure.costmodel.group_timing as group_timing
 
     weights = numpy_helper.from_array(np.zeros((1024, 64), dtype=np.float32), "w")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from rlflow import zoo
-from rlflow.measure.flops import count_flops, count_params
+from rlflow.graph.flops import count_flops, count_params
 
 SMALL = [n for n in zoo.names() if zoo.get(n).tiny]
 FULL = zoo.names(include_tiny=False)

@@ -13,7 +13,7 @@ import pytest
 from rlflow import zoo
 from rlflow.cli import main
 from rlflow.errors import RlflowError
-from rlflow.input_shapes import format_input_shapes, parse_input_shapes
+from rlflow.graph.input_shapes import format_input_shapes, parse_input_shapes
 
 DEPLOY = zoo.names(family="deploy")
 ARCHS = ["bert-l2-h128", "bert-l4-h256", "minilm-l12-h384", "distilbert-base", "roberta-base", "deit-small",
@@ -92,7 +92,8 @@ def test_the_architecture_table_is_hashed_per_entry_and_the_export_code_whole(mo
     architecture does not."""
     from pathlib import Path
 
-    from rlflow import zoo_deploy, zoo_deploy_architectures
+    from rlflow.zoo import deploy as zoo_deploy
+    from rlflow.zoo import deploy_architectures as zoo_deploy_architectures
 
     name = "bert-l2-h128-s16-ts"
     before = zoo.definition_hash(name)

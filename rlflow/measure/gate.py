@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlflow.graph import Graph
-from rlflow.measure.profiled import export_at
+from rlflow.graph.core import Graph
+from rlflow.measure.profile_comparison import export_at
 from rlflow.measure.session import SessionSettings
+from rlflow.measure.shape_profiles import Profile, combine, slower
 from rlflow.measure.timing import MIN_ROUNDS, WARMUP_RUNS, Comparison, Pace, Ratio, compare
-from rlflow.profiles import Profile, combine, slower
 
 GATE_SECONDS = 15.0
 """The gate's budget under short search limits (the default agent's 10 s): past it no block or round starts that the

@@ -1,7 +1,8 @@
-"""Rank statistics for comparing orders of costs without scipy: Spearman's correlation and tie-averaged ranks.
+"""Correlations without scipy: Pearson's, and Spearman's over tie-averaged ranks.
 
-The cost model's checks (`costmodel_check`, `estimate`) ask whether an estimate orders graphs or groups as
-measurement does, not whether it matches their values.
+The cost model's checks (`rlflow.measure.costmodel.check`, `gpu_estimate`) ask whether an estimate orders graphs or groups as
+measurement does, not whether it matches their values; the world model's quality report asks both of its predicted
+rewards (Spearman's, which a few large rewards cannot dominate as they do Pearson's).
 """
 from __future__ import annotations
 
@@ -36,3 +37,11 @@ def rankdata(values: np.ndarray) -> np.ndarray:
             ranks[order[start:end]] = (start + end + 1) / 2.0
             start = end
     return ranks
+
+
+def pearson(x: Iterable[float], y: Iterable[float]) -> float:
+    """Pearson correlation of two 1-D sequences (NaN when either is constant or shorter than 2)."""
+    a, b = np.asarray(list(x), dtype=float), np.asarray(list(y), dtype=float)
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])

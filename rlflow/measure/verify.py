@@ -24,7 +24,9 @@ def default_tolerance(dtype: np.dtype) -> float:
 
 @dataclass
 class OutputCheck:
-    """The worst error seen on one output over all seeds and shapes."""
+    """The worst error seen on one output over all seeds and shapes.  `rel_norm` (||out - ref|| / ||ref||) is what
+    the tolerance bounds; `max_rel` is the largest per-element relative error, which is large wherever a reference
+    element is near zero, so it says little alone."""
 
     name: str
     max_abs: float

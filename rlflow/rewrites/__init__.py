@@ -1,8 +1,10 @@
 """The rewrite rule library.
 
-`RULES` is the ordered registry: its order is the action id space of the environment and the agent, so it is
-append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record; an agent trained before rules were
-appended still acts, on the rules it knows: `rlflow.search.agent.known_rules`).
+`RULES` is the ordered registry (`registry.py`, one line per rule): its order is the action id space of the
+environment and the agent, so it is append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record; an
+agent trained before rules were appended still acts, on the rules it knows: `rlflow.search.agent.known_rules`).
+`GROUPS` sorts the rules by what kind of rewrite they are.  A rule's code lives in the module of its topic
+(`base.py` says what a rule is; `queries.py` and `edits.py` hold the small graph helpers rules share).
 
 Example:
     >>> import rlflow
@@ -15,48 +17,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from rlflow.graph import Graph
-from rlflow.rewrites import algebra, attention, base, cleanup, embedding, fold, fusion, inverse, layout, merge
-from rlflow.rewrites.base import CATEGORIES, Match, NoMatch, RewriteError, Rule, registry_version
-
-RULES: tuple[Rule, ...] = (
-    layout.TransposeTranspose(),
-    fold.ConvBatchNorm(),
-    *cleanup.RULES,
-    *layout.RULES,
-    *algebra.RULES,
-    *fold.RULES,
-    *merge.RULES,
-    *fusion.RULES,
-    # -- appended after the first release (action ids 68 on)
-    *layout.NEW_RULES,
-    *fusion.NEW_RULES,
-    *attention.RULES,
-    *inverse.RULES,
-    # -- appended with the deployment section (issue 24)
-    *attention.NEW_RULES,
-    *embedding.RULES,
-)
-"""Every rule, in action-id order.  Append only."""
-
-_INVERSE = frozenset({r.name for r in inverse.RULES} | {"gemm-to-matmul-add"})
-GROUPS: dict[str, tuple[Rule, ...]] = {
-    "merge": tuple(r for r in RULES if r.category == "merge" and r.name not in _INVERSE),
-    "algebra": tuple(r for r in RULES if r.category == "algebra"),
-    "fold": tuple(r for r in RULES if r.category in ("fold", "cleanup")),
-    "layout": tuple(r for r in RULES if r.category == "layout" and r.name not in _INVERSE),
-    "fusion": tuple(r for r in RULES if r.category == "fusion" and r.name not in _INVERSE),
-    "inverse": tuple(r for r in RULES if r.name in _INVERSE),
-}
-"""The six groups of the rule library's specification (issue 3): merging parallel work, algebra, folding (cleanup
-included), layout, onnxruntime-aware fusions, and inverse rules (split a merged operator, undo a fusion) that let a
-sequence pass through a slower graph.  Every rule is in exactly one group."""
-
-REGISTRY_VERSION = registry_version(RULES)
-
-_names = [r.name for r in RULES]
-if len(set(_names)) != len(_names):
-    raise TypeError(f"duplicate rule names in RULES: {sorted(n for n in _names if _names.count(n) > 1)}")
+from rlflow.graph.core import Graph
+from rlflow.rewrites import base
+from rlflow.rewrites.base import GROUP_NAMES, Match, NoMatch, RewriteError, Rule
+from rlflow.rewrites.registry import GROUPS, REGISTRY_VERSION, RULES
 
 
 def find_matches(graph: Graph, rules: Sequence[Rule] = RULES) -> list[Match]:
@@ -93,5 +57,5 @@ def rule(name: str) -> Rule:
     raise KeyError(f"no rule named {name!r}")
 
 
-__all__ = ["RULES", "GROUPS", "REGISTRY_VERSION", "CATEGORIES", "Match", "NoMatch", "Rule", "RewriteError", "find_matches",
-           "apply", "apply_all", "apply_everywhere", "match_counts", "rule"]
+__all__ = ["RULES", "GROUPS", "REGISTRY_VERSION", "GROUP_NAMES", "Match", "NoMatch", "Rule", "RewriteError",
+           "find_matches", "apply", "apply_all", "apply_everywhere", "match_counts", "rule"]

@@ -14,13 +14,18 @@ from typing import ClassVar, Iterable, Sequence
 
 import onnx_graphsurgeon as gs
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 
 log = logging.getLogger("rlflow")
 
-CATEGORIES = ("merge", "algebra", "fold", "layout", "fusion", "cleanup")
-"""merge: combine parallel work; algebra: identities that change the computation; fold: absorb constants into
-weights; layout: transposes/reshapes/concat/split; fusion: onnxruntime contrib operators; cleanup: remove no-ops."""
+GROUP_NAMES = ("merge", "algebra", "fold", "layout", "fusion", "inverse")
+"""What kind of rewrite a rule is; the registry (`registry.py`) gives each rule one.
+
+merge: parallel work combined into one larger operator; algebra: identities that change the computation; fold:
+constants absorbed into weights, and operators that compute nothing removed; layout: transposes, reshapes,
+concatenations and splits that cancel or move; fusion: onnxruntime-aware fusions into standard or contrib operators;
+inverse: a merged operator split or a fusion undone, so that a sequence can pass through a slower graph to reach a
+faster one (as TASO's search does)."""
 
 _KEBAB = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 
@@ -32,7 +37,12 @@ class Match:
     Attributes:
         rule: the rule's name.
         nodes: names of the nodes the rewrite consumes; the first is the root (the location an agent chooses).
-        params: whatever else `rewrite` needs, as plain hashable values (ints, strings, tuples), never arrays.
+        params: whatever else `rewrite` needs, as plain hashable values (ints, strings, tuples), never arrays, so that
+            `rewrite` never has to match again.  A tensor is given by where it sits among the nodes (`Rule.locate`,
+            read back with `input`/`output`), a constant by the node input holding it.
+
+    A match is a value: equal matches are interchangeable, it pickles small, and `apply` checks that the rule still
+    finds the same match on the graph it edits before it rewrites.
     """
 
     rule: str
@@ -47,6 +57,17 @@ class Match:
     def root(self) -> str:
         """The name of the root node."""
         return self.nodes[0]
+
+    def input(self, key: str, nodes: dict[str, gs.Node]) -> gs.Tensor | None:
+        """The tensor that parameter `key` locates as an input (`Rule.locate`), in the graph `nodes` belongs to; None
+        when the parameter is None."""
+        where = self.param(key)
+        return None if where is None else nodes[self.nodes[where[0]]].inputs[where[1]]
+
+    def output(self, key: str, nodes: dict[str, gs.Node]) -> gs.Tensor | None:
+        """The tensor that parameter `key` locates as an output (`Rule.locate_output`); None when it is None."""
+        where = self.param(key)
+        return None if where is None else nodes[self.nodes[where[0]]].outputs[where[1]]
 
     def __str__(self) -> str:
         return f"{self.rule}@{self.root}"
@@ -64,11 +85,6 @@ class NoMatch:
         return False
 
 
-def is_standard(node: gs.Node) -> bool:
-    """True for operators of the default ONNX domain: a custom-domain `Conv` is not a Conv, and rules leave it alone."""
-    return (node.domain or "") in ("", "ai.onnx")
-
-
 class RewriteError(RuntimeError):
     """A match could not be applied (stale, or from another graph)."""
 
@@ -78,7 +94,6 @@ class Rule:
 
     Class attributes:
         name: unique kebab-case name.
-        category: one of CATEGORIES.
         root_ops: operator types a match can be rooted at (the index `find` uses).
         contrib: True when the rewrite emits onnxruntime contrib operators (com.microsoft domain).
         cuda: False when the rewrite emits an operator onnxruntime's CUDA provider has no kernel for (FusedGemm): on
@@ -86,22 +101,25 @@ class Rule:
         domains: operator domains a root may come from ("" and "ai.onnx" are the default domain); rules that undo
             onnxruntime fusions root at com.microsoft operators.
     The class docstring's first line says what it does: "Replaces `A(B(x))` with `C(x)`."
+
+    An instance's `group` (one of GROUP_NAMES) is given where the registry lists it (`registry.py`); a rule built
+    elsewhere (as part of another rule, in a test) has none.
     """
 
     name: ClassVar[str] = ""
-    category: ClassVar[str] = ""
     root_ops: ClassVar[tuple[str, ...]] = ()
     contrib: ClassVar[bool] = False
     cuda: ClassVar[bool] = True
     domains: ClassVar[tuple[str, ...]] = ("", "ai.onnx")
 
-    def __init__(self) -> None:
+    def __init__(self, group: str = "") -> None:
         cls = type(self)
+        self.group = group
         problems = []
         if not _KEBAB.match(self.name or ""):
             problems.append(f"name {self.name!r} is not kebab-case")
-        if self.category not in CATEGORIES:
-            problems.append(f"category {self.category!r} is not one of {CATEGORIES}")
+        if group and group not in GROUP_NAMES:
+            problems.append(f"group {group!r} is not one of {GROUP_NAMES}")
         if not self.root_ops or not all(isinstance(op, str) for op in self.root_ops):
             problems.append("root_ops must be a non-empty tuple of operator types")
         if not self.description.startswith("Replaces ") or not self.description.endswith("."):
@@ -146,6 +164,22 @@ class Rule:
         """A Match over `nodes` (root first) with plain parameters."""
         return Match(self.name, tuple(n.name for n in nodes), tuple(sorted(params.items())))
 
+    @staticmethod
+    def locate(nodes: Sequence[gs.Node], tensor: gs.Tensor | None) -> tuple[int, int] | None:
+        """Where `tensor` is first read among `nodes` (the match's, in order) as (node, input), for `Match.input`;
+        None for None.  A position, not a name: it holds on the clone `apply` edits, and after earlier rewrites of
+        `apply_all` replaced what feeds it, as long as the match itself holds."""
+        if tensor is None:
+            return None
+        return next((i, j) for i, node in enumerate(nodes) for j, t in enumerate(node.inputs) if t is tensor)
+
+    @staticmethod
+    def locate_output(nodes: Sequence[gs.Node], tensor: gs.Tensor | None) -> tuple[int, int] | None:
+        """Where `tensor` is written among `nodes` as (node, output), for `Match.output`; None for None."""
+        if tensor is None:
+            return None
+        return next((i, j) for i, node in enumerate(nodes) for j, t in enumerate(node.outputs) if t is tensor)
+
     def __repr__(self) -> str:
         return f"<rule {self.name}>"
 
@@ -181,11 +215,11 @@ def apply_all(graph: Graph, matches: Sequence[Match], rules: Sequence[Rule]) -> 
     """Applies each of `matches` that still holds, in order, to one clone of `graph`; returns the clone and the matches
     applied.  `graph` itself is untouched.
 
-    One clone, sort and shape pass for all of them, where `apply` per match pays each (on a 600-node transformer about
-    0.1 s a match, so a rule applied to all twelve layers cost seconds).  Between rewrites the dead nodes are removed,
-    so a match is checked again on a graph that only lacks the order and the new tensors' shapes, and is applied only
-    where that check finds it exactly as given; anything else is skipped, for the caller to find again.  Replaying the
-    matches applied one at a time gives the same graph.
+    One clone, sort and shape pass for all of them, where `apply` per match pays each, and those cost more than the
+    rewrites themselves (a rule applied to every layer of a transformer would pay them once a layer).  Between rewrites
+    the dead nodes are removed, so a match is checked again on a graph that only lacks the order and the new tensors'
+    shapes, and is applied only where that check finds it exactly as given; anything else is skipped, for the caller
+    to find again.  Replaying the matches applied one at a time gives the same graph.
     """
     by_name = {r.name: r for r in rules}
     result = graph.clone()

@@ -4,10 +4,22 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
+from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (DETERMINISTIC_OPS, attrs_key, bypass, constant_input, dynamic_axes, has_input,
-                                  input_producer, int_list, normalize_axis, np_dtype, onnx_dtype_to_np, replace_all, scalar)
+from rlflow.rewrites.edits import bypass, replace_all
+from rlflow.rewrites.queries import (
+    DETERMINISTIC_OPS,
+    attrs_key,
+    constant_input,
+    has_input,
+    input_producer,
+    int_list,
+    normalize_axis,
+    np_dtype,
+    onnx_dtype_to_np,
+    scalar,
+)
 
 _BIG = 2 ** 31 - 1
 
@@ -28,7 +40,6 @@ class IdentityElim(_Bypass):
     """Replaces `Identity(x)` with `x`."""
 
     name = "identity-elim"
-    category = "cleanup"
     root_ops = ("Identity",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -42,7 +53,6 @@ class DropoutElim(_Bypass):
     """Replaces an inference-mode `Dropout(x)` with `x`."""
 
     name = "dropout-elim"
-    category = "cleanup"
     root_ops = ("Dropout",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -78,7 +88,6 @@ class MulOneElim(_NeutralElim):
     """Replaces `Mul(x, 1)` with `x`."""
 
     name = "mul-one-elim"
-    category = "cleanup"
     root_ops = ("Mul",)
     neutral, commutative = 1.0, True
 
@@ -87,7 +96,6 @@ class AddZeroElim(_NeutralElim):
     """Replaces `Add(x, 0)` with `x`."""
 
     name = "add-zero-elim"
-    category = "cleanup"
     root_ops = ("Add",)
     neutral, commutative = 0.0, True
 
@@ -96,7 +104,6 @@ class SubZeroElim(_NeutralElim):
     """Replaces `Sub(x, 0)` with `x`."""
 
     name = "sub-zero-elim"
-    category = "cleanup"
     root_ops = ("Sub",)
     neutral, commutative = 0.0, False
 
@@ -105,7 +112,6 @@ class DivOneElim(_NeutralElim):
     """Replaces `Div(x, 1)` with `x`."""
 
     name = "div-one-elim"
-    category = "cleanup"
     root_ops = ("Div",)
     neutral, commutative = 1.0, False
 
@@ -114,7 +120,6 @@ class CastNoopElim(_Bypass):
     """Replaces `Cast(x, to)` with `x` when x already has type `to`."""
 
     name = "cast-noop-elim"
-    category = "cleanup"
     root_ops = ("Cast",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -147,7 +152,6 @@ class CastRoundtripElim(Rule):
     """Replaces `Cast(Cast(x, wider), type(x))` with `x` when the wider type holds every value of x exactly."""
 
     name = "cast-roundtrip-elim"
-    category = "cleanup"
     root_ops = ("Cast",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -172,7 +176,6 @@ class TransposeNoopElim(_Bypass):
     """Replaces `Transpose(x, perm)` with `x` when perm is the identity."""
 
     name = "transpose-noop-elim"
-    category = "cleanup"
     root_ops = ("Transpose",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -191,7 +194,6 @@ class ReshapeNoopElim(_Bypass):
     """Replaces `Reshape(x, s)` with `x` when it keeps x's shape for every value of the dynamic dimensions."""
 
     name = "reshape-noop-elim"
-    category = "cleanup"
     root_ops = ("Reshape",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -210,7 +212,6 @@ class PadZeroElim(_Bypass):
     """Replaces `Pad(x, pads=0)` with `x`."""
 
     name = "pad-zero-elim"
-    category = "cleanup"
     root_ops = ("Pad",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -226,7 +227,6 @@ class SliceNoopElim(_Bypass):
     """Replaces `Slice(x, ...)` with `x` when it keeps every element of every axis."""
 
     name = "slice-noop-elim"
-    category = "cleanup"
     root_ops = ("Slice",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -255,7 +255,6 @@ class ConcatSingleElim(_Bypass):
     """Replaces `Concat(x)` of a single input with `x`."""
 
     name = "concat-single-elim"
-    category = "cleanup"
     root_ops = ("Concat",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -268,7 +267,6 @@ class SplitSingleElim(_Bypass):
     """Replaces `Split(x)` into a single part with `x`."""
 
     name = "split-single-elim"
-    category = "cleanup"
     root_ops = ("Split",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -283,7 +281,6 @@ class ExpandNoopElim(_Bypass):
     """Replaces `Expand(x, s)` with `x` when it keeps x's shape for every value of the dynamic dimensions."""
 
     name = "expand-noop-elim"
-    category = "cleanup"
     root_ops = ("Expand",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -303,7 +300,6 @@ class IdempotentUnaryElim(Rule):
     """Replaces `f(f(x))` with `f(x)` for an idempotent f (Relu, Abs, Floor, Ceil, Round)."""
 
     name = "idempotent-unary-elim"
-    category = "cleanup"
     root_ops = ("Relu", "Abs", "Floor", "Ceil", "Round")
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -320,7 +316,6 @@ class DuplicateNodeElim(Rule):
     """Replaces a node that repeats an earlier one (same operator, attributes and inputs) with the earlier node's outputs."""
 
     name = "duplicate-node-elim"
-    category = "cleanup"
     root_ops = DETERMINISTIC_OPS
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -342,8 +337,3 @@ class DuplicateNodeElim(Rule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, twin = nodes[match.nodes[0]], nodes[match.nodes[1]]
         replace_all(graph, node.outputs, twin.outputs)
-
-
-RULES = (IdentityElim(), DropoutElim(), MulOneElim(), AddZeroElim(), SubZeroElim(), DivOneElim(), CastNoopElim(),
-         CastRoundtripElim(), TransposeNoopElim(), ReshapeNoopElim(), PadZeroElim(), SliceNoopElim(), ConcatSingleElim(),
-         SplitSingleElim(), ExpandNoopElim(), IdempotentUnaryElim(), DuplicateNodeElim())

@@ -9,11 +9,21 @@ import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from rlflow.graph import Graph
-from rlflow.model_file import max_ir_version
-from rlflow.rewrites.base import Match, NoMatch, Rule, RewriteError
-from rlflow.rewrites.util import (DETERMINISTIC_OPS, broadcast_shape, combine, constant_input, conv_weights, emit,
-                                  has_input, input_producer, is_float, per_channel, private, replace_all)
+from rlflow.graph.core import Graph
+from rlflow.graph.model_file import max_ir_version
+from rlflow.rewrites.base import Match, NoMatch, RewriteError, Rule
+from rlflow.rewrites.edits import combine, emit, replace_all
+from rlflow.rewrites.queries import (
+    DETERMINISTIC_OPS,
+    broadcast_shape,
+    constant_input,
+    conv_weights,
+    has_input,
+    input_producer,
+    is_float,
+    per_channel,
+    private,
+)
 
 log = logging.getLogger("rlflow")
 
@@ -25,7 +35,6 @@ class ConvBatchNorm(Rule):
     """Replaces `BatchNormalization(Conv(x, W, b))` with `Conv(x, W', b')` whose weights absorb the normalisation."""
 
     name = "conv-bn-fold"
-    category = "fold"
     root_ops = ("BatchNormalization",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -89,11 +98,15 @@ def _conv_channel_constant(graph: Graph, node: gs.Node) -> tuple[gs.Node, int, n
     return NoMatch("", node.name, "not a Conv combined with a constant")
 
 
+def _channel_vector(graph: Graph, node: gs.Node, conv: gs.Node, side: int) -> np.ndarray:
+    """The constant at `side` of a matched `op(Conv(x), c)` as the per-output-channel vector it is (float64)."""
+    return per_channel(constant_input(node, side), graph.shape(conv.outputs[0]), 1).astype(np.float64)
+
+
 class ConvMulFold(Rule):
     """Replaces `Mul(Conv(x, W, b), c)` with a per-channel constant c by `Conv(x, W*c, b*c)`."""
 
     name = "conv-mul-fold"
-    category = "fold"
     root_ops = ("Mul",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -102,7 +115,7 @@ class ConvMulFold(Rule):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, conv = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        _, _, scale = _conv_channel_constant(graph, node)
+        scale = _channel_vector(graph, node, conv, match.param("side"))
         weight, bias = conv_weights(conv)
         _replace_conv(graph, conv, node.outputs[0], weight * scale.reshape(-1, *([1] * (weight.ndim - 1))), bias * scale)
 
@@ -111,7 +124,6 @@ class ConvAddFold(Rule):
     """Replaces `Add(Conv(x, W, b), c)` with a per-channel constant c by `Conv(x, W, b + c)`."""
 
     name = "conv-add-fold"
-    category = "fold"
     root_ops = ("Add",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -120,7 +132,7 @@ class ConvAddFold(Rule):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, conv = nodes[match.nodes[0]], nodes[match.nodes[1]]
-        _, _, shift = _conv_channel_constant(graph, node)
+        shift = _channel_vector(graph, node, conv, match.param("side"))
         weight, bias = conv_weights(conv)
         _replace_conv(graph, conv, node.outputs[0], weight, bias + shift)
 
@@ -170,7 +182,6 @@ class MatMulBatchNorm(Rule):
     """Replaces `BatchNormalization(MatMul(x, W))` (or of a Gemm) on 2-D features with one Gemm on folded weights."""
 
     name = "matmul-bn-fold"
-    category = "fold"
     root_ops = ("BatchNormalization",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -196,7 +207,6 @@ class MatMulScaleFold(Rule):
     """Replaces `Mul(MatMul(x, W), s)` (or `Div`, or of a Gemm) with s a constant per output column by `x.(W*s)`."""
 
     name = "matmul-scale-fold"
-    category = "fold"
     root_ops = ("Mul", "Div")
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -226,7 +236,6 @@ class GemmBiasFold(Rule):
     """Replaces `Add(Gemm(a, b, c), d)` with a constant d by `Gemm(a, b, beta*c + d)`."""
 
     name = "gemm-bias-fold"
-    category = "fold"
     root_ops = ("Add",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -287,7 +296,6 @@ class AddConstChainFold(_ConstChainFold):
     """Replaces `Add(Add(x, c1), c2)` with `Add(x, c1 + c2)` for constants c1, c2."""
 
     name = "add-const-chain-fold"
-    category = "fold"
     root_ops = ("Add",)
 
 
@@ -295,7 +303,6 @@ class MulConstChainFold(_ConstChainFold):
     """Replaces `Mul(Mul(x, c1), c2)` with `Mul(x, c1 * c2)` for constants c1, c2."""
 
     name = "mul-const-chain-fold"
-    category = "fold"
     root_ops = ("Mul",)
 
 
@@ -303,7 +310,6 @@ class ConstantFold(Rule):
     """Replaces a node whose inputs are all constants with constants holding its outputs."""
 
     name = "constant-fold"
-    category = "fold"
     root_ops = DETERMINISTIC_OPS
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -351,8 +357,3 @@ def evaluate(graph: Graph, node: gs.Node) -> list[np.ndarray]:
         return [np.asarray(v) for v in ReferenceEvaluator(model).run(None, {})]
     except Exception as exc:  # noqa: BLE001
         raise RewriteError(f"constant-fold@{node.name}: cannot evaluate {node.op} ({exc})") from None
-
-
-RULES = (ConvMulFold(), ConvAddFold(), MatMulBatchNorm(), MatMulScaleFold(), GemmBiasFold(), AddConstChainFold(),
-         MulConstChainFold(), ConstantFold())
-"""The fold rules after conv-bn-fold (which the registry lists second), in registry order."""

@@ -4,11 +4,27 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
+from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (BINARY_ELEMENTWISE, UNARY_ELEMENTWISE, bypass, constant_input, conv_params,
-                                  conv_weights, dynamic_axes, emit, input_producer, int_list, inverse_perm, is_float,
-                                  normalize_axis, per_channel, perm_of, private, replace_all, split_sizes, to_rank)
+from rlflow.rewrites.edits import bypass, emit, replace_all
+from rlflow.rewrites.queries import (
+    BINARY_ELEMENTWISE,
+    UNARY_ELEMENTWISE,
+    constant_input,
+    conv_params,
+    conv_weights,
+    input_producer,
+    int_list,
+    inverse_perm,
+    is_float,
+    normalize_axis,
+    per_channel,
+    perm_of,
+    private,
+    split_sizes,
+    to_rank,
+)
 
 
 def _perm(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
@@ -19,7 +35,6 @@ class TransposeTranspose(Rule):
     """Replaces `Transpose(Transpose(x, p), q)` with one `Transpose(x, p.q)`, or with `x` when they cancel."""
 
     name = "transpose-transpose"
-    category = "layout"
     root_ops = ("Transpose",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -61,7 +76,6 @@ class ReshapeChain(Rule):
     """Replaces `Reshape(r(x), s)`, r a Reshape, Squeeze, Unsqueeze or Flatten, with `Reshape(x, s)`."""
 
     name = "reshape-chain"
-    category = "layout"
     root_ops = ("Reshape",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -99,7 +113,6 @@ class SqueezeUnsqueezeCancel(Rule):
     """Replaces `Unsqueeze(Squeeze(x, a), a)` and `Squeeze(Unsqueeze(x, a), a)` with `x`."""
 
     name = "squeeze-unsqueeze-cancel"
-    category = "layout"
     root_ops = ("Squeeze", "Unsqueeze")
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -125,7 +138,6 @@ class ConcatSplitCancel(Rule):
     """Replaces `Split(Concat(x1, ..., xn))` along the same axis and sizes with `x1, ..., xn`."""
 
     name = "concat-split-cancel"
-    category = "layout"
     root_ops = ("Split",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -154,7 +166,6 @@ class SplitConcatCancel(Rule):
     """Replaces `Concat(Split(x))` of all the parts, in order and along the same axis, with `x`."""
 
     name = "split-concat-cancel"
-    category = "layout"
     root_ops = ("Concat",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -176,7 +187,6 @@ class ConcatFlatten(Rule):
     """Replaces `Concat(a, Concat(b, c), d)` along one axis with `Concat(a, b, c, d)`."""
 
     name = "concat-flatten"
-    category = "layout"
     root_ops = ("Concat",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -201,7 +211,6 @@ class TransposeUnarySink(Rule):
     """Replaces `f(Transpose(x))` with `Transpose(f(x))` for an elementwise f, so transposes can meet and cancel."""
 
     name = "transpose-unary-sink"
-    category = "layout"
     root_ops = tuple(sorted(UNARY_ELEMENTWISE))
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -224,7 +233,6 @@ class TransposeBinarySink(Rule):
     """Replaces `f(Transpose(x, p), Transpose(y, p))` (or a constant for y) with `Transpose(f(x, y), p)`."""
 
     name = "transpose-binary-sink"
-    category = "layout"
     root_ops = tuple(sorted(BINARY_ELEMENTWISE))
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -268,7 +276,6 @@ class Conv1x1NhwcMatmul(Rule):
     """Replaces `Transpose(Conv1x1(Transpose(x, NHWC->NCHW)), NCHW->NHWC)` with `MatMul(x, W') + b`."""
 
     name = "conv1x1-nhwc-matmul"
-    category = "layout"
     root_ops = ("Transpose",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -311,7 +318,6 @@ class TransposeIntoGemm(Rule):
     """Replaces `Gemm(Transpose(A), B)` (or a transposed B) with `Gemm(A, B)` whose transA (transB) flag is flipped."""
 
     name = "transpose-into-gemm"
-    category = "layout"
     root_ops = ("Gemm",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -323,8 +329,8 @@ class TransposeIntoGemm(Rule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         inputs, attrs = list(node.inputs), dict(node.attrs)
-        for i in match.param("sides"):
-            inputs[i] = _swapped_2d(graph, node, i).inputs[0]
+        for i, transpose in zip(match.param("sides"), match.nodes[1:]):
+            inputs[i] = nodes[transpose].inputs[0]
             key = ("transA", "transB")[i]
             attrs[key] = 1 - int(attrs.get(key, 0))
         graph.replace_uses(node.outputs[0], emit(graph, "Gemm", inputs, attrs))
@@ -355,7 +361,6 @@ class MatMul3dToGemm(Rule):
     """Replaces `Add(MatMul(X, W), b)` with X of rank 3+ by `Reshape(Gemm(Reshape(X, [-1, K]), W, b), [..., N])`."""
 
     name = "matmul3d-add-to-gemm"
-    category = "layout"
     root_ops = ("Add",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -384,12 +389,3 @@ class MatMul3dToGemm(Rule):
         gemm = emit(graph, "Gemm", [rows, weight, graph.add_constant(vector, f"{node.name}_bias")])
         target = graph.add_constant(np.array(match.param("target"), np.int64), "shape")
         graph.replace_uses(node.outputs[0], emit(graph, "Reshape", [gemm, target]))
-
-
-RULES = (ReshapeChain(), SqueezeUnsqueezeCancel(), ConcatSplitCancel(), SplitConcatCancel(), ConcatFlatten(),
-         TransposeUnarySink(), TransposeBinarySink(), Conv1x1NhwcMatmul())
-"""The layout rules of the first release, in registry order."""
-
-NEW_RULES = (TransposeIntoGemm(), MatMulTransposeToGemm(), MatMul3dToGemm())
-"""Layout rules added later (appended at the end of the registry)."""
-"""The layout rules after transpose-transpose (which the registry lists first), in registry order."""

@@ -7,18 +7,29 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.util import (constant_input, conv_attrs, conv_params, conv_weights, dynamic_axes, emit, emit_split,
-                                  has_input, input_producer, is_float, is_standard, normalize_axis, private)
+from rlflow.rewrites.edits import emit, emit_split
+from rlflow.rewrites.queries import (
+    constant_input,
+    conv_attrs,
+    conv_params,
+    conv_weights,
+    has_input,
+    input_producer,
+    is_float,
+    is_standard,
+    normalize_axis,
+    private,
+)
 
 
-def _lead(node: gs.Node, group: list[gs.Node]) -> bool:
+def lead(node: gs.Node, group: list[gs.Node]) -> bool:
     """True when `node` is the group's first member by name (where a group's match is rooted)."""
     return node is min(group, key=lambda n: n.name)
 
 
-def _siblings(tensor: gs.Tensor, fits) -> list[gs.Node]:
+def siblings(tensor: gs.Tensor, fits) -> list[gs.Node]:
     """Distinct readers of `tensor` for which `fits(reader)` holds, by name."""
     seen, group = set(), []
     for reader in tensor.outputs:
@@ -28,7 +39,7 @@ def _siblings(tensor: gs.Tensor, fits) -> list[gs.Node]:
     return sorted(group, key=lambda n: n.name)
 
 
-def _split_into(graph: Graph, merged: gs.Tensor, parts: list[gs.Node], axis: int, sizes: list[int]) -> None:
+def split_into(graph: Graph, merged: gs.Tensor, parts: list[gs.Node], axis: int, sizes: list[int]) -> None:
     """Splits `merged` along `axis` and makes readers of each part's output read its piece."""
     pieces = emit_split(graph, merged, axis, sizes, len(sizes))
     for node, piece in zip(parts, pieces):
@@ -40,7 +51,6 @@ class MatMulMergeSiblings(Rule):
     """Replaces `X.W1, X.W2, ...` with `Split(X.Concat(W1, W2, ...))` (one MatMul for Q, K and V)."""
 
     name = "matmul-merge-siblings"
-    category = "merge"
     root_ops = ("MatMul",)
 
     @staticmethod
@@ -53,10 +63,10 @@ class MatMulMergeSiblings(Rule):
         weight = constant_input(node, 1)
         if weight is None or weight.ndim != 2:
             return self.no(node, "the weights are not a constant matrix")
-        group = _siblings(node.inputs[0], lambda n: self._fits(n, node.inputs[0], weight))
+        group = siblings(node.inputs[0], lambda n: self._fits(n, node.inputs[0], weight))
         if len(group) < 2:
             return self.no(node, "no other MatMul reads the same input with constant weights")
-        if not _lead(node, group):
+        if not lead(node, group):
             return self.no(node, "another MatMul leads this group")
         return self.match(group)
 
@@ -64,14 +74,13 @@ class MatMulMergeSiblings(Rule):
         group = [nodes[n] for n in match.nodes]
         weights = [constant_input(n, 1) for n in group]
         merged = graph.add_constant(np.concatenate(weights, axis=1), f"{group[0].name}_merged_W")
-        _split_into(graph, emit(graph, "MatMul", [group[0].inputs[0], merged]), group, -1, [w.shape[1] for w in weights])
+        split_into(graph, emit(graph, "MatMul", [group[0].inputs[0], merged]), group, -1, [w.shape[1] for w in weights])
 
 
 class GemmMergeSiblings(Rule):
     """Replaces `Gemm(A, B1, C1), Gemm(A, B2, C2), ...` with `Split(Gemm(A, Concat(B1, B2), Concat(C1, C2)))`."""
 
     name = "gemm-merge-siblings"
-    category = "merge"
     root_ops = ("Gemm",)
 
     @staticmethod
@@ -96,10 +105,10 @@ class GemmMergeSiblings(Rule):
         ref = self._parts(node)
         if ref is None:
             return self.no(node, "the weights or bias are not constant")
-        group = _siblings(node.inputs[0], lambda n: self._fits(n, node.inputs[0], ref))
+        group = siblings(node.inputs[0], lambda n: self._fits(n, node.inputs[0], ref))
         if len(group) < 2:
             return self.no(node, "no other Gemm reads the same input with constant weights and equal alpha/transA")
-        if not _lead(node, group):
+        if not lead(node, group):
             return self.no(node, "another Gemm leads this group")
         return self.match(group)
 
@@ -113,7 +122,7 @@ class GemmMergeSiblings(Rule):
         merged = emit(graph, "Gemm", [group[0].inputs[0], graph.add_constant(weight, f"{group[0].name}_merged_B"),
                                       graph.add_constant(np.ascontiguousarray(bias), f"{group[0].name}_merged_C")],
                       {"alpha": alpha, "beta": 1.0, "transA": trans_a})
-        _split_into(graph, merged, group, 1, [p[0].shape[1] for p in parts])
+        split_into(graph, merged, group, 1, [p[0].shape[1] for p in parts])
 
 
 def _conv_key(graph: Graph, node: gs.Node):
@@ -131,7 +140,6 @@ class ConvMergeSiblings(Rule):
     """Replaces Convs of one input with equal geometry by one Conv on concatenated weights and a Split."""
 
     name = "conv-merge-siblings"
-    category = "merge"
     root_ops = ("Conv",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -140,11 +148,11 @@ class ConvMergeSiblings(Rule):
             return self.no(node, "weights not constant or geometry unknown (auto_pad)")
         if key[4] != 1:
             return self.no(node, "a grouped Conv (its channels would interleave)")
-        group = _siblings(node.inputs[0], lambda n: n.op == "Conv" and n.inputs[0] is node.inputs[0]
+        group = siblings(node.inputs[0], lambda n: n.op == "Conv" and n.inputs[0] is node.inputs[0]
                           and _conv_key(graph, n) == key)
         if len(group) < 2:
             return self.no(node, "no other Conv reads the same input with the same kernel, strides, pads and dilations")
-        if not _lead(node, group):
+        if not lead(node, group):
             return self.no(node, "another Conv leads this group")
         return self.match(group)
 
@@ -154,14 +162,13 @@ class ConvMergeSiblings(Rule):
         weight = graph.add_constant(np.concatenate([w for w, _ in found]), f"{group[0].name}_merged_W")
         bias = graph.add_constant(np.concatenate([b for _, b in found]), f"{group[0].name}_merged_B")
         merged = emit(graph, "Conv", [group[0].inputs[0], weight, bias], conv_attrs(conv_params(graph, group[0])))
-        _split_into(graph, merged, group, 1, [w.shape[0] for w, _ in found])
+        split_into(graph, merged, group, 1, [w.shape[0] for w, _ in found])
 
 
 class ConvEnlargeKernel(Rule):
     """Replaces a Conv's kernel with a larger zero-padded one (and more padding) matching a sibling it can merge with."""
 
     name = "conv-enlarge-kernel"
-    category = "merge"
     root_ops = ("Conv",)
 
     @staticmethod
@@ -186,7 +193,7 @@ class ConvEnlargeKernel(Rule):
         if small is None or conv_weights(node) is None:
             return self.no(node, "weights not constant or geometry unknown (auto_pad)")
         targets = []
-        for other in _siblings(node.inputs[0], lambda n: n.op == "Conv" and n is not node and n.inputs[0] is node.inputs[0]):
+        for other in siblings(node.inputs[0], lambda n: n.op == "Conv" and n is not node and n.inputs[0] is node.inputs[0]):
             large = conv_params(graph, other)
             if large is not None and self._target(small, large):
                 targets.append((tuple(-k for k in large["kernel"]), other.name, large))
@@ -209,7 +216,7 @@ class ConvEnlargeKernel(Rule):
 
 
 # ----------------------------------------------------------------------------------------------- different inputs
-def _same_shapes(graph: Graph, tensors, except_axis: int | None = None) -> bool:
+def same_shapes(graph: Graph, tensors, except_axis: int | None = None) -> bool:
     shapes = [graph.shape(t) for t in tensors]
     if any(s is None for s in shapes) or len({len(s) for s in shapes}) != 1:
         return False
@@ -220,7 +227,6 @@ class ConvConcatToGroup(Rule):
     """Replaces `Concat(Conv(a, W1), Conv(b, W2), ...)` on channels with one grouped Conv on `Concat(a, b, ...)`."""
 
     name = "conv-concat-to-group"
-    category = "merge"
     root_ops = ("Concat",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -233,7 +239,7 @@ class ConvConcatToGroup(Rule):
         keys = {_conv_key(graph, c) for c in convs}
         if None in keys or len(keys) != 1:
             return self.no(node, "the Convs differ in geometry or weights are not constant")
-        if len({conv_weights(c)[0].shape for c in convs}) != 1 or not _same_shapes(graph, [c.inputs[0] for c in convs]):
+        if len({conv_weights(c)[0].shape for c in convs}) != 1 or not same_shapes(graph, [c.inputs[0] for c in convs]):
             return self.no(node, "the Convs differ in channel counts or input shapes")
         if len({id(c.inputs[0]) for c in convs}) != len(convs):
             return self.no(node, "two Convs read the same input (conv-merge-siblings applies)")
@@ -254,7 +260,6 @@ class GroupConvMergeGroups(Rule):
     """Replaces a Conv with an even number of groups g by one with g/2 groups whose weights hold zero blocks."""
 
     name = "group-conv-merge-groups"
-    category = "merge"
     root_ops = ("Conv",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -283,7 +288,6 @@ class ConvAddMerge(Rule):
     """Replaces `Add(Conv(a, W1, b1), Conv(b, W2, b2))` with `Conv(Concat(a, b), Concat(W1, W2), b1 + b2)`."""
 
     name = "conv-add-merge"
-    category = "merge"
     root_ops = ("Add",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -296,7 +300,7 @@ class ConvAddMerge(Rule):
         outs = [graph.shape(c.outputs[0]) for c in convs]
         if outs[0] is None or not outs[0] == outs[1] == graph.shape(node.outputs[0]):
             return self.no(node, "the Convs' outputs differ in shape")
-        if not _same_shapes(graph, [c.inputs[0] for c in convs], except_axis=1):
+        if not same_shapes(graph, [c.inputs[0] for c in convs], except_axis=1):
             return self.no(node, "the Convs' inputs differ in batch or spatial size")
         return self.match([node, *convs])
 
@@ -314,7 +318,6 @@ class MatMulAddMerge(Rule):
     """Replaces `Add(a.W1, b.W2)` with `Concat(a, b).Concat(W1, W2)` for constant W1, W2."""
 
     name = "matmul-add-merge"
-    category = "merge"
     root_ops = ("Add",)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
@@ -328,7 +331,7 @@ class MatMulAddMerge(Rule):
         if mms[0].inputs[0] is mms[1].inputs[0]:
             return self.no(node, "the MatMuls share their input (matmul-factor-lhs applies)")
         rank = len(graph.shape(mms[0].inputs[0]) or ())
-        if rank < 2 or not _same_shapes(graph, [m.inputs[0] for m in mms], except_axis=rank - 1):
+        if rank < 2 or not same_shapes(graph, [m.inputs[0] for m in mms], except_axis=rank - 1):
             return self.no(node, "the MatMuls' inputs differ in shape beyond their last axis")
         if graph.shape(mms[0].outputs[0]) != graph.shape(node.outputs[0]):
             return self.no(node, "the Add broadcasts")
@@ -339,67 +342,3 @@ class MatMulAddMerge(Rule):
         joined = emit(graph, "Concat", [m.inputs[0] for m in mms], {"axis": -1})
         weight = graph.add_constant(np.concatenate([constant_input(m, 1) for m in mms]), f"{node.name}_W")
         graph.replace_uses(node.outputs[0], emit(graph, "MatMul", [joined, weight]))
-
-
-class _BatchSharedWeight(Rule):
-    """The same operator with the same weights on several inputs of one shape: one operator on their concatenation
-    along `axis` (from the end for MatMul rows, batch for Conv), then a Split."""
-
-    def axis(self, rank: int) -> int:
-        raise NotImplementedError
-
-    def _fits(self, node: gs.Node, ref: gs.Node) -> bool:
-        return (node.op == ref.op and len(node.inputs) == len(ref.inputs) and node.attrs == ref.attrs
-                and all(a is b for a, b in zip(node.inputs[1:], ref.inputs[1:])))
-
-    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        if len(node.inputs) < 2 or Graph.constant(node.inputs[1]) is None:
-            return self.no(node, "the weights are not constant")
-        shape = graph.shape(node.inputs[0])
-        if shape is None or len(shape) < 2:
-            return self.no(node, "input rank unknown or below 2")
-        axis = self.axis(len(shape))
-        group = _siblings(node.inputs[1], lambda n: self._fits(n, node) and n.inputs[1] is node.inputs[1]
-                          and _same_shapes(graph, [n.inputs[0], node.inputs[0]], except_axis=axis))
-        if len(group) < 2 or len({id(n.inputs[0]) for n in group}) != len(group):
-            return self.no(node, "no other node applies the same weights to another input of the same shape")
-        if not _lead(node, group):
-            return self.no(node, "another node leads this group")
-        if any(dynamic is None or dynamic[axis] for dynamic in (dynamic_axes(graph, n.inputs[0]) for n in group)):
-            return self.no(node, "the batching axis is dynamic")
-        return self.match(group)
-
-    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        group = [nodes[n] for n in match.nodes]
-        shape = graph.shape(group[0].inputs[0])
-        axis = self.axis(len(shape))
-        joined = emit(graph, "Concat", [n.inputs[0] for n in group], {"axis": axis})
-        (merged,) = graph.add_node(group[0].op, [joined, *group[0].inputs[1:]], attrs=dict(group[0].attrs))
-        out_axis = self.axis(len(graph.shape(group[0].outputs[0])))
-        _split_into(graph, merged, group, out_axis, [graph.shape(n.outputs[0])[out_axis] for n in group])
-
-
-class MatMulBatchSharedWeight(_BatchSharedWeight):
-    """Replaces `a.W, b.W, ...` with `Split(Concat(a, b, ...).W)` along rows."""
-
-    name = "matmul-batch-shared-weight"
-    category = "merge"
-    root_ops = ("MatMul",)
-
-    def axis(self, rank: int) -> int:
-        return rank - 2
-
-
-class ConvBatchSharedWeight(_BatchSharedWeight):
-    """Replaces `Conv(a, W), Conv(b, W), ...` with `Split(Conv(Concat(a, b, ...), W))` along the batch axis."""
-
-    name = "conv-batch-shared-weight"
-    category = "merge"
-    root_ops = ("Conv",)
-
-    def axis(self, rank: int) -> int:
-        return 0
-
-
-RULES = (MatMulMergeSiblings(), GemmMergeSiblings(), ConvMergeSiblings(), ConvEnlargeKernel(), ConvConcatToGroup(),
-         GroupConvMergeGroups(), ConvAddMerge(), MatMulAddMerge(), MatMulBatchSharedWeight(), ConvBatchSharedWeight())

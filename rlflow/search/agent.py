@@ -1,10 +1,10 @@
 """The learned agent as a search method: a trained policy proposes rewrite sequences, measurement picks the winner.
 
-The agent (the world-model agent shipped as `rlflow/agents/default.pt`, see `rlflow.controller.wm_actor`, or a
-masked-PPO `rlflow.controller.policy.CandidatePolicy` such as `rlflow/agents/ppo.pt`) plays a few episodes of
+The agent (the world-model agent shipped as `rlflow/checkpoints/default.pt`, see `rlflow.agents.actor`, or a
+masked-PPO `rlflow.agents.policy.CandidatePolicy` such as `rlflow/checkpoints/ppo.pt`) plays a few episodes of
 `rlflow/Rewrite-v0` on the model, in the scope it was trained in (one match or one rule wherever it matches per step,
-`rlflow.env.SCOPES`): the first greedily, stopping where the policy stops (a world-model agent trained with
-`greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.controller.wm_agent.Planning`); the rest
+`rlflow.env.rewrite_env.SCOPES`): the first greedily, stopping where the policy stops (a world-model agent trained with
+`greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.agents.worldmodel_agent.Planning`); the rest
 sampled from the policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops
 as soon as it is unsure, so its own stop would leave the measurements nothing to choose from). An episode never
 returns to a graph it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row
@@ -14,7 +14,7 @@ model's groups), are measured end to end against the input, as many as the time 
 measurably faster wins, else the input is kept. The input is timed first (`measurement_reserve`), so that the rollouts
 stop in time for that measurement. When not even one candidate fits (a large model), the input is kept too, without a
 rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final measurement
-of `rlflow.optimize` would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate
+of `rlflow.optimize.pipeline` would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate
 after a 5 s search).
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
@@ -24,22 +24,32 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tqdm import tqdm
 
 from rlflow.errors import InputError
-from rlflow.frozen_heap import frozen_heap
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measurement_reserve,
-                                     measuring_until, select_measured)
+from rlflow.search.candidates import (
+    Candidate,
+    SearchResult,
+    cost_table_lines,
+    coverage,
+    measurement_reserve,
+    measuring_until,
+    select_measured,
+)
+from rlflow.search.frozen_heap import frozen_heap
 from rlflow.torch_threads import torch_threads
 
-DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "agents" / "default.pt"
-"""The shipped agent (package data): the world-model agent of `make agent` (see the README)."""
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "checkpoints" / "default.pt"
+"""The shipped agent (package data): the world-model agent of `make agent` (docs/agents.md)."""
 
 
 @dataclass
@@ -75,7 +85,7 @@ class AgentConfig:
 def load_agent(path: str | os.PathLike | None = None):
     """The agent at `path` (default: the shipped agent), in evaluation mode: a masked-PPO candidate policy
     (`rlflow train --algo ppo`) or a world-model agent (`rlflow train --algo worldmodel`, as a
-    `rlflow.controller.wm_actor.WorldModelActor`).
+    `rlflow.agents.actor.WorldModelActor`).
 
     An agent trained on an earlier rule registry that this one extends is taken too: it acts on the rules it knows
     (`known_rules`).
@@ -84,15 +94,15 @@ def load_agent(path: str | os.PathLike | None = None):
         RlflowError: the file is missing, is not an rlflow agent, or was trained on a rule registry this one does not
             extend.
     """
-    from rlflow.controller.policy import load_checkpoint
-    from rlflow.training import checkpoint_algo
+    from rlflow.agents.checkpoint import checkpoint_algo
+    from rlflow.agents.policy import load_checkpoint
 
     path = Path(path) if path is not None else DEFAULT_AGENT
     if path == DEFAULT_AGENT and not path.is_file():
         raise InputError(f"the shipped agent {path} is missing from this installation; reinstall rlflow, pass "
                          "--agent PATH, or use --method greedy")
     if checkpoint_algo(path) == "worldmodel":
-        from rlflow.controller.wm_actor import load_actor
+        from rlflow.agents.actor import load_actor
 
         return load_actor(path)[0]
     policy, _ = load_checkpoint(path, prefix=True)
@@ -112,12 +122,12 @@ def known_rules(agent, rules: Sequence[Rule] = RULES) -> list[Rule]:
 
 def trained_provider(path: str | os.PathLike | None = None) -> str:
     """The provider (`cpu` or `cuda`) the agent at `path` (default: the shipped one) was trained for: from the
-    provenance file beside it (`<name>.json`, written by `rlflow.controller.ship`), else from the checkpoint's own
-    training config (read as every checkpoint is, without running code: `rlflow.training.read_checkpoint`); `cpu`
+    provenance file beside it (`<name>.json`, written by `rlflow.train.ship`), else from the checkpoint's own
+    training config (read as every checkpoint is, without running code: `rlflow.agents.checkpoint.read_checkpoint`); `cpu`
     for a checkpoint that predates the setting."""
     import json
 
-    from rlflow.training import read_checkpoint
+    from rlflow.agents.checkpoint import read_checkpoint
 
     path = Path(path) if path is not None else DEFAULT_AGENT
     provenance = path.with_suffix(".json")
@@ -141,15 +151,15 @@ class CandidateActor:
     def reset(self) -> None:
         pass
 
-    def logits(self, obs) -> "torch.Tensor":
+    def logits(self, obs) -> torch.Tensor:
         import torch
 
-        from rlflow.observation import obs_to_torch
+        from rlflow.env.observation import obs_to_torch
 
         with torch.no_grad():
             return self.policy(obs_to_torch(obs))[0][0].clone()
 
-    def greedy_logits(self, obs) -> "torch.Tensor":
+    def greedy_logits(self, obs) -> torch.Tensor:
         return self.logits(obs)
 
     def observe(self, action: int, obs) -> None:
@@ -158,7 +168,7 @@ class CandidateActor:
 
 def as_actor(policy):
     """`policy` with reset / logits / observe: a WorldModelActor as it is, a candidate policy wrapped."""
-    from rlflow.controller.wm_actor import WorldModelActor
+    from rlflow.agents.actor import WorldModelActor
 
     return policy if isinstance(policy, WorldModelActor) else CandidateActor(policy)
 
@@ -168,8 +178,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     """Policy rollouts, then end-to-end measurement of the best few graphs; see the module docstring."""
     import torch
 
-    from rlflow.env import RewriteEnv
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.env.rewrite_env import RewriteEnv
+    from rlflow.measure.costmodel.model import CostModel
 
     config = config or AgentConfig()
     start = time.monotonic()
@@ -288,7 +298,7 @@ def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: 
 
     Returns the fingerprint of the graph the episode ended on, and the rewrites it applied.
     """
-    from rlflow.controller.unvisited import choose_unvisited
+    from rlflow.agents.unvisited import choose_unvisited
 
     obs, _ = env.reset(options={"model": 0})
     actor.reset()

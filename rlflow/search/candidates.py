@@ -17,9 +17,9 @@ from typing import Iterator, Sequence
 import onnx
 
 from rlflow.errors import ProviderError
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.memory import candidates_that_fit
-from rlflow.measure.profiled import compare_profiled, profile_count
+from rlflow.measure.profile_comparison import compare_profiled, profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace, Ratio, compare, probe
 from rlflow.rewrites import GROUPS, RULES, Match, Rule, apply, apply_everywhere, find_matches

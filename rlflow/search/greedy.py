@@ -8,20 +8,28 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from itertools import chain, islice
 from dataclasses import dataclass
+from itertools import chain, islice
 from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
-from rlflow.frozen_heap import frozen_heap
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import (Candidate, SearchResult, all_fusions, children, dropped, everywhere, fastest,
-                                     measure_against)
+from rlflow.search.candidates import (
+    Candidate,
+    SearchResult,
+    all_fusions,
+    children,
+    dropped,
+    everywhere,
+    fastest,
+    measure_against,
+)
+from rlflow.search.frozen_heap import frozen_heap
 
 
 @dataclass

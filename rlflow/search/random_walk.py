@@ -15,13 +15,21 @@ from typing import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from rlflow.frozen_heap import frozen_heap
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import (Candidate, SearchResult, cost_table_lines, coverage, measurement_reserve,
-                                     measuring_until, select_measured, try_apply)
+from rlflow.search.candidates import (
+    Candidate,
+    SearchResult,
+    cost_table_lines,
+    coverage,
+    measurement_reserve,
+    measuring_until,
+    select_measured,
+    try_apply,
+)
+from rlflow.search.frozen_heap import frozen_heap
 
 
 @dataclass
@@ -48,7 +56,7 @@ class RandomConfig:
 def random_walk(graph: Graph, settings: SessionSettings, config: RandomConfig | None = None,
                 rules: Sequence[Rule] = RULES, cost_model=None, progress: bool = False) -> SearchResult:
     """Random walks with restarts; see the module docstring."""
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.costmodel.model import CostModel
 
     config = config or RandomConfig()
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy

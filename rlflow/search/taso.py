@@ -19,13 +19,21 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from rlflow.frozen_heap import frozen_heap
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import (Candidate, SearchResult, children, cost_table_lines, coverage,
-                                     measurement_reserve, measuring_until, select_measured)
+from rlflow.search.candidates import (
+    Candidate,
+    SearchResult,
+    children,
+    cost_table_lines,
+    coverage,
+    measurement_reserve,
+    measuring_until,
+    select_measured,
+)
+from rlflow.search.frozen_heap import frozen_heap
 
 
 @dataclass
@@ -55,7 +63,7 @@ class TasoConfig:
 def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = None, rules: Sequence[Rule] = RULES,
          cost_model=None, progress: bool = False) -> SearchResult:
     """Backtracking search guided by the cost model; see the module docstring."""
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.costmodel.model import CostModel
 
     config = config or TasoConfig()
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy

@@ -1,7 +1,6 @@
-"""The world model: the graph encoder and VAE (V), the MDN-RNN (M), the location scorer, the replay of real episodes,
-the dream environment and the quality report: what learns how rewrites change a graph and its runtime.
+"""The world model an agent plays with: the graph encoder, V (a VAE over its embedding), M (the MDN-RNN that predicts
+how a rewrite changes the latent state and what it earns) and the location scorer that places a chosen rule.
 
-The agents and trainers that use it (`rlflow.controller`: the controller C, the world-model agent and its training)
-sit above it; nothing here imports them.  Submodules import torch; this package itself imports nothing heavy, so
-`import rlflow.worldmodel` stays cheap.
+What learns these networks (the replay of real episodes, the dream, the quality report) is training and lives in
+`rlflow.train.worldmodel`; the agents that act with them are in `rlflow.agents`.  Submodules import torch.
 """

@@ -1,6 +1,6 @@
 """The graph encoder: a message-passing network that embeds every node and the whole graph.
 
-It reads the environment's padded observation (`rlflow.env.RewriteEnv`), so it works on graphs of any size up to the
+It reads the environment's padded observation (`rlflow.env.rewrite_env.RewriteEnv`), so it works on graphs of any size up to the
 observation caps, and its weights do not depend on the graph: a policy trained on some models runs on others.  In the
 world model its graph embedding is the input of the VAE (`rlflow.worldmodel.vae.GraphVAE`), whose latent is "V"
 (RLFlow used the GNN embedding itself as the latent); the model-free policy scores candidates from its node embeddings.
@@ -12,8 +12,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from rlflow.env import GLOBAL_FEATURES
-from rlflow.features import EDGE_FEATURES, NODE_FEATURES, OP_TYPES
+from rlflow.env.features import EDGE_FEATURES, NODE_FEATURES, OP_TYPES
+from rlflow.env.rewrite_env import GLOBAL_FEATURES
 
 GLOBAL_DIM = len(GLOBAL_FEATURES)
 """Length of the observation's `graph` vector."""

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlflow.observation import NEG, obs_to_torch, rule_candidates
+from rlflow.env.observation import NEG, obs_to_torch, rule_candidates
 from rlflow.worldmodel.encoder import GraphEncoder, trim
 
 
@@ -265,7 +265,7 @@ def location_quality(scorer: LocationScorer, replay, episodes: list, reward_scal
     """The scorer on held-out `episodes`: Pearson correlation and mean absolute error of its predicted vs the real
     target of the matches applied (`location_pearson`, `location_mae`, `location_transitions`; the reward, plus
     `gamma` times the best return `values` records after it)."""
-    from rlflow.worldmodel.report import pearson
+    from rlflow.measure.ranks import pearson
 
     rows = location_transitions(episodes, scorer.n_rules, gamma, values)
     if not rows:

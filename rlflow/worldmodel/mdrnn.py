@@ -30,12 +30,11 @@ their mean is the prediction and their spread (`reward_std`) says where the mode
 turns into a penalty (MOPO) so that the controller cannot exploit the model's errors. With `markov_reward` the
 reward heads read only z_t and the action: the environment is Markov in the graph, and a head that also reads the
 LSTM's history can tell training episodes apart by it and learn their rewards by heart (reward Pearson 0.99 on
-training episodes against 0.55 on held-out ones, #7).  With `reward_knee` the heads learn sign(r)·log(1 + |r|/knee)
+training episodes against 0.55 on held-out ones).  With `reward_knee` the heads learn sign(r)·log(1 + |r|/knee)
 (`symlog`, as DreamerV3 does) and their outputs are turned back into rewards before the mean and spread are taken:
 rewards are heavy-tailed (an attention fusion saves 20% of the runtime, most rewrites under 1%), and a squared error
-on the rewards themselves spends M on the few large ones, leaving the order of the many small ones to chance
-(M retrained on the sixth part's replays: held-out Spearman 0.625-0.813 with Pearson 0.814-0.915, and with the knee
-at 1% of the runtime 0.739-0.894 and 0.774-0.895; docs/results/agent-deploy/README.md, seventh part).
+on the rewards themselves spends M on the few large ones, leaving the order of the many small ones to chance (with
+the knee, M ranks held-out rewards better at little cost in Pearson: docs/results/agent-deploy/).
 """
 from __future__ import annotations
 

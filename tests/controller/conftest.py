@@ -19,6 +19,6 @@ def zoo_paths(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def cost_model(tmp_path_factory):
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.costmodel.model import CostModel
 
     return CostModel(cache_dir=tmp_path_factory.mktemp("costmodel"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rlflow
-from rlflow.controller.policy import CandidatePolicy, save_checkpoint
+from rlflow.agents.policy import CandidatePolicy, save_checkpoint
 from rlflow.errors import RlflowError
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
@@ -126,7 +126,7 @@ def test_load_agent_refuses_missing_and_foreign_checkpoints(tmp_path, policy, mo
 
 
 def test_peek_does_not_move_the_environment(zoo_paths, cost_model):
-    from rlflow.env import RewriteEnv
+    from rlflow.env.rewrite_env import RewriteEnv
 
     env = RewriteEnv(zoo_paths["resnet-18-tiny"], cost_model=cost_model, max_episode_steps=5)
     _, info = env.reset(seed=0)
@@ -215,7 +215,7 @@ def test_the_agent_plays_the_scope_its_checkpoint_was_trained_in(tmp_path, zoo_p
 def test_an_agent_from_a_registry_this_one_extends_acts_on_the_rules_it_knows(zoo_paths, cost_model, monkeypatch):
     """RULES is append-only: after a rule is added, the shipped agents (trained before it) still load, and their
     environment offers only the rules they were trained on; a registry that is not an extension is still refused."""
-    import rlflow.env
+    import rlflow.env.rewrite_env
     import rlflow.rewrites
     from rlflow.rewrites import rule
     from rlflow.rewrites.base import registry_version
@@ -224,7 +224,7 @@ def test_an_agent_from_a_registry_this_one_extends_acts_on_the_rules_it_knows(zo
     base = type(rule("attention-fusion"))
     extra = type("ExtraAttentionFusion", (base,), {"name": "extra-attention-fusion", "__doc__": base.__doc__})()
     extended = (*RULES, extra)
-    for module in (rlflow.rewrites, rlflow.env, agent_module):
+    for module in (rlflow.rewrites, rlflow.env.rewrite_env, agent_module):
         monkeypatch.setattr(module, "RULES", extended)
     monkeypatch.setattr(rlflow.rewrites, "REGISTRY_VERSION", registry_version(extended))
 
@@ -232,12 +232,12 @@ def test_an_agent_from_a_registry_this_one_extends_acts_on_the_rules_it_knows(zo
     assert known_rules(shipped, extended) == list(RULES)
     offered = []
 
-    class Recording(rlflow.env.RewriteEnv):
+    class Recording(rlflow.env.rewrite_env.RewriteEnv):
         def __init__(self, *args, rules=(), **kwargs):
             offered.append([r.name for r in rules])
             super().__init__(*args, rules=rules, **kwargs)
 
-    monkeypatch.setattr(rlflow.env, "RewriteEnv", Recording)
+    monkeypatch.setattr(rlflow.env.rewrite_env, "RewriteEnv", Recording)
     graph = rlflow.load(zoo_paths["bert-base-tiny"])
     assert extra.find(graph)  # the new rule matches here, so only the restriction keeps it from the agent
     result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, time_limit=6, rounds=3), extended,
@@ -247,8 +247,8 @@ def test_an_agent_from_a_registry_this_one_extends_acts_on_the_rules_it_knows(zo
 
     import types
 
-    import rlflow.controller.finetune as finetune_module
-    from rlflow.optimize import _finetuned
+    import rlflow.train.finetune as finetune_module
+    from rlflow.optimize.pipeline import _finetuned
 
     adapted = []
 

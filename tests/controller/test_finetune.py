@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import rlflow
+from rlflow.agents.policy import CandidatePolicy, save_checkpoint
 from rlflow.cli import main
-from rlflow.controller.finetune import ROLLOUT_STEPS, finetune
-from rlflow.controller.policy import CandidatePolicy, save_checkpoint
 from rlflow.rewrites import RULES
+from rlflow.train.finetune import ROLLOUT_STEPS, finetune
 
 
 @pytest.fixture

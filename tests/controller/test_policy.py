@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from rlflow.controller.policy import CandidatePolicy, load_checkpoint, save_checkpoint
-from rlflow.observation import obs_to_torch
-from rlflow.env import RewriteEnv
+from rlflow.agents.policy import CandidatePolicy, load_checkpoint, save_checkpoint
+from rlflow.env.observation import obs_to_torch
+from rlflow.env.rewrite_env import RewriteEnv
 from rlflow.errors import RlflowError
 from rlflow.rewrites import REGISTRY_VERSION, RULES
 from rlflow.worldmodel.encoder import GraphEncoder

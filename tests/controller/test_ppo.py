@@ -5,9 +5,9 @@ import json
 
 import torch
 
-from rlflow.controller import ppo
-from rlflow.controller.policy import CandidatePolicy, load_checkpoint
+from rlflow.agents.policy import CandidatePolicy, load_checkpoint
 from rlflow.rewrites import RULES
+from rlflow.train import ppo
 
 
 def tiny_config(tmp_path, models, **overrides) -> ppo.Config:
@@ -56,8 +56,7 @@ def test_evaluation_against_random_walk(tmp_path, zoo_paths, monkeypatch):
 
 
 def test_evaluate_command_adds_the_evaluation_to_a_training_run(tmp_path, zoo_paths, monkeypatch):
-    from rlflow.controller import evaluate
-
+    from rlflow.train import evaluate
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     config = tiny_config(tmp_path, [zoo_paths["resnet-18-tiny"]], eval_walks=2, eval_rounds=3, eval_time_limit=5.0)
     ppo.main(config)

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from rlflow.controller import ship
-from rlflow.controller.policy import CandidatePolicy, load_checkpoint, save_checkpoint
+from rlflow.agents.policy import CandidatePolicy, load_checkpoint, save_checkpoint
 from rlflow.errors import RlflowError
 from rlflow.rewrites import RULES
 from rlflow.search.agent import DEFAULT_AGENT, load_agent
+from rlflow.train import ship
 
 
 def _run(tmp_path):
@@ -51,7 +51,7 @@ def test_the_shipped_agent_loads_under_this_registry():
     meta = json.loads(DEFAULT_AGENT.with_suffix(".json").read_text())
     assert meta["bytes"] == DEFAULT_AGENT.stat().st_size <= ship.MAX_BYTES
     assert len(meta["held_out"]) >= 4 and not set(meta["held_out"]) & set(meta["trained_on"])
-    from rlflow.controller.wm_actor import WorldModelActor
+    from rlflow.agents.actor import WorldModelActor
 
     assert meta["algo"] == "worldmodel" and isinstance(load_agent(), WorldModelActor)  # the world-model agent
     ppo = DEFAULT_AGENT.with_name("ppo.pt")  # the model-free baseline ships beside it

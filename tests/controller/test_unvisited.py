@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rlflow.controller.unvisited import choose_unvisited
+from rlflow.agents.unvisited import choose_unvisited
 
 
 class _Graphs:

@@ -11,7 +11,7 @@ from rlflow.errors import RlflowError
 
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory):
-    from rlflow.controller.wm_train import Config, main
+    from rlflow.train.worldmodel.loop import Config, main
 
     out = tmp_path_factory.mktemp("wm")
     config = Config(models=(tiny_model,), iterations=2, random_steps=40, collect_steps=20, vae_epochs=2,
@@ -39,12 +39,11 @@ def test_one_training_run_end_to_end(run):
 
 
 def test_checkpoint_round_trip_resume_and_registry_refusal(run, tmp_path):
+    import dataclasses
     from pathlib import Path
 
-    import dataclasses
-
-    from rlflow.controller.wm_agent import Agent, load_checkpoint, save_checkpoint
-    from rlflow.controller.wm_train import main
+    from rlflow.agents.worldmodel_agent import Agent, load_checkpoint, save_checkpoint
+    from rlflow.train.worldmodel.loop import main
 
     config, result = run
     path = Path(config.run_dir) / "worldmodel.pt"
@@ -110,8 +109,8 @@ def test_dream_returns_are_uncapped_unless_asked(run):
     import dataclasses
     from pathlib import Path
 
-    from rlflow.controller.rerun_quality import checkpoint_inputs
-    from rlflow.controller.wm_learn import make_dream
+    from rlflow.train.worldmodel.learn import make_dream
+    from rlflow.train.worldmodel.rerun_quality import checkpoint_inputs
 
     config, _ = run
     agent, _, replay, mu, logvar, descriptors = checkpoint_inputs(Path(config.run_dir) / "worldmodel.pt")
@@ -129,7 +128,7 @@ def test_quality_recomputed_from_the_checkpoint_is_the_reported_one(run):
     episodes): docs/results/agent-deploy/requality.py rests on it.  The moved-only Spearman counts its transitions."""
     from pathlib import Path
 
-    from rlflow.controller.rerun_quality import checkpoint_quality
+    from rlflow.train.worldmodel.rerun_quality import checkpoint_quality
 
     config, _ = run
     again, reported = checkpoint_quality(Path(config.run_dir) / "worldmodel.pt")
@@ -141,9 +140,9 @@ def test_quality_recomputed_from_the_checkpoint_is_the_reported_one(run):
 def test_quality_report_has_a_rank_correlation_that_ties_share():
     import numpy as np
 
-    from rlflow.worldmodel.report import pearson, ranks, spearman
+    from rlflow.measure.ranks import pearson, rankdata, spearman
 
-    assert ranks([3.0, 1.0, 1.0, 2.0]).tolist() == [3.0, 0.5, 0.5, 2.0]
+    assert rankdata([3.0, 1.0, 1.0, 2.0]).tolist() == [4.0, 1.5, 1.5, 3.0]
     real = np.array([-600.0, -1.0, 0.0, 0.5, 1.0])
     predicted = np.array([-5.0, -0.5, 0.1, 0.2, 0.9])  # the order right, the outlier's size far off
     assert spearman(predicted, real) == pytest.approx(1.0) and pearson(predicted, real) < 0.99
@@ -152,9 +151,9 @@ def test_quality_report_has_a_rank_correlation_that_ties_share():
 
 def test_controller_learns_in_a_dream_with_a_known_best_rule():
     """In a dream whose reward model pays +1 for rule 1 and -1 otherwise, PPO learns to prefer rule 1."""
-    from rlflow.controller.dream_ppo import DreamPPOConfig, train_in_dream
-    from rlflow.controller.latent import LatentPolicy
-    from rlflow.worldmodel.dream import DreamBatch
+    from rlflow.agents.controller import LatentPolicy
+    from rlflow.train.worldmodel.dream import DreamBatch
+    from rlflow.train.worldmodel.dream_ppo import DreamPPOConfig, train_in_dream
     from rlflow.worldmodel.mdrnn import MDRNN
 
     torch.manual_seed(0)
@@ -185,7 +184,7 @@ def test_controller_learns_in_a_dream_with_a_known_best_rule():
 def test_exploration_tries_every_rule_of_a_state_before_repeating_one():
     import numpy as np
 
-    from rlflow.controller.real_episodes import explore_action
+    from rlflow.train.worldmodel.episodes import explore_action
 
     rng = np.random.default_rng(0)
     tried: dict = {}
@@ -205,7 +204,7 @@ def test_exploration_by_match_draws_rules_as_often_as_their_matches_and_still_tr
     19 (uniformly it would be one in three), and a state still has every rule tried before any twice."""
     import numpy as np
 
-    from rlflow.controller.real_episodes import explore_action
+    from rlflow.train.worldmodel.episodes import explore_action
 
     rng = np.random.default_rng(0)
     rules, matches = np.array([0, 1, 2]), np.array([17, 1, 1, 0])
@@ -225,14 +224,14 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
 
     import numpy as np
 
-    from rlflow.controller.ship import ship_worldmodel
-    from rlflow.controller.wm_actor import WorldModelActor
-    from rlflow.observation import NEG
-    from rlflow.env import RewriteEnv
-    from rlflow.measure.costmodel import CostModel
-    from rlflow.optimize import optimize
-    from rlflow.report import format_report
+    from rlflow.agents.actor import WorldModelActor
+    from rlflow.env.observation import NEG
+    from rlflow.env.rewrite_env import RewriteEnv
+    from rlflow.measure.costmodel.model import CostModel
+    from rlflow.optimize.pipeline import optimize
+    from rlflow.optimize.report import format_report
     from rlflow.search.agent import load_agent
+    from rlflow.train.ship import ship_worldmodel
 
     config, _ = run
     meta = ship_worldmodel(Path(config.run_dir) / "worldmodel.pt", Path(config.out) / "worldmodel.json",
@@ -277,9 +276,9 @@ def test_dream_finetune_stops_at_its_deadline_and_leaves_the_agent_alone(run):
     import time
     from pathlib import Path
 
-    from rlflow.controller.finetune import finetune_in_dream
-    from rlflow.controller.wm_actor import load_actor
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.agents.actor import load_actor
+    from rlflow.measure.costmodel.model import CostModel
+    from rlflow.train.finetune import finetune_in_dream
 
     config, _ = run
     actor, _ = load_actor(Path(config.run_dir) / "worldmodel.pt")
@@ -300,12 +299,12 @@ def test_greedy_evaluation_never_steps_back_to_a_graph_it_has_visited(tiny_model
     to a graph it has seen."""
     import numpy as np
 
-    from rlflow.env import RewriteEnv
+    from rlflow.agents.worldmodel_agent import Agent
+    from rlflow.env.rewrite_env import RewriteEnv
     from rlflow.rewrites import RULES
-    from rlflow.worldmodel.replay import Replay
-    from rlflow.controller.real_episodes import real_episode
-    from rlflow.controller.wm_agent import Agent
-    from rlflow.controller.wm_config import Config
+    from rlflow.train.worldmodel.config import Config
+    from rlflow.train.worldmodel.episodes import real_episode
+    from rlflow.train.worldmodel.replay import Replay
 
     names = [r.name for r in RULES] + ["terminate"]
     config = Config(hidden=16, rounds=1, learn_location=False, max_nodes=128, max_edges=256, max_candidates=64)
@@ -351,11 +350,11 @@ def test_m_keeps_the_epoch_with_the_lowest_loss_on_its_validation_episodes(run):
 
     import numpy as np
 
+    from rlflow.agents.worldmodel_agent import load_checkpoint
+    from rlflow.train.worldmodel.learn import train_mdrnn
+    from rlflow.train.worldmodel.quality import encode_all
+    from rlflow.train.worldmodel.replay import Replay, sequences
     from rlflow.worldmodel.mdrnn import mdrnn_loss
-    from rlflow.worldmodel.replay import Replay, sequences
-    from rlflow.worldmodel.report import encode_all
-    from rlflow.controller.wm_agent import load_checkpoint
-    from rlflow.controller.wm_learn import train_mdrnn
 
     config, _ = run
     agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")
@@ -382,7 +381,7 @@ def test_the_reward_error_is_shared_out_by_rule():
     import numpy as np
 
     from rlflow.rewrites import RULES
-    from rlflow.worldmodel.report import error_by_rule
+    from rlflow.train.worldmodel.quality import error_by_rule
 
     shares = error_by_rule(np.array([0.0, 0.0, 1.0, 5.0]), np.array([1.0, 1.0, 1.0, 2.0]), np.array([0, 0, 1, 2]))
     assert shares == {RULES[2].name: pytest.approx(9 / 11, abs=1e-4), RULES[0].name: pytest.approx(2 / 11, abs=1e-4),
@@ -393,8 +392,8 @@ def test_the_reward_error_is_shared_out_by_rule():
 def test_reward_bootstrap_deals_each_episode_to_members_once_for_the_run():
     """Each episode goes to about `share` of the members, at least one, the same ones on every call (the draw rests
     on the episode's place in the replay, so iterations keep members apart); 0 and 1 deal everything to all."""
-    from rlflow.worldmodel.replay import Episode, Replay
-    from rlflow.controller.wm_learn import reward_bootstrap
+    from rlflow.train.worldmodel.learn import reward_bootstrap
+    from rlflow.train.worldmodel.replay import Episode, Replay
 
     replay = Replay(3)
     replay.episodes = [Episode(model=f"m{i}") for i in range(400)]
@@ -415,8 +414,8 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
     import dataclasses
     from pathlib import Path
 
-    from rlflow.controller.wm_agent import load_checkpoint
-    from rlflow.controller.wm_train import main
+    from rlflow.agents.worldmodel_agent import load_checkpoint
+    from rlflow.train.worldmodel.loop import main
 
     config, result = run
     assert config.match_input == "embedding" and result["quality"]["random_location_transitions"] > 0
@@ -433,7 +432,7 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
 def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
     """The command line offers match_input's values as choices: a wrong one exits 2 with one error line, before any
     work; a right one reaches the Config."""
-    from rlflow.controller.wm_train import parse_args
+    from rlflow.train.worldmodel.loop import parse_args
 
     assert parse_args(["--match-input", "score"]).match_input == "score"
     with pytest.raises(SystemExit) as exit_info:
@@ -448,7 +447,7 @@ def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path
     import dataclasses
 
     from rlflow.errors import InputError
-    from rlflow.controller.wm_train import Config, main
+    from rlflow.train.worldmodel.loop import Config, main
 
     config = dataclasses.replace(Config(), reward_symlog=-1.0, out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"))
     with pytest.raises(InputError, match="reward_symlog must be >= 0"):
@@ -459,8 +458,8 @@ def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path
 def _agent_whose_m_predicts(config, pays: dict[int, float], spread: float = 0.0):
     """An agent whose M predicts reward `pays[a]` (in % of the runtime, 0 for other actions) for action a from any
     state, the two ensemble members `spread` apart (mean as given)."""
+    from rlflow.agents.worldmodel_agent import Agent
     from rlflow.rewrites import RULES
-    from rlflow.controller.wm_agent import Agent
 
     agent = Agent(config, len(RULES))
     m = agent.mdrnn
@@ -483,14 +482,14 @@ def test_planning_takes_the_rule_m_predicts_to_pay_most_as_the_dream_pays_it(tin
     argmax; sampled choices stay the controller's."""
     import numpy as np
 
-    from rlflow.observation import NEG
-    from rlflow.controller.wm_actor import WorldModelActor
-    from rlflow.env import RewriteEnv
+    from rlflow.agents.actor import WorldModelActor
+    from rlflow.agents.worldmodel_agent import Memory, Planning
+    from rlflow.env.observation import NEG
+    from rlflow.env.rewrite_env import RewriteEnv
     from rlflow.rewrites import RULES
-    from rlflow.controller.wm_agent import Memory, Planning
-    from rlflow.controller.real_episodes import real_episode
-    from rlflow.worldmodel.replay import Replay
-    from rlflow.controller.wm_config import Config
+    from rlflow.train.worldmodel.config import Config
+    from rlflow.train.worldmodel.episodes import real_episode
+    from rlflow.train.worldmodel.replay import Replay
 
     assert Planning.of({}) is None and Planning.of({"greedy_by": "controller"}) is None
     assert Planning.of({"greedy_by": "model", "reward_scale": 5.0}) == Planning(5.0, 1.0, None)

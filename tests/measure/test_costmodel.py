@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.graph import Graph
-from rlflow.measure.costmodel import CostModel
+from rlflow.graph.core import Graph
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.ranks import rankdata, spearman
 from rlflow.measure.session import SessionSettings
 
@@ -143,8 +143,7 @@ def test_rankdata_and_spearman_with_ties():
 
 
 def test_check_command_writes_json_and_markdown(tmp_path):
-    from rlflow.measure import costmodel_check
-
+    from rlflow.measure.costmodel import check as costmodel_check
     path = tmp_path / "cnn.onnx"
     graph = _conv_bn_relu()
     graph.save(path)
@@ -159,7 +158,7 @@ def test_check_command_writes_json_and_markdown(tmp_path):
 
 
 def test_significant_pairs():
-    from rlflow.measure.costmodel_check import significant_pairs
+    from rlflow.measure.costmodel.check import significant_pairs
 
     ratios = [(1.0, 1.0, 1.0), (1.2, 1.1, 1.3), (0.99, 0.95, 1.02)]
     pairs, agree = significant_pairs([10.0, 8.0, 10.5], ratios)
@@ -207,7 +206,7 @@ class _SlowSessionRunner(_ScriptedRunner):
 
 
 def test_a_session_that_stays_slow_does_not_set_the_entry(tmp_path, monkeypatch):
-    import rlflow.measure.group_timing as group_timing
+    import rlflow.measure.costmodel.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _SlowSessionRunner)
@@ -230,7 +229,7 @@ def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path,
     """The per-call overhead is timed alongside every group: an overhead timed once during a slow stretch and reused
     would floor every group measured after the stretch.  And the stretch itself (everything 1.8x slower) is scaled
     out by the gauge, calibrated before it began."""
-    import rlflow.measure.group_timing as group_timing
+    import rlflow.measure.costmodel.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
@@ -248,7 +247,7 @@ def test_a_busy_moment_while_timing_the_overhead_biases_no_later_group(tmp_path,
 def test_an_entry_keeps_the_scale_it_was_measured_with(tmp_path, monkeypatch):
     """A group timed wholly inside a slow stretch before the gauge ever saw full speed stays at 1.8x its cost when
     faster reference runs come later: costs an environment has cached must not change under it."""
-    import rlflow.measure.group_timing as group_timing
+    import rlflow.measure.costmodel.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
@@ -265,7 +264,7 @@ def test_an_entry_keeps_the_scale_it_was_measured_with(tmp_path, monkeypatch):
 def test_a_small_group_is_timed_as_copies_and_its_time_shared_among_them(tmp_path, monkeypatch):
     """A group of 10 us behind 50 us of call overhead is timed as enough copies to take `REPLICA_TARGET_S`, and each
     copy is charged its own share; a group long enough alone is timed alone."""
-    import rlflow.measure.group_timing as group_timing
+    import rlflow.measure.costmodel.group_timing as group_timing
     import rlflow.measure.timing as timing
 
     monkeypatch.setattr(timing, "Runner", _ScriptedRunner)
@@ -284,8 +283,8 @@ def test_replicated_copies_share_no_name_and_each_computes_the_group(tmp_path):
     """The copies timed together must be independent (onnxruntime can merge nothing) and each the group itself."""
     import onnxruntime as ort
 
-    from rlflow.measure.group_timing import replicated
-    from rlflow.measure.groups import isolated_model
+    from rlflow.measure.costmodel.group_timing import replicated
+    from rlflow.measure.costmodel.groups import isolated_model
     from rlflow.measure.inputs import random_inputs
 
     graph = _conv_bn_relu()
@@ -308,7 +307,7 @@ def test_replicated_copies_share_no_name_and_each_computes_the_group(tmp_path):
 
 
 def test_check_leaves_out_graphs_the_provider_refuses_and_lists_them():
-    from rlflow.measure.costmodel_check import runnable
+    from rlflow.measure.costmodel.check import runnable
 
     class Refused:
         """A rewritten graph onnxruntime will not build (as CUDA refused a Conv+Clip fusion on the H100)."""
@@ -325,14 +324,14 @@ def test_check_leaves_out_graphs_the_provider_refuses_and_lists_them():
 
 
 def test_a_machine_the_project_has_measured_starts_from_its_shipped_table(tmp_path, monkeypatch):
-    from rlflow.measure import costmodel
+    from rlflow.measure.costmodel import table as costmodel_table
 
     model = CostModel(cache_dir=tmp_path / "cache")
     shipped = {"key": model.key, "groups": {"g": "o:1"}, "costs": {"o:1": 0.5}, "ops": {"o:1": "Relu"}}
     (tmp_path / "tables").mkdir()
     (tmp_path / "tables" / "this-machine.json").write_text(json.dumps(shipped))
     (tmp_path / "tables" / "other.json").write_text(json.dumps({**shipped, "key": {**model.key, "machine": "x"}}))
-    monkeypatch.setattr(costmodel, "TABLES", tmp_path / "tables")
+    monkeypatch.setattr(costmodel_table, "TABLES", tmp_path / "tables")
     assert len(CostModel(cache_dir=tmp_path / "cache")) == 1
     other = CostModel(SessionSettings(threads=2), cache_dir=tmp_path / "cache")  # another key: starts empty
     assert len(other) == 0
@@ -345,8 +344,8 @@ def test_random_sequences_everywhere_apply_a_rule_at_each_of_its_matches():
 
     import numpy as np
 
-    from rlflow.graph import load
-    from rlflow.measure.costmodel_check import random_graphs
+    from rlflow.graph.core import load
+    from rlflow.measure.costmodel.check import random_graphs
     from rlflow.rewrites import find_matches
 
     export = Path(__file__).resolve().parents[1] / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.graph import Graph
-from rlflow.measure.costmodel import CostModel
-from rlflow.measure.costmodel_audit import GroupAudit, audit_graphs, main, refresh, summary
+from rlflow.graph.core import Graph
+from rlflow.measure.costmodel.audit import GroupAudit, audit_graphs, main, refresh, summary
+from rlflow.measure.costmodel.model import CostModel
 
 
 def _graph() -> Graph:

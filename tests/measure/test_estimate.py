@@ -9,11 +9,19 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.errors import RlflowError
-from rlflow.graph import Graph
-from rlflow.measure.costmodel import CACHE_VERSION, CostModel
-from rlflow.measure.estimate import EstimatedCostModel, cost_model_for, estimated_only
-from rlflow.measure.group_estimate import (FEATURES, SHIPPED, Estimate, error, fit, group_features, load_estimate,
-                                           published_h100)
+from rlflow.graph.core import Graph
+from rlflow.measure.costmodel.gpu_estimate import EstimatedCostModel, cost_model_for, estimated_only
+from rlflow.measure.costmodel.model import CACHE_VERSION, CostModel
+from rlflow.measure.costmodel.size_estimate import (
+    FEATURES,
+    SHIPPED,
+    Estimate,
+    error,
+    fit,
+    group_features,
+    load_estimate,
+    published_h100,
+)
 from rlflow.measure.session import SessionSettings
 
 CUDA = SessionSettings(provider="CUDAExecutionProvider")

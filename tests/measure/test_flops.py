@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.measure.flops import count_flops, count_params, flops_by_op
+from rlflow.graph.flops import count_flops, count_params, flops_by_op
 
 
 def _model(nodes, inputs, outputs, initializers=()):

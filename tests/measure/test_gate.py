@@ -5,10 +5,17 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure import SessionSettings
-from rlflow.measure.gate import (GATE_MAX_SECONDS, GATE_SECONDS, MIN_BLOCKS, gate_budget, measure_gate, plan_gate,
-                                 warmup_runs)
+from rlflow.measure.gate import (
+    GATE_MAX_SECONDS,
+    GATE_SECONDS,
+    MIN_BLOCKS,
+    gate_budget,
+    measure_gate,
+    plan_gate,
+    warmup_runs,
+)
 from rlflow.measure.timing import MIN_ROUNDS, WARMUP_RUNS, Pace, check_and_time
 from tests.conftest import tiny_model
 

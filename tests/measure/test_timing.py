@@ -6,10 +6,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.measure import SessionSettings, compare, profile_nodes, time_model
 from rlflow.errors import ProviderError
+from rlflow.measure import SessionSettings, compare, profile_nodes, time_model
 from rlflow.measure import timing as timing_module
-from rlflow.measure.timing import bootstrap_ratio, check_and_time
+from rlflow.measure.bootstrap import bootstrap_ratio
+from rlflow.measure.timing import check_and_time
 from tests.conftest import tiny_model
 
 

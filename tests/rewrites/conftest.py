@@ -8,7 +8,7 @@ import warnings
 import onnx
 import pytest
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 
 ZOO_MODELS = ("bert-base-tiny", "resnet-18-tiny")
 

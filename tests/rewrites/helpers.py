@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.verify import verify
 from rlflow.rewrites import apply, rule
 

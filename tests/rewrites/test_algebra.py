@@ -1,7 +1,6 @@
 """Algebra rules: associativity, distributivity, elementwise operators commuting with Concat, Split and layout."""
 from __future__ import annotations
 
-
 from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
 
 

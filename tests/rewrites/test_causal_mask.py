@@ -8,11 +8,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rlflow import load, zoo
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.rewrites import rule
-from rlflow.rewrites.attention import _where_mask
-
+from rlflow.rewrites.fusion_attention import _where_mask
 from tests.conftest import tiny_model
+
 from .helpers import assert_rewrites
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from rlflow.graph import load
+from rlflow.graph.core import load
 from rlflow.rewrites import apply, rule
 
 from .helpers import assert_rewrites

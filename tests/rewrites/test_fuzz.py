@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.verify import verify
 from rlflow.rewrites import RULES, apply
 

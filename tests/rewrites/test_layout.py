@@ -1,7 +1,6 @@
 """Layout rules: transposes, reshapes, concatenations and splits that cancel or move."""
 from __future__ import annotations
 
-
 from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
 
 X = {"x": [2, 3, 4]}
@@ -121,7 +120,7 @@ def test_concat_split_cancel_with_an_equal_split():
     """An equal Split (no sizes input) of a Concat of static parts cancels; this path once raised a NameError."""
     from onnx import TensorProto, helper
 
-    from rlflow.graph import Graph
+    from rlflow.graph.core import Graph
     from rlflow.measure.verify import verify
     from rlflow.rewrites import apply, rule
 

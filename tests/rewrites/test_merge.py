@@ -1,7 +1,6 @@
 """Merge rules: parallel MatMuls, Gemms and Convs combined into one operator."""
 from __future__ import annotations
 
-
 from .helpers import assert_refuses, assert_rewrites, case_tests, graph, node, weights
 
 IMAGE = {"x": [1, 4, 6, 6]}

@@ -5,9 +5,10 @@ undone by its inverse.  The exports are built once per session (`conftest.py`).
 """
 from __future__ import annotations
 
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure.verify import verify
 from rlflow.rewrites import GROUPS, apply, rule
+
 
 def _verified(graph: Graph, rules, tries: int = 2) -> tuple[str, Graph] | None:
     """The first (match, new graph) among `rules` on `graph` that onnxruntime verifies, or None."""

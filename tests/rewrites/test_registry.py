@@ -1,28 +1,31 @@
-"""The registry: names, categories, documentation, and the README example (which runs as written)."""
+"""The registry: names, groups, the append-only order, documentation, and the README example (which runs as
+written)."""
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
 import pytest
 from onnx import TensorProto
 
-from rlflow.rewrites import CATEGORIES, REGISTRY_VERSION, RULES, match_counts, rule
+from rlflow.rewrites import GROUP_NAMES, REGISTRY_VERSION, RULES, match_counts, rule
 from rlflow.rewrites.base import registry_version
 
 from . import test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge
 from .helpers import graph, node
 
-README = Path(__file__).resolve().parents[2] / "rlflow" / "rewrites" / "README.md"
+PACKAGE = Path(__file__).resolve().parents[2] / "rlflow"
+README = PACKAGE / "rewrites" / "README.md"
 
 
 def test_registry_shape():
     names = [r.name for r in RULES]
     assert len(names) == len(set(names)) >= 50
     assert names[:2] == ["transpose-transpose", "conv-bn-fold"]  # the first published action ids
-    assert {r.category for r in RULES} == set(CATEGORIES)
+    assert {r.group for r in RULES} == set(GROUP_NAMES)
     assert REGISTRY_VERSION == registry_version(RULES)
     assert all(r.description.startswith("Replaces ") and r.description.endswith(".") for r in RULES)
 
@@ -47,6 +50,24 @@ def test_groups_cover_every_rule_once():
     assert list(GROUPS) == ["merge", "algebra", "fold", "layout", "fusion", "inverse"]
     names = [r.name for group in GROUPS.values() for r in group]
     assert sorted(names) == sorted(r.name for r in RULES) and all(GROUPS.values())
+    assert all(r in GROUPS[r.group] for r in RULES)
+
+
+def test_the_shipped_agents_registry_is_a_prefix_of_this_one():
+    """Append only: each shipped checkpoint's rules are the first rules of RULES, in its order (a line inserted, moved
+    or renamed in `registry.py` shifts every action id after it, and the shipped agents would refuse to load)."""
+    shipped = sorted((PACKAGE / "checkpoints").glob("*.json"))
+    assert shipped
+    for meta in shipped:
+        info = json.loads(meta.read_text())
+        assert registry_version(RULES[:info["rules"]]) == info["registry_version"], meta.name
+
+
+def test_the_registry_tables_comments_name_each_rules_action_id():
+    """`registry.py` writes `# <action id> <name>` beside each rule; a line added with a wrong comment misleads."""
+    text = (PACKAGE / "rewrites" / "registry.py").read_text()
+    comments = re.findall(r"^    \w+\.\w+\(group=\"\w+\"\),\s+# *(\d+) ([a-z0-9-]+)$", text, flags=re.M)
+    assert comments == [(str(i), r.name) for i, r in enumerate(RULES)]
 
 
 def test_contrib_roots_only_where_declared():
@@ -70,7 +91,7 @@ def test_match_counts_lists_every_rule():
 def test_readme_lists_every_rule():
     text = README.read_text()
     for r in RULES:
-        assert f"| `{r.name}` | {r.category} |" in text, r.name
+        assert f"| `{r.name}` | {r.group} |" in text, r.name
 
 
 def test_readme_example_runs():

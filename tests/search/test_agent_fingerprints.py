@@ -22,9 +22,9 @@ def visited_fingerprints(model: str, folder: Path) -> list[str]:
     import torch
 
     from rlflow import zoo
-    from rlflow.env import RewriteEnv
-    from rlflow.graph import load
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.env.rewrite_env import RewriteEnv
+    from rlflow.graph.core import load
+    from rlflow.measure.costmodel.model import CostModel
     from rlflow.measure.session import SessionSettings
     from rlflow.search.agent import _play, as_actor, known_rules, load_agent
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.graph import load
+from rlflow.graph.core import load
 from rlflow.measure.verify import verify
 from rlflow.rewrites import apply, apply_all, rule
 from rlflow.search.candidates import Candidate, all_fusions, everywhere
@@ -82,7 +82,7 @@ def test_apply_all_keeps_what_a_subgraph_reads_from_outside():
     """An If branch reads a tensor of the outer graph by name: its producers stay live through a batch of rewrites."""
     from onnx import TensorProto, helper
 
-    from rlflow.graph import Graph
+    from rlflow.graph.core import Graph
 
     def value(name):
         return helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 2])
@@ -107,7 +107,7 @@ def test_apply_all_keeps_what_a_subgraph_reads_from_outside():
 def test_a_rewritten_graph_reuses_its_parents_dynamic_axes_and_they_are_right(bert):
     """`dynamic_axes` answers a rewritten clone from its parent's inference (`Graph.lineage_cache`): every tensor's
     answer must equal a fresh inference on the rewritten graph."""
-    from rlflow.rewrites.util import _moved_skeleton, _onnx_moved, _with_symbolic, dynamic_axes
+    from rlflow.graph.dynamic_axes import _moved_skeleton, _onnx_moved, _with_symbolic, dynamic_axes
 
     for tensor in bert.gs.tensors().values():
         dynamic_axes(bert, tensor)  # the parent's inference, cached
@@ -139,7 +139,7 @@ def test_a_candidate_onnxruntime_cannot_run_is_dropped_and_named(bert, monkeypat
     from rlflow.errors import ProviderError
     from rlflow.measure.session import SessionSettings
     from rlflow.measure.timing import Ratio
-    from rlflow.report import _dropped_lines
+    from rlflow.optimize.report import _dropped_lines
     from rlflow.search.greedy import GreedyConfig, greedy
 
     def measure(base, base_model, batch, *args):

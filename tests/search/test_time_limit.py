@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 import rlflow
-from rlflow.graph import Graph
+from rlflow.graph.core import Graph
 from rlflow.measure import timing
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace, compare

@@ -14,6 +14,6 @@ def tiny_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def wm_cost_model(tmp_path_factory):
-    from rlflow.measure.costmodel import CostModel
+    from rlflow.measure.costmodel.model import CostModel
 
     return CostModel(cache_dir=tmp_path_factory.mktemp("costmodel"))

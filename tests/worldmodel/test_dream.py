@@ -6,7 +6,7 @@ import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
-from rlflow.worldmodel.dream import DreamBatch, DreamEnv
+from rlflow.train.worldmodel.dream import DreamBatch, DreamEnv
 from rlflow.worldmodel.mdrnn import MDRNN
 
 
@@ -32,7 +32,7 @@ def test_dream_runs_after_the_real_env_is_closed(tiny_model, wm_cost_model):
     """The dream is built from latents only: closing (and deleting) the real environment changes nothing."""
     import gymnasium as gym
 
-    import rlflow.env  # noqa: F401 - registers rlflow/Rewrite-v0
+    import rlflow.env.rewrite_env  # noqa: F401 - registers rlflow/Rewrite-v0
 
     real = gym.make("rlflow/Rewrite-v0", model=tiny_model, cost_model=wm_cost_model, max_nodes=128, max_edges=256,
                     max_candidates=32)
@@ -96,8 +96,8 @@ def test_dream_pays_a_pessimistic_reward_clipped_per_rule():
 
 
 def test_dreams_start_from_real_states_with_their_hidden_state_and_steps():
-    from rlflow.worldmodel.dream import real_starts
-    from rlflow.worldmodel.replay import Episode
+    from rlflow.train.worldmodel.dream import real_starts
+    from rlflow.train.worldmodel.replay import Episode
 
     model = _model()
     mu, logvar = torch.randn(6, 8), torch.zeros(6, 8)

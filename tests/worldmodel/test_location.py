@@ -9,8 +9,8 @@ import torch
 @pytest.fixture(scope="module")
 def graph_with_a_repeated_rule(tiny_model, wm_cost_model):
     """A real observation of resnet-18-tiny and a rule with several listed matches there."""
-    from rlflow.observation import rule_candidates
-    from rlflow.env import RewriteEnv
+    from rlflow.env.observation import rule_candidates
+    from rlflow.env.rewrite_env import RewriteEnv
 
     obs, _ = RewriteEnv(tiny_model, cost_model=wm_cost_model, max_nodes=128, max_edges=256,
                         max_candidates=64).reset()
@@ -27,8 +27,8 @@ def _match(obs, candidate: int) -> list[int]:
 
 def _trained_scorer(obs, rule, candidates, good: int):
     """A scorer trained on transitions where `good` pays +20 and the rule's other matches -20."""
+    from rlflow.train.worldmodel.replay import Episode, Replay
     from rlflow.worldmodel.location import LocationScorer, train_location
-    from rlflow.worldmodel.replay import Episode, Replay
 
     torch.manual_seed(0)
     replay = Replay(n_rules=int(np.max(obs["cand_rule"])) + 1)
@@ -63,10 +63,10 @@ def test_the_scorer_learns_which_match_pays_and_the_choice_follows_it(graph_with
 def test_the_world_model_actor_plays_the_best_scored_match(graph_with_a_repeated_rule):
     """The actor's logit of a rule's best-scored match is the rule's logit; its other matches fall below it; without
     a scorer (checkpoints from before it) every match carries the rule's logit."""
-    from rlflow.controller.wm_actor import WorldModelActor
+    from rlflow.agents.actor import WorldModelActor
+    from rlflow.agents.worldmodel_agent import Agent
     from rlflow.rewrites import RULES
-    from rlflow.controller.wm_agent import Agent
-    from rlflow.controller.wm_config import Config
+    from rlflow.train.worldmodel.config import Config
 
     obs, rule, candidates = graph_with_a_repeated_rule
     good = int(candidates[1])
@@ -87,8 +87,8 @@ def test_the_world_model_actor_plays_the_best_scored_match(graph_with_a_repeated
 def test_best_returns_follow_the_best_continuation_seen_and_stop_at_nothing():
     """Value iteration over the states of real episodes: from state 0, one episode earns 1 then 5 (via state 1),
     another 2 and stops (via state 3); a rule and its inverse between 1 and 4 (-3, +3) must not loop into a gain."""
+    from rlflow.train.worldmodel.replay import Episode
     from rlflow.worldmodel.location import best_returns, location_transitions
-    from rlflow.worldmodel.replay import Episode
 
     rule = 0
     episodes = [Episode(model="m", states=[0, 1, 2], actions=[rule, rule], rewards=[1.0, 5.0], locations=[[1], [2]]),
@@ -110,8 +110,8 @@ def test_m_reads_the_scorers_description_of_random_matches_and_zeros_elsewhere(g
     """`match_descriptors` gives, for each step that went to a random match, the scorer's rating of that match (then
     its node embedding), the same as describing the match from the live observation (`describe_match`, which real
     rollouts use); the agent's own steps read zeros; `sequences` puts the bit before them."""
+    from rlflow.train.worldmodel.replay import Episode, sequences
     from rlflow.worldmodel.location import describe_match, match_descriptors, match_width, score_transitions
-    from rlflow.worldmodel.replay import Episode, sequences
 
     obs, rule, candidates = graph_with_a_repeated_rule
     good = int(candidates[-1])

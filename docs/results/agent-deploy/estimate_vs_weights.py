@@ -10,11 +10,10 @@ import argparse
 import statistics
 from pathlib import Path
 
-import numpy as np
 from onnx import numpy_helper
 
-from rlflow.graph import load
-from rlflow.measure.costmodel import CostModel
+from rlflow.graph.core import load
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Runner

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlflow.observation import first_candidate, rule_mask_from_obs
-from rlflow.controller.wm_actor import load_actor
-from rlflow.env import RewriteEnv
-from rlflow.graph import load
-from rlflow.measure.costmodel import CostModel
+from rlflow.agents.actor import load_actor
+from rlflow.env.observation import first_candidate, rule_mask_from_obs
+from rlflow.env.rewrite_env import RewriteEnv
+from rlflow.graph.core import load
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlflow.controller.unvisited import choose_unvisited
-from rlflow.controller.wm_actor import load_actor
-from rlflow.env import RewriteEnv
+from rlflow.agents.actor import load_actor
+from rlflow.agents.unvisited import choose_unvisited
+from rlflow.env.rewrite_env import RewriteEnv
 from rlflow.errors import RlflowError
-from rlflow.graph import load
-from rlflow.measure.costmodel import CostModel
+from rlflow.graph.core import load
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
 

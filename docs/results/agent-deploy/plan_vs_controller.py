@@ -1,5 +1,5 @@
 """World-model agents' greedy real episodes on their training models, two ways: the controller's argmax, and the rule
-M predicts to pay most (`greedy_by="model"`, `rlflow.controller.wm_agent.Planning`).  Each episode is played as the
+M predicts to pay most (`greedy_by="model"`, `rlflow.agents.worldmodel_agent.Planning`).  Each episode is played as the
 trainer's evaluation plays it (rule-wide steps, never back to a graph of the episode, at most the training's
 episode length), and its return is the cost table's (% of the estimated runtime saved), so the controller's column
 repeats the run's own last evaluation where the table is the run's.
@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from greedy_episode import play_greedy  # beside this script
 
-from rlflow.controller.wm_actor import WorldModelActor, load_actor
-from rlflow.env import RewriteEnv
-from rlflow.measure.costmodel import CostModel
+from rlflow.agents.actor import WorldModelActor, load_actor
+from rlflow.env.rewrite_env import RewriteEnv
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
-from rlflow.training import resolve_models
+from rlflow.train.common import resolve_models
 
 WAYS = ("controller", "model")
 
@@ -43,7 +43,7 @@ def returns(agent: Path, zoo_dir: str, cost_model) -> dict[str, dict[str, float]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("agents", nargs="+", type=Path, help="shipped world-model agents (rlflow.controller.ship)")
+    parser.add_argument("agents", nargs="+", type=Path, help="shipped world-model agents (rlflow.train.ship)")
     parser.add_argument("--zoo-dir", default="models")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """PPO's return played greedily, one episode per training model, as the world-model agent is evaluated
-(`rlflow.controller.evaluate.rollout_greedy`): PPO's *final* return is the mean of its last sampled training episodes,
+(`rlflow.train.evaluate.rollout_greedy`): PPO's *final* return is the mean of its last sampled training episodes,
 which greedy play need not reach.  Rewards come from the cost table of RLFLOW_CACHE: give the run's own.
 
     RLFLOW_CACHE=... python docs/results/agent-deploy/ppo_greedy.py build/quiet-table/ppo/ppo.pt
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import sys
 
-from rlflow.controller.evaluate import rollout_greedy
-from rlflow.controller.policy import load_checkpoint
-from rlflow.env import RewriteEnv
-from rlflow.measure.costmodel import CostModel
+from rlflow.agents.policy import load_checkpoint
+from rlflow.env.rewrite_env import RewriteEnv
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
+from rlflow.train.evaluate import rollout_greedy
 
 
 def main(path: str) -> None:

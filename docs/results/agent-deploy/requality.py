@@ -1,5 +1,5 @@
 """The world-model quality figures of finished runs, recomputed from their checkpoints: the figures a run reported
-(`rlflow.worldmodel.report.quality` after its last iteration) plus any added since, such as `reward_spearman_moved`.
+(`rlflow.train.worldmodel.quality.quality` after its last iteration) plus any added since, such as `reward_spearman_moved`.
 
 The checkpoint holds V, M, the location scorer and the replay as they stood after the last iteration; the quality
 figures were taken before that iteration's greedy evaluation added its episodes, so those are left out, and the
@@ -14,8 +14,8 @@ import math
 from pathlib import Path
 
 from rlflow.errors import RlflowError
-from rlflow.worldmodel.report import MOVED
-from rlflow.controller.rerun_quality import checkpoint_quality
+from rlflow.train.worldmodel.quality import MOVED
+from rlflow.train.worldmodel.rerun_quality import checkpoint_quality
 
 
 def requality(path: Path) -> dict:
@@ -36,7 +36,7 @@ def main() -> None:
     lines = ["# World-model reward quality, recomputed from the checkpoints", "",
              f"`python docs/results/agent-deploy/requality.py {' '.join(map(str, args.checkpoints))} --out {args.out}`",
              "", f"Held-out transitions; *moved*: those whose real reward is at least {MOVED}% of the estimated "
-             "runtime in size (`rlflow.worldmodel.report.MOVED`). Pearson and Spearman equal the runs' reports.", "",
+             "runtime in size (`rlflow.train.worldmodel.quality.MOVED`). Pearson and Spearman equal the runs' reports.", "",
              "| run | transitions | Pearson | Spearman | moved | Spearman over the moved | real reward exactly 0 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for path in args.checkpoints:

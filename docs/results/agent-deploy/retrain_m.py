@@ -3,7 +3,7 @@ the held-out transitions (Pearson and Spearman, and Spearman over the transition
 
 Everything but M is the run's own (V's posteriors, the location scorer's match descriptions, the split into training
 and held-out episodes), so the reward target is the only difference between the rows of one run: the experiment that
-chose `reward_symlog` (docs/results/agent-deploy/README.md, seventh part).
+chose `reward_symlog` (docs/results/archive/agent-deploy/README.md, seventh part).
 
     python docs/results/agent-deploy/retrain_m.py build/quiet-table/wm{0,1,2,3}/worldmodel.pt --symlog 0,1 \
         --repeats 2 --out docs/results/agent-deploy/symlog/retrain-m.md
@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from rlflow.errors import RlflowError
+from rlflow.train.worldmodel.config import Config
+from rlflow.train.worldmodel.learn import train_mdrnn
+from rlflow.train.worldmodel.quality import MOVED, quality
+from rlflow.train.worldmodel.rerun_quality import checkpoint_inputs, last_figures_episodes
 from rlflow.worldmodel.mdrnn import MDRNN
-from rlflow.worldmodel.report import MOVED, quality
-from rlflow.controller.rerun_quality import checkpoint_inputs, last_figures_episodes
-from rlflow.controller.wm_config import Config
-from rlflow.controller.wm_learn import train_mdrnn
 
 
 def retrained(path: Path, symlog: float, seed: int) -> dict:
@@ -58,7 +58,7 @@ def main() -> None:
     lines = ["# M retrained on finished runs' replays, per reward target", "", f"`{command}`", "",
              "Held-out transitions of each run; `reward_symlog` 0: M learns the rewards as they are, else "
              "sign(r)·log(1 + |r|/knee) with the knee at that many % of the runtime. *moved*: real reward at least "
-             f"{MOVED}% (`rlflow.worldmodel.report.MOVED`). One row per training seed.", "",
+             f"{MOVED}% (`rlflow.train.worldmodel.quality.MOVED`). One row per training seed.", "",
              "| run | transitions | reward_symlog | seed | Pearson | Spearman | Spearman over the moved | seconds |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for path in args.checkpoints:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlflow.graph import load
-from rlflow.measure.costmodel import CostModel
+from rlflow.graph.core import load
+from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import compare
 from rlflow.rewrites import apply_everywhere, rule

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import onnxruntime
 
-from rlflow.graph import load
+from rlflow.graph.core import load
 from rlflow.measure.session import SessionSettings
 from rlflow.search.agent import AgentConfig, agent_search, load_agent
 

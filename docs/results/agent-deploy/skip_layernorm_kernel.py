@@ -1,8 +1,9 @@
 """onnxruntime's CPU SkipLayerNormalization against Add (+ bias Add) + LayerNormalization, one op each, 1 thread,
 measured interleaved (`rlflow.measure.timing.compare`).
 
-Why skip-layernorm-fusion costs DeiT-tiny 16-18% (docs/results/agent-deploy/README.md). Without a bias Add,
-onnxruntime's own optimizer fuses the unfused pair into SkipLayerNormalization too, so both columns time that kernel.
+Why skip-layernorm-fusion costs DeiT-tiny 16-18% (docs/results/archive/agent-deploy/README.md, fifth part). Without a
+bias Add, onnxruntime's own optimizer fuses the unfused pair into SkipLayerNormalization too, so both columns time
+that kernel.
 
     python docs/results/agent-deploy/skip_layernorm_kernel.py
 """

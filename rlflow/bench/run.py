@@ -1,0 +1,291 @@
+"""Batch benchmarking: every method (and peer tool) on every model, measured the same way.
+
+Each row is one model under one method: the method's output measured interleaved against the input in one process
+(speedup with its bootstrap interval), verified on random data, with its optimisation time.  A model that fails under
+one method is reported as failed in that row and the run goes on.  The rows and the files written from them
+(results.json with every setting recorded, results.csv, results.md and two plots) are `rlflow.bench.results`; the
+machine's peak and versions are `rlflow.bench.machine`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from tqdm import tqdm
+
+from rlflow.bench.machine import environment, measure_peak
+from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, peer_tools, zoo_hints
+from rlflow.bench.results import Row, summarize, write_results
+from rlflow.errors import RlflowError
+from rlflow.graph.core import Graph, load
+from rlflow.graph.flops import count_flops, count_params
+from rlflow.graph.model_file import max_ir_version, read_model
+from rlflow.measure.memory import shares_weights
+from rlflow.measure.profile_comparison import compare_profiled
+from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
+from rlflow.measure.shape_profiles import Profile, arrange, attach, parse_profile
+from rlflow.measure.timing import Ratio, compare
+from rlflow.measure.verify import verify
+from rlflow.optimize.options import METHODS
+from rlflow.optimize.pipeline import optimize, verification_shapes
+from rlflow.train.ship import is_held_out
+
+log = logging.getLogger("rlflow")
+
+
+@dataclass
+class BenchConfig:
+    """Settings of a benchmark run, all recorded in results.json.
+
+    Attributes:
+        methods: rlflow search methods to run on every model.
+        peers: also run the peer tools (`rlflow.bench.peers.PEERS`: onnxsim, onnxoptimizer, onnxslim, the onnxscript
+            optimizer, onnxruntime's transformers optimizer) when installed.
+        provider: execution provider (`auto`, `cpu`, `cuda`).
+        threads: onnxruntime intra-op threads.
+        time_limit: seconds of search per model and method (None: each method's default,
+            `rlflow.optimize.options.DEFAULT_TIME_LIMITS`).
+        rounds: interleaved rounds of the bench's own input-vs-output measurements (optimize()'s gate runs with its
+            default plan, as a user's run does).
+        seed: random inputs and measurement order.
+        agent: method agent's checkpoint (None: the shipped agent).
+        profiles: shape profiles in the `--profile` syntax (`rlflow.measure.shape_profiles`), each model measured at
+            all of them (none: at the shapes it loads with); peers are measured at the first (heaviest) only.
+        ray: for `rlflow.bench.cluster.run_on_ray`, the Ray cluster each model runs on as one task: `local` starts one
+            on this machine, anything else is the address of a running cluster (`auto`, `ray://host:10001`); None for
+            a run here, without Ray.
+        cuda_graph: CUDA only: every measurement runs the models as captured CUDA graphs (`SessionSettings`).
+    """
+
+    methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
+    peers: bool = False
+    provider: str = "auto"
+    threads: int = 1
+    time_limit: float | None = None
+    rounds: int = 30
+    seed: int = 0
+    agent: str | None = None
+    profiles: tuple[str, ...] = ()
+    ray: str | None = None
+    cuda_graph: bool = False
+
+
+def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """ONNX files named directly or found (not recursively) in folders; rlflow's own outputs are skipped."""
+    models = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            models += sorted(p for p in path.glob("*.onnx") if not p.name.endswith(".rlflow.onnx"))
+        elif path.exists():
+            models.append(path)
+        else:
+            raise RlflowError(f"{path}: no such file or folder")
+    if not models:
+        raise RlflowError("no .onnx models found in " + ", ".join(map(str, paths)))
+    return models
+
+
+Schedule = Callable[[Sequence[Path], "BenchConfig", SessionSettings], Iterable[tuple[Path, "ModelBench"]]]
+"""Runs `bench_model` on every model somewhere and yields (model, its bench) as each finishes."""
+
+
+def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.PathLike, progress: bool = True,
+              schedule: Schedule | None = None) -> dict:
+    """Benchmarks every model under every method (and peer); writes and returns the results.
+
+    Results are written after every model, so an interrupted run keeps what it measured (`complete` says whether it
+    finished).  `schedule`: where the models run (default: here, one after the other; `rlflow.bench.cluster.run_on_ray`
+    passes one that runs each model as a task on a Ray cluster).
+    """
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise RlflowError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+    provider = resolve_provider(config.provider)
+    check_capture(provider, config.cuda_graph)
+    settings = SessionSettings(provider=provider, threads=config.threads, cuda_graph=config.cuda_graph)
+    peak = measure_peak(settings)
+    runs_per_model = len(config.methods) + (len(PEERS) if config.peers else 0)
+    rows: list[Row] = []
+    warmups: dict[str, float | None] = {}
+    started = time.monotonic()
+    if schedule is not None:
+        finished = schedule(models, config, settings)
+    else:
+        finished = ((model, bench_model(model, config, settings, peak)) for model in models)
+    with tqdm(total=len(models) * runs_per_model, desc="bench", unit="run", disable=not progress) as bar:
+        try:
+            for model, run in finished:
+                rows += run.rows
+                if run.loaded:
+                    warmups[model.stem] = run.warmup_seconds
+                bar.update(len(run.rows))
+                bar.set_postfix_str(model.stem)
+                write_results(_results(config, settings, peak, started, rows, warmups, complete=False), Path(out_dir))
+        except KeyboardInterrupt:
+            log.warning("interrupted: the rows of %d models are kept in %s", len({r.model for r in rows}), out_dir)
+            raise
+    results = _results(config, settings, peak, started, rows, warmups, complete=True)
+    write_results(results, Path(out_dir))
+    return results
+
+
+@dataclass
+class ModelBench:
+    """One model's rows, whether it loaded, and the seconds its cost-table warm-up took (None: not done)."""
+
+    rows: list[Row]
+    loaded: bool = True
+    warmup_seconds: float | None = None
+
+
+def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, peak: dict) -> ModelBench:
+    """One model under every method and peer of `config`.
+
+    A method that fails gets a failed row; the others still run.  Rows record the machine they ran on.
+    """
+    peers = PEERS if config.peers else ()
+    # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
+    agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
+    node = platform.node()
+    try:
+        graph = _load_profiled(model, [parse_profile(p) for p in config.profiles])
+        static = graph.to_model(static=True)
+        flops, params = count_flops(static), count_params(static)
+        warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
+        tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
+    except RlflowError as exc:
+        return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
+                           for method in (*config.methods, *peers)], loaded=False)
+    rows = []
+    settings = _settings_for(graph, settings)
+    for method in (*config.methods, *peers):
+        try:
+            if method in peers:
+                row = _run_peer(graph, method, tools[method], settings, config)
+            else:
+                row = _run_method(graph, method, settings, config)
+        except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
+            log.debug("%s / %s failed", model.stem, method, exc_info=True)
+            row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        row.params, row.flops, row.heldout, row.node = params, flops, is_held_out(model.stem, *agent_meta), node
+        if row.status == "ok":
+            row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
+            row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
+        rows.append(row)
+    return ModelBench(rows, warmup_seconds=warmup)
+
+
+def _settings_for(graph: Graph, settings: SessionSettings) -> SessionSettings:
+    """The settings with weights shared between sessions where the model's size calls for it, as optimize() does."""
+    return replace(settings, share_weights=shares_weights(graph))
+
+
+def _load_profiled(model: Path, profiles: list[Profile]) -> Graph:
+    """The model at the heaviest profile's shapes, measured at every profile (none: at the shapes it loads with)."""
+    if not profiles:
+        return load(model)
+    proto = read_model(model)
+    profiles = arrange(profiles, proto)
+    graph = Graph.from_model(proto, profiles[0].shapes, source=str(model), checked=True)
+    attach(graph, profiles)
+    return graph
+
+
+def warm_cost_table(graph: Graph, settings: SessionSettings) -> float | None:
+    """Fills the cost table for the model's own graph before any method runs on it; returns the seconds it took, or
+    None when the cost model cannot take the graph (the methods' own rows then say what fails on it).
+
+    The table is shared on disk, so whichever method ran first on a model would otherwise pay, inside its time limit,
+    for measuring the groups every later method then reads for free.  Groups of rewritten graphs are still measured by
+    whichever method reaches them first.
+    """
+    from rlflow.measure.costmodel.model import CostModel
+
+    start = time.monotonic()
+    try:
+        cost_model = CostModel(settings)
+        cost_model.graph_cost(graph)
+        cost_model.save()
+    except Exception as exc:  # noqa: BLE001 - a warm-up must not stop the run: every method still gets its row
+        log.warning("cost table warm-up failed on %s: %s", graph.source or "graph", str(exc).splitlines()[0][:200])
+        return None
+    return time.monotonic() - start
+
+
+def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started: float, rows: list[Row],
+             warmups: dict[str, float | None], complete: bool) -> dict:
+    """What results.json holds: the settings, the machine, every row so far and their per-method summary."""
+    records = [asdict(r) for r in rows]
+    return {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
+            "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
+            "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records}
+
+
+def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:
+    """optimize() as a user runs it; a rewritten output is then measured afresh against the input.
+
+    optimize() hands back a rewrite only when its own measurement puts the whole interval above 1, so that measurement
+    is chosen for being favourable (winner's curse); the row reports an independent one, with other inputs and session
+    order, and keeps the gate's median as `gate_speedup` (also when the gate rejected the rewrite; NaN when no
+    verified rewrite reached it) with optimize()'s `reason` and `outcome`.  A kept input is the input: speedup exactly 1.
+    """
+    start = time.monotonic()
+    result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
+                      threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
+                      agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph)
+    seconds = time.monotonic() - start
+    comparison = result.comparison
+    per_profile = []
+    if result.rewritten:
+        measured = compare_profiled([graph, result.graph], settings, rounds=config.rounds, seed=config.seed + 1)
+        comparison = measured.comparisons[0]
+        per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
+                       for p, c in zip(measured.profiles, measured.comparisons)]
+        ratio = measured.ratios[1]
+    else:
+        ratio = comparison.ratios[1]
+    before, after = comparison.timings
+    verification = result.verification if result.rewritten else None  # else the output is the input itself
+    return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
+               latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
+               faster=ratio.faster, rewritten=result.rewritten,
+               verified=verification.ok if verification else True,
+               max_rel_error=verification.max_rel_norm if verification else 0.0,
+               seconds=seconds, search_seconds=result.search_seconds,
+               gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
+               outcome=result.outcome,
+               candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile)
+
+
+def _ratio_fields(ratio: Ratio) -> dict:
+    return {"speedup": ratio.median, "speedup_low": ratio.low, "speedup_high": ratio.high}
+
+
+def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings, config: BenchConfig) -> Row:
+    """A peer tool on the model with its measurement shapes fixed, checked and measured exactly like rlflow's output."""
+    start = time.monotonic()
+    source = graph.to_model(static=True)
+    try:
+        output = tool(source)
+    except ImportError:
+        return Row(Path(graph.source or "graph").stem, name, "not installed", "pip install 'rlflow[peers]'", "peer")
+    except NotApplicable as exc:
+        return Row(Path(graph.source or "graph").stem, name, "not applicable", str(exc), "peer")
+    seconds = time.monotonic() - start
+    tool_settings = peer_settings(output)
+    output.ir_version = min(output.ir_version, max_ir_version())
+    verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
+                          shapes=verification_shapes(graph)[:1])
+    comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
+    ratio = comparison.ratios[1]
+    return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
+               verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
+               latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
+               speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
+               max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings)
+

@@ -1,0 +1,96 @@
+"""What `rlflow optimize` can be asked: the search methods, operator sets and default time limits, and `Options`,
+one field per setting, each checked once before any work starts."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from rlflow.errors import InputError
+from rlflow.measure.session import PROVIDERS
+from rlflow.measure.shape_profiles import Profile
+from rlflow.rewrites import RULES, Rule
+
+METHODS = ("agent", "greedy", "taso", "random")
+"""agent: the shipped policy's rollouts, best few measured; greedy: best measured single rewrite, repeated; taso:
+cost-model backtracking search (TASO); random: random walks."""
+
+OPS = ("all", "standard")
+"""Operator sets an output may use: `all` (onnxruntime's contrib operators too: the fusions) or `standard` (the default
+ONNX domain only, for models that must also run outside onnxruntime: rules that emit contrib operators are left out)."""
+
+DEFAULT_TIME_LIMITS = {"agent": 10.0, "greedy": 60.0, "taso": 60.0, "random": 60.0}
+"""Seconds of search when none is given: the agent's point is to be quick, the searches' to be thorough."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to optimise for and how; every field is an `rlflow optimize` option of the same name."""
+
+    provider: str = "auto"
+    """`auto` (CUDA when usable, else CPU), `cpu` or `cuda`."""
+    threads: int = 1
+    """onnxruntime intra-op threads of every measurement (1 is the quiet setting on small machines)."""
+    method: str | None = None
+    """Search method (`METHODS`); None: `default_method` for the provider."""
+    time_limit: float | None = None
+    """Seconds of search (None: `DEFAULT_TIME_LIMITS`); the final verification and measurement come on top."""
+    input_shapes: Mapping[str, Sequence[int]] | None = None
+    """Values for dynamic input dimensions while measuring; the written model keeps them dynamic."""
+    seed: int = 0
+    """Random inputs and measurement order."""
+    rounds: int = 30
+    """Most interleaved rounds of the final input-vs-output measurement (fewer on a large model:
+    `rlflow.measure.gate`)."""
+    rules: Sequence[Rule] = RULES
+    """The rules the search may use."""
+    progress: bool = False
+    """Progress bars on the terminal."""
+    agent: str | os.PathLike | None = None
+    """The checkpoint of method `agent` (None: the shipped one)."""
+    finetune: int = 0
+    """Method `agent` only: PPO steps adapting the agent to this model first (`rlflow.train.finetune`: a PPO policy
+    against the cost model, a world-model agent in its dream); with a `time_limit`, they may use half of it."""
+    ops: str = "all"
+    """The operators the output may use (`OPS`); `standard` keeps only rules whose output stays in the default ONNX
+    domain (rule ids are the registry's, so the agents need no retraining).  On CUDA, rules whose output has no CUDA
+    kernel are left out too (`rules_for`)."""
+    profiles: Sequence[Profile] | None = None
+    """Shapes the model will run at, with their shares of the traffic (`rlflow.measure.shape_profiles`), instead of
+    `input_shapes`: candidates are scored by their weighted geometric mean speedup, and the output is kept only when
+    that is measurably above 1 and no profile is measurably slower.  Without either, and without shapes in the
+    model's metadata, a text model gets `default_profiles`."""
+    cuda_graph: bool = False
+    """CUDA only: every measurement runs the models as onnxruntime's captured CUDA graphs
+    (`SessionSettings.cuda_graph`), the configuration to deploy the output in."""
+
+    def check(self) -> None:
+        """Raises InputError, naming the option, for a value no run could use."""
+        if self.method is not None and self.method not in METHODS:
+            raise InputError(f"unknown method '{self.method}': choose from {', '.join(METHODS)}")
+        if self.finetune < 0 or (self.finetune and self.method not in (None, "agent")):
+            raise InputError("--finetune takes a number of steps >= 0 and adapts method 'agent' only")
+        if self.ops not in OPS:
+            raise InputError(f"unknown operator set '{self.ops}': choose from {', '.join(OPS)}")
+
+
+def default_method(provider: str, agent: str | os.PathLike | None = None) -> tuple[str, str | None]:
+    """The search `rlflow optimize` runs when none is named, with the reason where it is not the agent: the agent
+    where it was trained for `provider` (an onnxruntime provider name), else greedy search.  An agent acts on what it learnt of
+    one provider's costs, so on another provider greedy search, which measures, is the safer default.
+    """
+    from rlflow.search.agent import trained_provider
+
+    trained = trained_provider(agent)
+    if PROVIDERS.get(trained) == provider:
+        return "agent", None
+    which = "the given agent" if agent is not None else "the shipped agent"
+    return "greedy", f"{which} is trained for {trained}, not {provider}; --method agent runs it anyway"
+
+
+def rules_for(rules: Sequence[Rule], ops: str, provider: str) -> list[Rule]:
+    """The rules a search may use for an output of operator set `ops` on `provider`: `standard` leaves out every rule
+    that emits contrib operators, and CUDA those that emit an operator with no CUDA kernel (`Rule.cuda`), which would
+    run on the CPU between copies and make onnxruntime refuse CUDA graph capture (BERT-L4's pooler as FusedGemm cost
+    the search every all-fusions candidate on an H200)."""
+    return [r for r in rules if (ops != "standard" or not r.contrib) and (provider != PROVIDERS["cuda"] or r.cuda)]

@@ -1,0 +1,104 @@
+"""The terminal report of `rlflow optimize`: the decision and why, latencies, speedup (per shape profile too),
+verification, rewrites, operator counts, time and settings."""
+from __future__ import annotations
+
+from collections import Counter
+
+from rlflow.optimize.result import Result
+
+
+def format_report(result: Result) -> str:
+    """The terminal report: decision, latency, rewrites, op counts, verification and settings."""
+    lines = [f"rlflow optimize: {result.source or 'in-memory graph'}", f"  result      {result.reason}"]
+    before, after = result.comparison.timings
+    lines.append(f"  latency     {before.median_ms:.3f} ms -> {after.median_ms:.3f} ms (medians, IQR "
+                 f"{before.iqr_ms:.3f} / {after.iqr_ms:.3f} ms)")
+    if result.comparison.extra.get("unchanged"):
+        lines.append("  speedup     1x: the output is the input (its latency timed alone)")
+    elif result.profiles:
+        lines.append(f"  speedup     {result.speedup} (weighted geometric mean of the profiles' speedups and of their "
+                     f"{int(result.speedup.confidence * 100)}% bootstrap bounds)")
+    else:
+        lines.append(f"  speedup     {result.speedup} ({int(result.speedup.confidence * 100)}% bootstrap interval, "
+                     f"{result.comparison.rounds} interleaved rounds)")
+    lines += _profile_lines(result.profiles)
+    if result.verification is None:
+        lines.append("  verified    output is the input file unchanged")
+    else:
+        v = result.verification
+        lines.append(f"  verified    {'yes' if v.ok else 'NO'}: relative error norm ||out - ref|| / ||ref|| at most "
+                     f"{v.max_rel_norm:.2e} over seeds "
+                     f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)")
+        for check in v.outputs:
+            lines.append(f"              {check.name}: max abs {check.max_abs:.2e}, rel-norm {check.rel_norm:.2e} "
+                         f"(tolerance {check.tolerance:.0e})")
+    lines.append(f"  rewrites    {len(result.applied)}" + (": " + ", ".join(result.applied) if result.applied else "")
+                 + (f" (not kept: {', '.join(result.rejected)})" if result.rejected else ""))
+    ops = sorted(set(result.op_counts_before) | set(result.op_counts_after))
+    lines.append("  operators   " + f"{'op':<24}{'before':>8}{'after':>8}")
+    for op in ops:
+        b, a = result.op_counts_before.get(op, 0), result.op_counts_after.get(op, 0)
+        lines.append(f"              {op:<24}{b:>8}{a:>8}" + ("" if a == b else "  *"))
+    lines.append(f"              {'total':<24}{sum(result.op_counts_before.values()):>8}"
+                 f"{sum(result.op_counts_after.values()):>8}")
+    lines.append(f"  runs on     {result.runs_on}")
+    s = result.settings
+    if result.memory:
+        m = result.memory
+        lines.append(f"  memory      peak {m['peak'] / 2**30:.2f} GiB resident for {m['weights'] / 2**30:.2f} GiB of "
+                     f"weights (predicted for the weights: {m['predicted_peak'] / 2**30:.2f} GiB)"
+                     + ("; sessions shared the weights in place, without pre-packing" if s.get("share_weights") else ""))
+    lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
+                 f"{result.candidates_measured} candidates measured end to end, "
+                 f"{result.candidates_estimated} estimated")
+    if result.not_reached:
+        lines.append(f"  not reached {'; '.join(result.not_reached)}")
+    lines += _dropped_lines(result.candidates_dropped)
+    tuned = s.get("finetune")
+    if tuned:
+        where = tuned.get("environment", "cost model")
+        span = "at the first update, {} at the last" if where == "dream" else "in the first quarter, {} in the last"
+        lines.append(f"  finetune    {tuned['steps']} {where} steps, {tuned['updates']} PPO updates in "
+                     f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
+                     f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
+    capture = ", CUDA graph capture" if s.get("cuda_graph") else ""
+    lines.append(f"  settings    {s['provider']}{capture}, {s['threads']} thread(s), "
+                 f"graph optimisation '{s['opt_level']}', "
+                 f"method {s['method']}{_why(s.get('method_reason'))}, operators {s.get('ops', 'all')}, "
+                 f"seed {s['seed']}, "
+                 f"input shapes {s['input_shapes']}")
+    return "\n".join(lines)
+
+
+def _profile_lines(profiles: list[dict]) -> list[str]:
+    """One line per shape profile: weight share, the input's latency, and the output's with the speedup when the
+    final measurement ran (the latency line above is the first profile's)."""
+    total = sum(p["weight"] for p in profiles)
+    lines = []
+    for k, p in enumerate(profiles):
+        head = "  profiles    " if k == 0 else " " * 14
+        line = f"{head}{p['label']} ({p['weight'] / total:.0%} of traffic): input {p['input_ms']:.3f} ms"
+        if p["speedup"] is not None:
+            r = p["speedup"]
+            line += f", output {p['output_ms']:.3f} ms, {r['median']:.3f}x [{r['low']:.3f}, {r['high']:.3f}]"
+        lines.append(line)
+    return lines
+
+
+def _why(reason: str | None) -> str:
+    """A default choice's reason, in brackets after it."""
+    return f" ({reason})" if reason else ""
+
+
+def _signed(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f}"
+
+
+def _dropped_lines(dropped: list[dict]) -> list[str]:
+    """The candidates onnxruntime could not run, counted by the rules that made them, and its first message."""
+    if not dropped:
+        return []
+    counts = Counter(d["rules"] for d in dropped)
+    made_by = "; ".join(f"{rules} ({n})" if n > 1 else rules for rules, n in counts.most_common())
+    return [f"  dropped     {len(dropped)} candidate(s) onnxruntime could not run, made by: {made_by}",
+            f"              first error: {dropped[0]['error']}"]

@@ -1,0 +1,75 @@
+"""Small graph edits the rules share: adding nodes (`emit`, `emit_split`, `clone_node`, `combine`) and pointing a
+tensor's readers at another tensor (`replace_all`, `replace_typed`, `bypass`).  Rules call them on the clone that
+`rlflow.rewrites.apply` hands to `Rule.rewrite`, never on a graph a caller holds."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from rlflow.graph.core import Graph
+
+
+# ----------------------------------------------------------------------------------------------------- new nodes
+def emit(graph: Graph, op: str, inputs: Sequence[gs.Tensor], attrs: dict | None = None, domain: str = "",
+         hint: str | None = None) -> gs.Tensor:
+    """Adds a single-output node and returns its output."""
+    (out,) = graph.add_node(op, list(inputs), attrs=attrs, domain=domain, hint=hint)
+    return out
+
+
+def emit_split(graph: Graph, source: gs.Tensor, axis: int, sizes: Sequence[int] | None, parts: int,
+               outputs: Sequence[gs.Tensor] | None = None) -> list[gs.Tensor]:
+    """Adds a Split of `source` along `axis` into `sizes` (or `parts` equal parts when sizes is None, which keeps a
+    dynamic dimension dynamic) in the form the graph's opset wants."""
+    attrs: dict = {"axis": int(axis)}
+    inputs = [source]
+    if sizes is not None and graph.opset < 13:  # a model whose opset could not be raised on load
+        attrs["split"] = [int(s) for s in sizes]
+    elif sizes is not None:
+        inputs.append(graph.add_constant(np.array(list(sizes), dtype=np.int64), "split_sizes"))
+    elif graph.opset >= 18:
+        attrs["num_outputs"] = int(parts)
+    return graph.add_node("Split", inputs, list(outputs) if outputs is not None else parts, attrs=attrs)
+
+
+def clone_node(graph: Graph, node: gs.Node, inputs: Sequence[gs.Tensor], outputs: int | Sequence[gs.Tensor] = 1
+               ) -> list[gs.Tensor]:
+    """Adds a node with the same operator, domain and attributes as `node` on new inputs."""
+    return graph.add_node(node.op, list(inputs), outputs, attrs=dict(node.attrs), domain=node.domain or "",
+                          hint=node.name)
+
+
+_NUMPY_BINARY = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Max": np.maximum,
+                 "Min": np.minimum, "MatMul": np.matmul}
+
+
+def combine(graph: Graph, op: str, a: gs.Tensor, b: gs.Tensor, hint: str = "const") -> gs.Tensor:
+    """`op(a, b)`: computed now when both are constants (a new constant), else a new node."""
+    va, vb = Graph.constant(a), Graph.constant(b)
+    if va is not None and vb is not None and op in _NUMPY_BINARY and va.dtype == vb.dtype and va.dtype.kind == "f":
+        value = _NUMPY_BINARY[op](va.astype(np.float64), vb.astype(np.float64)).astype(va.dtype)
+        return graph.add_constant(value, hint)
+    return emit(graph, op, [a, b])
+
+
+# ------------------------------------------------------------------------------------------------- readers moved
+def replace_all(graph: Graph, olds: Sequence[gs.Tensor], news: Sequence[gs.Tensor]) -> None:
+    """`graph.replace_uses(old, new)` for each pair whose old tensor is read or is a graph output."""
+    for old, new in zip(list(olds), list(news)):
+        if old.outputs or graph.is_output(old):
+            graph.replace_uses(old, new)
+
+
+def replace_typed(graph: Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """`graph.replace_uses(old, new)` for a `new` that onnx shape inference cannot type (a contrib operator's output):
+    it takes old's element type and shape, which a semantics-preserving rewrite keeps, so later rules still see them."""
+    if new.dtype is None and new.shape is None and not isinstance(new, gs.Constant):
+        new.dtype, new.shape = old.dtype, old.shape
+    graph.replace_uses(old, new)
+
+
+def bypass(graph: Graph, node: gs.Node, source: gs.Tensor) -> None:
+    """Makes every reader of the node's first output read `source` instead (the node then dies in cleanup)."""
+    graph.replace_uses(node.outputs[0], source)

@@ -1,0 +1,150 @@
+"""Turns a training run's checkpoint into a shipped agent: `rlflow/checkpoints/<name>.pt` and `<name>.json`.
+
+A world-model run (`rlflow train --algo worldmodel`) ships as `default`, the agent `rlflow optimize` uses unless given
+`--agent`: V, M and the controller in the training checkpoint format (optimiser states included: a few MB) with the
+dream's reward clip taken from the run's training episodes, but not the replay.  A PPO run ships as `ppo`: weights,
+architecture, rule-registry and observation versions and the training config, not the optimiser state.
+`<name>.json` says what the agent was trained on and which zoo models it never saw, so reports can mark them.
+`make agent` and `make ppo-agent` train and ship each in one go:
+
+    rlflow ship --checkpoint build/agent/run/worldmodel.pt --results build/agent/worldmodel.json
+    rlflow ship --checkpoint build/ppo-agent/run/ppo.pt --results build/ppo-agent/ppo.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+from pathlib import Path
+
+from rlflow.files import write_text_atomic
+
+AGENTS_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
+
+MAX_BYTES = 20_000_000
+"""The package-data budget of the shipped agent: it ships inside the wheel, so its size is every user's download."""
+
+
+def _within_budget(path: Path) -> int:
+    """The size of the shipped checkpoint at `path`; over MAX_BYTES it is deleted and refused (RlflowError)."""
+    from rlflow.errors import RlflowError
+
+    size = path.stat().st_size
+    if size > MAX_BYTES:
+        path.unlink()
+        raise RlflowError(f"the agent is {size / 1e6:.1f} MB, over the {MAX_BYTES / 1e6:.0f} MB package-data budget")
+    return size
+
+
+def zoo_name(model: str) -> str:
+    """A model a run was given, as a zoo name: a file (`models/deit-tiny-b1-ts.onnx`) by its stem, so that the
+    provenance of a run given paths reads like that of one given names (`make agent`'s)."""
+    return Path(model).stem if model.endswith(".onnx") else model
+
+
+def ship(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR, name: str = "ppo") -> dict:
+    """Writes `<out>/<name>.pt` (inference-only checkpoint) and `<out>/<name>.json` (its provenance)."""
+    from rlflow.agents.policy import load_checkpoint, save_checkpoint
+
+    policy, payload = load_checkpoint(checkpoint)
+    run = json.loads(Path(results).read_text())
+    config = payload["config"]
+    path = save_checkpoint(out / f"{name}.pt", policy, None, config, real_steps=payload.get("real_steps"))
+    size = _within_budget(path)
+    meta = {
+        "checkpoint": path.name,
+        "bytes": size,
+        "algo": run.get("algo", "ppo"),
+        "registry_version": payload["registry_version"],
+        "rules": len(payload["rules"]),
+        "trained_on": [zoo_name(m) for m in config["models"]],
+        "held_out": [zoo_name(m) for m in config["holdout"]],
+        "provider": config.get("provider", "cpu"),
+        "real_steps": run["train"]["real_steps"],
+        "train_seconds": run["train"]["seconds"],
+        "final_mean_return": run["train"]["final_mean_return"],
+        "reproduce": "make ppo-agent",
+    }
+    write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR,
+                    name: str = "default") -> dict:
+    """Writes `<out>/<name>.pt` (V, M and the controller, with the dream's reward clip from the run's training
+    episodes, without the replay) and `<out>/<name>.json` from a world-model run (`rlflow train --algo
+    worldmodel`)."""
+    from rlflow.agents.worldmodel_agent import load_checkpoint, save_checkpoint
+    from rlflow.train.worldmodel.learn import dream_reward_range
+    from rlflow.train.worldmodel.replay import Replay
+    from rlflow.zoo import DEPLOY, names
+
+    agent, payload = load_checkpoint(checkpoint)
+    run = json.loads(Path(results).read_text())
+    replay = Replay.from_state_dict(payload["replay"])
+    low, high = dream_reward_range(replay.split(False), agent.n_rules)
+    config = payload["config"]
+    path = save_checkpoint(out / f"{name}.pt", agent, config, reward_range=(low.tolist(), high.tolist()),
+                           real_steps=payload["real_steps"])
+    size = _within_budget(path)
+    trained = {architecture(m) for m in config["models"]}
+    meta = {
+        "checkpoint": path.name,
+        "bytes": size,
+        "algo": "worldmodel",
+        "registry_version": payload["registry_version"],
+        "rules": len(payload["rules"]),
+        "trained_on": [zoo_name(m) for m in config["models"]],
+        "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
+        "provider": config.get("provider", "cpu"),
+        "real_steps": payload["real_steps"],
+        "train_seconds": run.get("wall_seconds"),
+        "final_mean_return": run.get("final_reward_worldmodel"),
+        "reproduce": f"make agent  # {run.get('command')}",
+    }
+    write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def architecture(model: str) -> str:
+    """The architecture a zoo name stands for: a deployment export's (DistilBERT-base at any sequence length, from
+    either exporter), else the name without its -tiny suffix (also for names the zoo does not know).  A model file
+    (`models/deit-tiny-b1-ts.onnx`, as a run trained on paths records it) stands for its stem."""
+    from rlflow.zoo import DEPLOY, get
+
+    model = zoo_name(model)
+    try:
+        entry = get(model)
+    except ValueError:
+        return model.removesuffix("-tiny")
+    return dict(entry.config).get("architecture", model) if entry.family == DEPLOY else model.removesuffix("-tiny")
+
+
+def is_held_out(model: str, out: Path = AGENTS_DIR, name: str = "default") -> bool:
+    """Whether the shipped agent never trained on `model`'s architecture (a zoo name: -tiny or not, a deployment
+    export at any shape or exporter): any model outside its training list counts, not only the ones its run set aside
+    (nasnet-a-mobile, for one, was in neither).  False when no agent metadata is there to say."""
+    path = out / f"{name}.json"
+    if not path.is_file():
+        return False
+    trained = {architecture(m) for m in json.loads(path.read_text())["trained_on"]}
+    return architecture(model) not in trained
+
+
+def main(argv: typing.Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="rlflow ship", description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="the training run's ppo.pt or worldmodel.pt")
+    parser.add_argument("--results", required=True, help="the training run's ppo.json or worldmodel.json")
+    parser.add_argument("--out", type=Path, default=AGENTS_DIR, help="folder of the shipped agent")
+    parser.add_argument("--name", default=None, help="file stem (default: 'default' for a world-model agent, the one "
+                                                     "rlflow optimize uses; 'ppo' for a PPO policy)")
+    args = parser.parse_args(argv)
+    from rlflow.agents.checkpoint import checkpoint_algo
+
+    if checkpoint_algo(args.checkpoint) == "worldmodel":
+        meta = ship_worldmodel(args.checkpoint, args.results, args.out, args.name or "default")
+    else:
+        meta = ship(args.checkpoint, args.results, args.out, args.name or "ppo")
+    print(f"shipped {args.out / meta['checkpoint']} ({meta['bytes'] / 1e6:.2f} MB, registry "
+          f"{meta['registry_version']}, held out: {', '.join(meta['held_out'])})")
+    return meta
