@@ -32,7 +32,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["threads"] == 1 and results["config"]["time_limit"] == 2
     assert results["config"]["agent"] == str(DEFAULT_AGENT)  # held out below: from the agent's own default.json
-    assert results["peak"]["gflops"] > 0 and results["environment"]["onnxruntime"]
+    assert results["peak"]["gflops"] > 0 and results["peak"]["gbs"] > 0 and results["environment"]["onnxruntime"]
     assert sorted(results["cost_table_warmup_seconds"]) == ["nasrnn", "resnet-18"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
     assert len(rows) == 3 * 7  # 3 models x (greedy + agent + 5 peers)
@@ -43,6 +43,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
             row = rows[(model, method)]
             assert row["status"] == "ok" and row["verified"], row
             assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
+            assert row["bytes_read"] > 0 and 0 < row["memory_fraction"] < 10  # the second roof, beside `peak`
             assert row["flops"] > 0 and 0 < row["peak_fraction"] and row["search_seconds"] <= row["seconds"]
             assert row["heldout"] == (model not in trained)  # the shipped agent's own training list says
             assert row["outcome"] in ("rewritten", "gate rejected", "not verified", "out of time", "nothing found"), \

@@ -1,5 +1,8 @@
-"""The machine a bench measures on: its matrix-product peak through onnxruntime (what the `peak` column divides by)
-and the hardware and software versions every results file records.
+"""The machine a bench measures on: its matrix-product peak and its streaming bandwidth through onnxruntime (what
+the `peak` and `memory` columns divide by) and the hardware and software versions every results file records.
+
+Two roofs, because models hit different ones: an encoder at sequence 128 is bound by arithmetic, a decoder's one-token
+step by reading its weights and cache, so a decode step far below the matrix-product peak may still be at the limit.
 """
 from __future__ import annotations
 
@@ -19,6 +22,10 @@ from rlflow.measure.timing import time_model
 PEAK_MATMUL_SIZE = 512
 """Side of the square matrices whose product `measure_peak` times."""
 
+STREAM_MEGABYTES = {"CPUExecutionProvider": 64, "CUDAExecutionProvider": 512}
+"""Size of the weight a one-row matrix product streams to time the bandwidth: well past the caches, and on a GPU
+large enough that the read, not the kernel launch, takes the time."""
+
 
 def measure_peak(settings: SessionSettings, size: int = PEAK_MATMUL_SIZE) -> dict:
     """The machine's matrix-product throughput through onnxruntime (GFLOP/s) with the bench's own settings."""
@@ -30,7 +37,23 @@ def measure_peak(settings: SessionSettings, size: int = PEAK_MATMUL_SIZE) -> dic
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version())
     timing = time_model(model, settings, warmup=3, repeats=20)
     gflops = 2 * size ** 3 / (timing.min_ms * 1e-3) / 1e9
-    return {"gflops": gflops, "matmul": [size, size, size], "best_ms": timing.min_ms, "median_ms": timing.median_ms}
+    return {"gflops": gflops, "matmul": [size, size, size], "best_ms": timing.min_ms, "median_ms": timing.median_ms,
+            **measure_bandwidth(settings)}
+
+
+def measure_bandwidth(settings: SessionSettings) -> dict:
+    """The machine's streaming bandwidth through onnxruntime (GB/s): a one-row matrix product, the shape of a decode
+    step's every projection, reads its whole weight once and does two FLOPs per weight, so its time is the read."""
+    megabytes = STREAM_MEGABYTES.get(settings.provider, 64)
+    rows, cols = 4096, megabytes * 2**20 // (4 * 4096)
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32), "W")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "stream",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, rows])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, cols])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=max_ir_version())
+    timing = time_model(model, settings, warmup=3, repeats=20)
+    read = rows * cols * 4 + 4 * (rows + cols)
+    return {"gbs": read / (timing.min_ms * 1e-3) / 1e9, "stream_bytes": read, "stream_best_ms": timing.min_ms}
 
 
 def environment(settings: SessionSettings) -> dict:

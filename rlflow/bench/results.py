@@ -47,6 +47,9 @@ class Row:
     rewrites: list[str] = field(default_factory=list)
     baseline_peak_fraction: float = float("nan")
     peak_fraction: float = float("nan")
+    bytes_read: int = 0  # weights, constants and inputs (a decode step's cache): what one run must read at least
+    baseline_memory_fraction: float = float("nan")
+    memory_fraction: float = float("nan")  # bytes_read / latency over the measured streaming bandwidth
     peer_settings: dict = field(default_factory=dict)  # what a peer ran with (ort-transformers: type, heads, fusions)
     profiles: list[dict] = field(default_factory=list)  # with several profiles: label, weight, speedup, low, high each
     node: str = ""  # the machine it ran on (a Ray run spreads models over several)
@@ -110,7 +113,8 @@ def markdown_table(results: dict) -> str:
         f"{results['settings']['threads']} thread(s), graph optimisation '{results['settings']['opt_level']}', "
         f"onnxruntime {env['onnxruntime']}, onnx {env['onnx']}, rlflow {env['rlflow']}. "
         f"Search time limit {_limit(cfg['time_limit'])} per model and method; {cfg['rounds']} interleaved rounds per "
-        f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s. "
+        f"measurement; seed {cfg['seed']}. Matrix-product peak measured by the bench: {peak['gflops']:.1f} GFLOP/s"
+        + (f", streaming bandwidth {peak['gbs']:.1f} GB/s. " if peak.get("gbs") else ". ") +
         f"Before the methods run on a model, the cost table is filled for its graph (outside every method's time; "
         f"{sum(s for s in results.get('cost_table_warmup_seconds', {}).values() if s is not None):.0f} s in all)."
         + (f" Method agent: `{cfg['agent']}`." if cfg.get("agent") else ""),
@@ -118,23 +122,27 @@ def markdown_table(results: dict) -> str:
         "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "
         "bootstrap interval; **bold** where the interval lies above 1. A rewritten output is measured afresh, apart "
         "from the measurement optimize() chose it by; a kept input is the input itself (speedup exactly 1). `peak` = "
-        "achieved FLOP/s of the output as a fraction of the measured peak. Error = worst relative-norm error of the "
+        "achieved FLOP/s of the output as a fraction of the measured peak; `memory` = the bytes one run must read "
+        "(weights, constants, inputs such as a KV cache) per second of the output, as a fraction of the measured "
+        "streaming bandwidth (the roof of a memory-bound model such as a decode step). Error = worst relative-norm error of the "
         "output against the input on random inputs.", "",
         *([] if results.get("complete", True)
           else ["**Partial results: the run was still going or was interrupted.**", ""]),
-        "| model | method | status | input ms | output ms | speedup [95% CI] | peak | error | rewrites | time s |",
-        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| model | method | status | input ms | output ms | speedup [95% CI] | peak | memory | error | rewrites "
+        "| time s |",
+        "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["rows"]:
         if r["status"] not in ("ok", "wrong output"):
-            lines.append(f"| {r['model']} | {r['method']} | {r['status']}: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['method']} | {r['status']}: {r['error']} | | | | | | | | |")
             continue
         speed = f"{r['speedup']:.3f} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]"
         if r["faster"]:
             speed = f"**{speed}**"
         lines.append(f"| {r['model']}{' †' if r.get('heldout') else ''} | {r['method']} | {r['status']} "
                      f"| {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
-                     f"| {speed} | {r['peak_fraction']:.1%} | {r['max_rel_error']:.1e} "
+                     f"| {speed} | {r['peak_fraction']:.1%} | {r.get('memory_fraction', float('nan')):.1%} "
+                     f"| {r['max_rel_error']:.1e} "
                      f"| {len(r['rewrites']) if r['kind'] == 'rlflow' else 'peer'} "
                      f"| {r['seconds']:.1f} |")
     profiled = [r for r in results["rows"] if r.get("profiles")]

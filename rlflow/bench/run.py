@@ -23,7 +23,7 @@ from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, peer_tools, 
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
 from rlflow.graph.core import Graph, load
-from rlflow.graph.flops import count_flops, count_params
+from rlflow.graph.flops import count_bytes_read, count_flops, count_params
 from rlflow.graph.model_file import max_ir_version, read_model
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import compare_profiled
@@ -155,7 +155,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
     try:
         graph = _load_profiled(model, [parse_profile(p) for p in config.profiles])
         static = graph.to_model(static=True)
-        flops, params = count_flops(static), count_params(static)
+        flops, params, bytes_read = count_flops(static), count_params(static), count_bytes_read(static)
         warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
         tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
     except RlflowError as exc:
@@ -173,9 +173,13 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
             log.debug("%s / %s failed", model.stem, method, exc_info=True)
             row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         row.params, row.flops, row.heldout, row.node = params, flops, is_held_out(model.stem, *agent_meta), node
+        row.bytes_read = bytes_read
         if row.status == "ok":
             row.baseline_peak_fraction = flops / (row.baseline_ms * 1e-3) / (peak["gflops"] * 1e9)
             row.peak_fraction = flops / (row.latency_ms * 1e-3) / (peak["gflops"] * 1e9)
+            if peak.get("gbs"):
+                row.baseline_memory_fraction = bytes_read / (row.baseline_ms * 1e-3) / (peak["gbs"] * 1e9)
+                row.memory_fraction = bytes_read / (row.latency_ms * 1e-3) / (peak["gbs"] * 1e9)
         rows.append(row)
     return ModelBench(rows, warmup_seconds=warmup)
 

@@ -1,4 +1,4 @@
-"""Parameter and FLOP counts of ONNX graphs.
+"""Parameter, FLOP and byte counts of ONNX graphs.
 
 Works on any ONNX model (the zoo, the bench, rewritten graphs), not on PyTorch modules, so that a rewrite's
 effect on arithmetic can be read off the graph it produced.
@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import numpy as np
 import onnx
 from onnx import TensorProto, shape_inference
 
@@ -189,3 +190,31 @@ def node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int:
         has_c = len(node.input) > 2 and node.input[2] != ""
         return 2 * _elements(out) * k + (_elements(out) if has_c else 0)
     return 0
+
+
+def count_bytes_read(model: onnx.ModelProto) -> int:
+    """Bytes one inference must read at least: every initializer and ``Constant`` node value, and every graph input
+    at its static shape (a decode step's KV cache is an input).  Over the machine's streaming bandwidth it gives the
+    memory roofline of a memory-bound model, as FLOPs over the matrix-product peak give the compute one."""
+    total = 0
+    for init in model.graph.initializer:
+        total += math.prod(init.dims) * _itemsize(init.data_type)
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            total += sum(math.prod(a.t.dims) * _itemsize(a.t.data_type) for a in node.attribute if a.name == "value")
+    weights = {init.name for init in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in weights:
+            continue
+        tensor = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
+        total += math.prod(dims) * _itemsize(tensor.elem_type)
+    return total
+
+
+def _itemsize(data_type: int) -> int:
+    """Bytes per element of an ONNX tensor type (1 for types numpy cannot name)."""
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type)).itemsize
+    except (KeyError, TypeError, ValueError):
+        return 1

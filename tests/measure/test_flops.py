@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.graph.flops import count_flops, count_params, flops_by_op
+from rlflow.graph.flops import count_bytes_read, count_flops, count_params, flops_by_op
 
 
 def _model(nodes, inputs, outputs, initializers=()):
@@ -118,3 +118,19 @@ def test_large_weights_do_not_need_copying():
     before = m.SerializeToString()
     assert count_flops(m) == 2 * 1024 * 512
     assert m.SerializeToString() == before
+
+
+def test_bytes_read_counts_weights_constants_and_inputs_a_cache_included():
+    # a decode-step-like graph: a float16 cache input (1, 2, 7, 4) at its deployed length, a float32 weight, an int64
+    # constant; the weight listed as an input too (IR < 4 style) is counted once
+    cache = helper.make_tensor_value_info("past", TensorProto.FLOAT16, [1, 2, 7, 4])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])
+    weight = numpy_helper.from_array(np.zeros((8, 3), np.float32), "w")
+    shape = helper.make_node("Constant", [], ["s"], value=numpy_helper.from_array(np.array([1, 56], np.int64)))
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"]), shape, helper.make_node("Reshape", ["past", "s"], ["flat"])],
+        "g", [x, cache, helper.make_tensor_value_info("w", TensorProto.FLOAT, [8, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("flat", TensorProto.FLOAT16, None)], initializer=[weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    assert count_bytes_read(model) == 8 * 3 * 4 + 2 * 8 + 1 * 8 * 4 + 1 * 2 * 7 * 4 * 2
