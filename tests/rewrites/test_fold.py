@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
-from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
+from rlflow.measure.verify import verify
+
+from .helpers import assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
 
 IMAGE = {"x": [1, 3, 6, 6]}
 
@@ -109,3 +111,78 @@ def test_constant_fold_chain_reaches_a_single_matmul():
     while (matches := rule("constant-fold").find(g)):
         g = apply(g, matches[0])
     assert g.op_counts() == {"MatMul": 1}
+
+
+def _token_type_lookup(width: int = 512, seq: int = 16):
+    """Cut from BERT as `torch.onnx.export(dynamo=True)` writes it at static shapes (issue #50): the registered
+    `token_type_ids` buffer (1, 512) gathered at positions 0..15 (`torch.gather` -> GatherElements; the positions, a
+    Slice of the Shape of the attention mask, are a constant at static shapes), then the token-type embedding lookup."""
+    buffer = np.random.default_rng(0).integers(0, 2, (1, width)).astype(np.int64)
+    consts = {"buffer": buffer, "positions": np.arange(seq, dtype=np.int64).reshape(1, seq), "table": weights(2, 8)}
+    return graph([node("GatherElements", ["buffer", "positions"], "types", axis=1), node("Gather", ["table", "types"], "e"),
+                  node("Add", ["x", "e"])], {"x": [1, seq, 8]}, consts=consts, opset=18)
+
+
+def test_constant_fold_gather_elements_of_a_dynamo_bert_export():
+    from rlflow.rewrites import apply, rule
+
+    g = _token_type_lookup()
+    matches = rule("constant-fold").find(g)
+    assert [g.node_map()[m.root].op for m in matches] == ["GatherElements"]
+    folded = assert_rewrites(g, "constant-fold")
+    values = folded.node_map()["Gather_1"].inputs[1].values
+    np.testing.assert_array_equal(values, g.node_map()["GatherElements_0"].inputs[0].values[:, :16])
+    while (matches := rule("constant-fold").find(folded)):  # then the lookup: all that is left is x + constant
+        folded = apply(folded, matches[0])
+    assert folded.op_counts() == {"Add": 1}
+    assert verify(g.to_model(), folded.to_model()).ok
+
+
+def test_constant_fold_runs_on_onnxruntime(monkeypatch):
+    """The root cause of #50: the one-node model declared its outputs of type UNDEFINED, which onnxruntime refuses, so
+    every fold fell back to onnx's reference evaluator (whose GatherElements fails past 32-64 entries on the axis)."""
+    from rlflow.rewrites import fold
+
+    def no_reference(model):
+        raise AssertionError("fell back to the reference evaluator")
+
+    monkeypatch.setattr(fold, "_run_reference", no_reference)
+    g = _token_type_lookup()
+    (types,) = fold.evaluate(g, g.node_map()["GatherElements_0"])
+    assert types.dtype == np.int64 and types.shape == (1, 16)
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("GatherElements", [np.random.default_rng(1).integers(0, 9, (1, 512)), np.arange(16).reshape(1, 16)], {"axis": 1}),
+    ("GatherElements", [weights(3, 100), np.random.default_rng(2).integers(-100, 100, (2, 7))], {"axis": -1}),
+    ("LpNormalization", [weights(5, 70)], {"axis": 0, "p": 1}),
+])
+def test_reference_fallback_agrees_with_onnxruntime(op, inputs, attrs):
+    """Where onnxruntime refuses a node the reference evaluator computes it, with onnx 1.23's wrong GatherElements
+    (past np.choose's limit; indices smaller than the data) and LpNormalization (p=1) replaced."""
+    from rlflow.rewrites import fold
+
+    inputs = [x.astype(np.int64) if x.dtype.kind == "i" else x for x in inputs]
+    names = [f"c{k}" for k in range(len(inputs))]
+    out_type = TensorProto.INT64 if inputs[0].dtype == np.int64 else TensorProto.FLOAT
+    g = graph([node(op, names, "t", **attrs), node("Identity", ["t"])], {}, outputs={"y": out_type},
+              consts=dict(zip(names, inputs)), opset=18)
+    model = fold._fold_model(g, g.node_map()[f"{op}_0"])
+    (want,), (got,) = fold._run_onnxruntime(model), fold._run_reference(model)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_constant_fold_reads_a_constant_passed_on_by_identity():
+    """check takes an Identity of a constant as a constant (TorchScript exports route biases that way); so must apply."""
+    g = graph([node("Identity", ["w"], "wi"), node("Transpose", ["wi"], "wt", perm=[1, 0]), node("MatMul", ["x", "wt"])],
+              {"x": [3, 4]}, consts={"w": weights(5, 4)})
+    assert assert_rewrites(g, "constant-fold", count=2)
+
+
+def test_constant_fold_refuses_what_it_cannot_evaluate():
+    """A node neither onnxruntime nor the reference evaluator computes is refused in check, with the reason, so that
+    check and apply agree (an index out of range here)."""
+    g = graph([node("Gather", ["table", "idx"], "e"), node("Add", ["x", "e"])], {"x": [3, 8]},
+              consts={"table": weights(2, 8), "idx": ints(0, 1, 7)})
+    assert_refuses(g, "constant-fold", "neither onnxruntime nor onnx's reference evaluator computes it")
