@@ -141,14 +141,14 @@ def test_constant_fold_gather_elements_of_a_dynamo_bert_export():
 def test_constant_fold_runs_on_onnxruntime(monkeypatch):
     """The root cause of #50: the one-node model declared its outputs of type UNDEFINED, which onnxruntime refuses, so
     every fold fell back to onnx's reference evaluator (whose GatherElements fails past 32-64 entries on the axis)."""
-    from rlflow.rewrites import fold
+    from rlflow.rewrites import constant_eval
 
     def no_reference(model):
         raise AssertionError("fell back to the reference evaluator")
 
-    monkeypatch.setattr(fold, "_run_reference", no_reference)
+    monkeypatch.setattr(constant_eval, "_run_reference", no_reference)
     g = _token_type_lookup()
-    (types,) = fold.evaluate(g, g.node_map()["GatherElements_0"])
+    (types,) = constant_eval.evaluate(g, g.node_map()["GatherElements_0"])
     assert types.dtype == np.int64 and types.shape == (1, 16)
 
 
@@ -160,15 +160,15 @@ def test_constant_fold_runs_on_onnxruntime(monkeypatch):
 def test_reference_fallback_agrees_with_onnxruntime(op, inputs, attrs):
     """Where onnxruntime refuses a node the reference evaluator computes it, with onnx 1.23's wrong GatherElements
     (past np.choose's limit; indices smaller than the data) and LpNormalization (p=1) replaced."""
-    from rlflow.rewrites import fold
+    from rlflow.rewrites import constant_eval
 
     inputs = [x.astype(np.int64) if x.dtype.kind == "i" else x for x in inputs]
     names = [f"c{k}" for k in range(len(inputs))]
     out_type = TensorProto.INT64 if inputs[0].dtype == np.int64 else TensorProto.FLOAT
     g = graph([node(op, names, "t", **attrs), node("Identity", ["t"])], {}, outputs={"y": out_type},
               consts=dict(zip(names, inputs)), opset=18)
-    model = fold._fold_model(g, g.node_map()[f"{op}_0"])
-    (want,), (got,) = fold._run_onnxruntime(model), fold._run_reference(model)
+    model = constant_eval._fold_model(g, g.node_map()[f"{op}_0"])
+    (want,), (got,) = constant_eval._run_onnxruntime(model), constant_eval._run_reference(model)
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
