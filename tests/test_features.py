@@ -93,3 +93,28 @@ def test_candidate_arrays():
     assert rules.tolist() == [1, 0, 0] and mask.tolist() == [1, 1, 0]
     assert touched.shape == (3, MAX_TOUCHED)
     assert touched.tolist() == [[1, 0, -1, 2], [2, -1, -1, -1], [-1, -1, -1, -1]]
+
+
+def test_an_agent_observes_every_node_of_a_graph_past_the_default_cap():
+    """A 30-layer decoder has about 2,400 nodes: the agent search's environment is sized to the graph, not truncated."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from rlflow.env.features import MAX_NODES, observation_caps
+    from rlflow.env.rewrite_env import RewriteEnv
+    from rlflow.graph.core import Graph
+
+    count = MAX_NODES + 300
+    nodes = [helper.make_node("Relu", [f"t{i}"], [f"t{i + 1}"], name=f"relu{i}") for i in range(count)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [1, 4])],
+                              [helper.make_tensor_value_info(f"t{count}", TensorProto.FLOAT, [1, 4])])
+    model = Graph.from_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10))
+    caps = observation_caps(model)
+    assert caps["max_nodes"] >= count and observation_caps(Graph.from_model(onnx.load_from_string(
+        helper.make_model(helper.make_graph(nodes[:3], "short", graph.input, [helper.make_tensor_value_info(
+            "t3", TensorProto.FLOAT, [1, 4])]), opset_imports=[helper.make_opsetid("", 17)],
+            ir_version=10).SerializeToString())))["max_nodes"] == MAX_NODES
+    obs, _ = RewriteEnv(model, **caps).reset()
+    assert int(obs["node_mask"].sum()) == count
+    obs, _ = RewriteEnv(model).reset()
+    assert int(obs["node_mask"].sum()) == MAX_NODES  # the default cap drops the rest

@@ -6,7 +6,8 @@ indices of the nodes it touches).  Sizes are capped so that the arrays fit a Gym
 
 * Nodes are taken in the graph's topological order; nodes past `max_nodes` are dropped, with the edges that touch them.
   A candidate touching a dropped node keeps index -1 for it (the policy then scores it from its rule and the nodes it
-  can see), so a too-large graph still gets a valid, if partial, observation.
+  can see), so a too-large graph still gets a valid, if partial, observation.  Where an agent acts on a model (the
+  agent search, `--finetune`), `observation_caps` sizes the caps to the graph, so that nothing is dropped.
 * Edges past `max_edges` are dropped (in node order).
 * Candidates past `max_candidates` are dropped; `order_candidates` interleaves the rules first, so every rule keeps
   some of its matches when the cap bites.
@@ -59,6 +60,26 @@ _ELEMENTWISE = frozenset("""Add Sub Mul Div Pow Neg Abs Reciprocal Sqrt Exp Log 
     Elu Selu Celu Gelu Sigmoid HardSigmoid HardSwish Tanh Erf Softplus Softsign Mish Clip Equal Less Greater Not And
     Or Where MaxPool AveragePool GlobalAveragePool GlobalMaxPool BatchNormalization LayerNormalization
     InstanceNormalization GroupNormalization Softmax LogSoftmax ReduceMean ReduceSum ReduceMax ReduceMin""".split())
+
+
+MAX_NODES = 1024
+"""Default cap on nodes per observation (the full-size zoo models have at most ~870)."""
+
+MAX_EDGES = 2048
+"""Default cap on edges per observation."""
+
+CAP_HEADROOM = 1.25
+"""`observation_caps` leaves room for a graph this much larger than the one it starts from (inverse rules add nodes)."""
+
+
+def observation_caps(graph: Graph) -> dict[str, int]:
+    """`max_nodes` and `max_edges` for an environment that plays on `graph`: the defaults, or the graph's own size with
+    headroom where it is larger, so that an agent acting on it observes every node (a 30-layer decoder has about 2,400;
+    past the cap, nodes would be dropped from the observation).  The agents' networks take any number of nodes; the
+    caps only pad the arrays."""
+    nodes = len(graph.gs.nodes)
+    edges = sum(len(node.inputs) for node in graph.gs.nodes)
+    return {"max_nodes": max(MAX_NODES, int(CAP_HEADROOM * nodes)), "max_edges": max(MAX_EDGES, int(CAP_HEADROOM * edges))}
 
 
 @dataclass

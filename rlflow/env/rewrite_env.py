@@ -19,9 +19,12 @@ from gymnasium import spaces
 
 from rlflow.env.features import (
     EDGE_FEATURES,
+    MAX_EDGES,
+    MAX_NODES,
     MAX_TOUCHED,
     NODE_FEATURES,
     OP_TYPES,
+    observation_caps,
 )
 from rlflow.env.graph_states import GraphStates, State
 from rlflow.errors import InputError
@@ -33,12 +36,6 @@ GLOBAL_FEATURES = ("cost_ratio", "log_initial_cost_us", "step_fraction", "log_no
 
 MAX_CANDIDATES = 256
 """Default cap on the candidate list (the action space is this plus one terminate action)."""
-
-MAX_NODES = 1024
-"""Default cap on nodes per observation (the full-size zoo models have at most ~870)."""
-
-MAX_EDGES = 2048
-"""Default cap on edges per observation."""
 
 REWARD_SOURCES = ("cost", "measure")
 
@@ -392,4 +389,5 @@ class RewriteEnv(GraphStates, gym.Env):
         }
 
 
-__all__ = ["RewriteEnv", "GLOBAL_FEATURES", "MAX_CANDIDATES", "MAX_NODES", "MAX_EDGES", "REWARD_SOURCES", "SCOPES"]
+__all__ = ["RewriteEnv", "GLOBAL_FEATURES", "MAX_CANDIDATES", "MAX_NODES", "MAX_EDGES", "REWARD_SOURCES", "SCOPES",
+           "observation_caps"]

@@ -178,7 +178,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     """Policy rollouts, then end-to-end measurement of the best few graphs; see the module docstring."""
     import torch
 
-    from rlflow.env.rewrite_env import RewriteEnv
+    from rlflow.env.rewrite_env import RewriteEnv, observation_caps
     from rlflow.measure.costmodel.model import CostModel
 
     config = config or AgentConfig()
@@ -207,7 +207,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         trained = actor.config  # its scope, and its episodes' length: what the actor learned to play
         env = RewriteEnv(graph, rules=rules, cost_model=cost_model, settings=settings,
                          scope=trained.get("scope", "match"),
-                         max_episode_steps=min(config.length, int(trained.get("max_episode_steps", config.length))))
+                         max_episode_steps=min(config.length, int(trained.get("max_episode_steps", config.length))),
+                         **observation_caps(graph))
         original_cost, original = cost_model.graph_cost(graph), graph.fingerprint()
         chosen, unchanged = [], 0  # the graphs the measurement would get, and for how many rollouts they have held
         with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:

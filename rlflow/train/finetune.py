@@ -51,6 +51,7 @@ def finetune(policy, graph: Graph, steps: int, *, settings=None, rules=None, cos
     Returns:
         (adapted policy in evaluation mode, FinetuneReport)
     """
+    from rlflow.env.features import observation_caps
     from rlflow.env.rewrite_env import RewriteEnv
     from rlflow.measure.costmodel.model import CostModel
     from rlflow.rewrites import RULES
@@ -65,7 +66,8 @@ def finetune(policy, graph: Graph, steps: int, *, settings=None, rules=None, cos
     with cost_model.measuring_until(deadline):  # past it, groups the table lacks are estimated, not measured
         trained = getattr(policy, "config", None) or {}  # the scope it was trained in (`load_checkpoint`)
         env = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings,
-                         scope=trained.get("scope", "match"), max_episode_steps=config.max_episode_steps)
+                         scope=trained.get("scope", "match"), max_episode_steps=config.max_episode_steps,
+                         **observation_caps(graph))
         learner = Learner(adapted, env, config, np.random.default_rng(seed))
         while updates * ROLLOUT_STEPS < steps:
             if deadline is not None and time.monotonic() > deadline:
@@ -97,6 +99,7 @@ def finetune_in_dream(actor, graph, steps: int, *, settings=None, rules=None, co
     import torch
 
     from rlflow.agents.actor import WorldModelActor
+    from rlflow.env.features import observation_caps
     from rlflow.env.rewrite_env import RewriteEnv
     from rlflow.measure.costmodel.model import CostModel
     from rlflow.rewrites import RULES
@@ -109,7 +112,8 @@ def finetune_in_dream(actor, graph, steps: int, *, settings=None, rules=None, co
     cfg = actor.config
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     with cost_model.measuring_until(deadline):  # past it, groups the table lacks are estimated, not measured
-        obs, _ = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings).reset()
+        obs, _ = RewriteEnv(graph, rules=rules or RULES, cost_model=cost_model, settings=settings,
+                            **observation_caps(graph)).reset()
     with torch.no_grad():
         from rlflow.env.observation import obs_to_torch
 
