@@ -187,8 +187,9 @@ def zoo_list(tiny, family) -> None:
 
     listed = registry.names(include_tiny=tiny, family=family)
     if family is None:
-        listed += registry.names(family=registry.DEPLOY)
-    click.echo(f"{'name':<32}{'family':<13}{'params':>12}{'GFLOPs':>10}{'nodes':>7}  inputs")
+        listed += registry.names(include_tiny=tiny, family=registry.DEPLOY)
+    width = max([32, *(len(name) + 2 for name in listed)])  # the decoders' names run past 30 characters
+    click.echo(f"{'name':<{width}}{'family':<13}{'params':>12}{'GFLOPs':>10}{'nodes':>7}  inputs")
     for name in listed:
         row = registry.summary(name, build_missing=registry.get(name).family != registry.DEPLOY)
         items = [f"{k}:{list(v)}" for k, v in row["input_shapes"].items()]
@@ -197,7 +198,7 @@ def zoo_list(tiny, family) -> None:
             figures = f"{'-':>12}{'-':>10}{'-':>7}"
         else:
             figures = f"{row['params']:>12,}{row['flops'] / 1e9:>10.3f}{row['nodes']:>7}"
-        click.echo(f"{name:<32}{row['family']:<13}{figures}  {shapes}")
+        click.echo(f"{name:<{width}}{row['family']:<13}{figures}  {shapes}")
 
 
 @zoo.command("build")

@@ -294,3 +294,25 @@ def test_shape_inference_that_cannot_finish_writes_nothing_and_keeps_what_it_fou
     tensors = graph.gs.tensors()
     assert graph.shape(tensors["r"]) == (2, 4) and graph.shape(tensors["q"]) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_holding_onnxruntimes_default_domain_rmsnorm_loads_and_keeps_its_shapes(tmp_path):
+    """rlflow's rmsnorm-fusion (and onnxruntime's transformers optimizer) write `SimplifiedLayerNormalization` in the
+    default domain, where onnxruntime registers it and the onnx checker knows no such operator: such a model loads,
+    is labelled onnxruntime-only, and the cost model's shape inference sees through it."""
+    from onnx import TensorProto, helper
+
+    from rlflow.measure.costmodel.group_shapes import complete_shapes
+    from rlflow.optimize.result import runtimes
+
+    norm = helper.make_node("SimplifiedLayerNormalization", ["x", "w"], ["n"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([norm, helper.make_node("Relu", ["n"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+                              [numpy_helper.from_array(np.ones(8, np.float32), "w")])
+    path = tmp_path / "rms.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), str(path))
+    loaded = rlflow.load(path)
+    assert loaded.op_counts() == {"SimplifiedLayerNormalization": 1, "Relu": 1}
+    assert runtimes(loaded).startswith("onnxruntime only")
+    assert complete_shapes(loaded)["n"][0] == (1, 4, 8)

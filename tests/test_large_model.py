@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from rlflow.errors import InputError
 from rlflow.graph import model_file
 from rlflow.graph.core import load
-from rlflow.graph.model_file import is_mapped, read_model, save_model
+from rlflow.graph.external_data import is_mapped
+from rlflow.graph.model_file import read_model, save_model
 from rlflow.measure import session as session_module
 from rlflow.measure.session import create_session, run_session
 from rlflow.measure.verify import verify

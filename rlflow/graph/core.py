@@ -25,18 +25,10 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from rlflow.graph import shape_inference as _shapes
 from rlflow.graph.copy_and_sort import copy_graph, toposort
 from rlflow.graph.editing import Editing
+from rlflow.graph.external_data import any_mapped, external_array, external_reference, resolve_external_data
 from rlflow.graph.fingerprint import fingerprint as _fingerprint
 from rlflow.graph.input_shapes import deployed_shapes, fix_input_dims
-from rlflow.graph.model_file import (
-    any_mapped,
-    check_model,
-    external_array,
-    external_reference,
-    max_ir_version,
-    read_model,
-    resolve_external_data,
-    save_model,
-)
+from rlflow.graph.model_file import check_model, max_ir_version, read_model, save_model
 
 log = logging.getLogger("rlflow")
 

@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from rlflow.graph.model_file import mapped_place
+from rlflow.graph.external_data import mapped_place
 
 _COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "Equal"}
 

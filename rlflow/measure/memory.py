@@ -6,7 +6,7 @@ import os
 import onnx_graphsurgeon as gs
 
 from rlflow.errors import InputError
-from rlflow.graph.model_file import is_mapped
+from rlflow.graph.external_data import is_mapped
 
 SESSION_COPIES = 3
 """Copies of the weights one measured model costs: the proto, onnxruntime's session and its prepacked weights."""

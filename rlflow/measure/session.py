@@ -13,7 +13,7 @@ import onnx
 from onnx import numpy_helper
 
 from rlflow.errors import InputError, ProviderError
-from rlflow.graph.model_file import external_array, external_info, external_tensors, set_external_data
+from rlflow.graph.external_data import external_array, external_info, external_tensors, set_external_data
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 OPT_LEVELS = ("disable", "basic", "extended", "all")

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 
 from rlflow.graph.core import Graph
-from rlflow.graph.model_file import save_model
+from rlflow.graph.model_file import ONNXRUNTIME_OPS_IN_ONNX_DOMAIN, save_model
 from rlflow.measure.timing import Comparison, Ratio
 from rlflow.measure.verify import Verification
 
@@ -118,8 +118,9 @@ class Result:
 def runtimes(graph: Graph) -> str:
     """Which runtimes can run `graph`: onnxruntime only when it holds operators of other domains than ONNX's own
     (onnxruntime's contrib operators, named), else any ONNX runtime."""
-    domains = sorted({(n.domain or "") for n in graph.gs.nodes} - {"", "ai.onnx"})
-    if not domains:
+    contrib = [n for n in graph.gs.nodes if (n.domain or "") not in ("", "ai.onnx")
+               or n.op in ONNXRUNTIME_OPS_IN_ONNX_DOMAIN]
+    if not contrib:
         return "any ONNX runtime (standard operators only)"
-    contrib = sorted({n.op for n in graph.gs.nodes if (n.domain or "") in domains})
-    return f"onnxruntime only ({', '.join(domains)} operators: {', '.join(contrib)})"
+    domains = sorted({n.domain or "onnxruntime's default-domain" for n in contrib})
+    return f"onnxruntime only ({', '.join(domains)} operators: {', '.join(sorted({n.op for n in contrib}))})"

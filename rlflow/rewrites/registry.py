@@ -23,6 +23,7 @@ from rlflow.rewrites import (
     fusion_layernorm,
     fusion_linear,
     fusion_packed_qkv,
+    fusion_rmsnorm,
     layout,
     merge,
     merge_batch,
@@ -121,6 +122,11 @@ RULES: tuple[Rule, ...] = (
     unfuse.AttentionUnfuse(group="inverse"),                        # 85 attention-unfuse
     fusion_packed_qkv.AttentionPackQkv(group="fusion"),             # 86 attention-pack-qkv
     fusion_embedding.EmbedLayerNormFusion(group="fusion"),          # 87 embed-layernorm-fusion
+    fusion_rmsnorm.RMSNormFusion(group="fusion"),                   # 88 rmsnorm-fusion
+    fusion_rmsnorm.SkipRMSNormFusion(group="fusion"),               # 89 skip-rmsnorm-fusion
+    fusion_rmsnorm.RMSNormStandardFusion(group="fusion"),           # 90 rmsnorm-standard-fusion
+    unfuse.RMSNormUnfuse(group="inverse"),                          # 91 rmsnorm-unfuse
+    unfuse.SkipRMSNormUnfuse(group="inverse"),                      # 92 skip-rmsnorm-unfuse
 )
 """Every rule, in action-id order.  Append only."""
 

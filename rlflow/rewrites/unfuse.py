@@ -1,17 +1,19 @@
-"""Inverse rules for onnxruntime's contrib fusions: each rule roots at a com.microsoft operator (`domains`) and writes
-the standard form that the matching fusion rule recognises again, so every fusion can be taken back and a search can
-pass through the unfused graph (where other rules may merge) to reach a faster one."""
+"""Inverse rules for onnxruntime's contrib fusions: each rule roots at a com.microsoft operator (`domains`; or at
+SimplifiedLayerNormalization, which onnxruntime registers in the default domain) and writes the standard form that the
+matching fusion rule recognises again, so every fusion can be taken back and a search can pass through the unfused
+graph (where other rules may merge) to reach a faster one."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from rlflow.graph.core import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.edits import emit, replace_typed
-from rlflow.rewrites.queries import MS, has_input, is_float, used_outputs
+from rlflow.rewrites.queries import MS, has_input, is_float, normalize_axis, np_dtype, used_outputs
 
 # ------------------------------------------------------------------------------------------ contrib operators
 _UNFUSED_PARAMS = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": ("alpha",), "HardSigmoid": ("alpha", "beta")}
@@ -256,3 +258,69 @@ class AttentionUnfuse(_Unfuse):
                        {"perm": [0, 2, 1, 3]})
         merged = graph.add_constant(np.array([0, 0, hidden], np.int64), "hidden")
         graph.replace_uses(node.outputs[0], emit(graph, "Reshape", [context, merged]))
+
+
+# ------------------------------------------------------------------------------------------------------ RMSNorm
+class RMSNormUnfuse(Rule):
+    """Replaces onnxruntime's `SimplifiedLayerNormalization(x, w)` with `w * x / sqrt(mean(x^2) + eps)`.
+
+    As the dynamo exporter writes transformers' RMSNorm (`Sqrt -> Reciprocal`), in float32 between Casts for a float16
+    x (`stash_type` 1), so that rmsnorm-fusion finds it again.  The operator sits in the default domain."""
+
+    name = "rmsnorm-unfuse"
+    root_ops = ("SimplifiedLayerNormalization",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        if any(t is not node.outputs[0] for t in used_outputs(graph, node)):
+            return self.no(node, "the inverse deviation output is used")
+        shape, dtype = graph.shape(node.inputs[0]), np_dtype(node.inputs[0])
+        if shape is None or dtype is None or dtype.kind != "f" or not has_input(node, 1):
+            return self.no(node, "a float input of known shape and a scale are needed")
+        axis = normalize_axis(node.attrs.get("axis", -1), len(shape))
+        return self.no(node, "the axis is out of range") if axis is None else self.match([node], axis=axis)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        x, dtype = node.inputs[0], np.dtype(node.inputs[0].dtype)
+        compute = np.dtype(np.float32) if dtype.itemsize < 4 and node.attrs.get("stash_type", 1) == 1 else dtype
+        code = int(helper.np_dtype_to_tensor_dtype(compute))
+        xc = emit(graph, "Cast", [x], {"to": code}) if compute != dtype else x
+        axes = list(range(match.param("axis"), len(graph.shape(x))))
+        square = emit(graph, "Pow", [xc, graph.add_constant(np.array(2.0, compute), "two")])
+        if graph.opset >= 18:
+            mean = emit(graph, "ReduceMean", [square, graph.add_constant(np.array(axes, np.int64), "axes")], {"keepdims": 1})
+        else:
+            mean = emit(graph, "ReduceMean", [square], {"axes": axes, "keepdims": 1})
+        eps = graph.add_constant(np.array(float(node.attrs.get("epsilon", 1e-5)), compute), "eps")
+        inverse = emit(graph, "Reciprocal", [emit(graph, "Sqrt", [emit(graph, "Add", [mean, eps])])])
+        normed = emit(graph, "Mul", [xc, inverse])
+        if compute != dtype:
+            normed = emit(graph, "Cast", [normed], {"to": int(helper.np_dtype_to_tensor_dtype(dtype))})
+        graph.replace_uses(node.outputs[0], emit(graph, "Mul", [node.inputs[1], normed]))
+
+
+class SkipRMSNormUnfuse(Rule):
+    """Replaces onnxruntime's `SkipSimplifiedLayerNormalization(x, skip, w, bias)` with `SimplifiedLayerNormalization(x + skip + bias, w)`."""
+
+    name = "skip-rmsnorm-unfuse"
+    root_ops = ("SkipSimplifiedLayerNormalization",)
+    domains = (MS,)
+    contrib = True
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        used = used_outputs(graph, node)
+        if any(t is u for t in node.outputs[1:3] for u in used):
+            return self.no(node, "the mean or inverse deviation output is used")
+        if not is_float(node.inputs[0]) or not has_input(node, 2):
+            return self.no(node, "not a float operator with its weight")
+        return self.match([node])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        total = emit(graph, "Add", list(node.inputs[:2]))
+        if has_input(node, 3):
+            total = emit(graph, "Add", [total, node.inputs[3]])
+        attrs = {"axis": -1, "epsilon": float(node.attrs.get("epsilon", 1e-5)), "stash_type": 1}
+        replace_typed(graph, node.outputs[0], emit(graph, "SimplifiedLayerNormalization", [total, node.inputs[2]], attrs))
+        if len(node.outputs) > 3 and (node.outputs[3].outputs or graph.is_output(node.outputs[3])):
+            graph.replace_uses(node.outputs[3], total)

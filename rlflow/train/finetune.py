@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rlflow.graph.core import Graph
+from rlflow.graph.core import Graph, load
 
 
 @dataclass
@@ -54,6 +54,8 @@ def finetune(policy, graph: Graph, steps: int, *, settings=None, rules=None, cos
     from rlflow.env.features import observation_caps
     from rlflow.env.rewrite_env import RewriteEnv
     from rlflow.measure.costmodel.model import CostModel
+
+    graph = graph if isinstance(graph, Graph) else load(graph)
     from rlflow.rewrites import RULES
     from rlflow.train.ppo import Config, Learner
 
@@ -102,6 +104,8 @@ def finetune_in_dream(actor, graph, steps: int, *, settings=None, rules=None, co
     from rlflow.env.features import observation_caps
     from rlflow.env.rewrite_env import RewriteEnv
     from rlflow.measure.costmodel.model import CostModel
+
+    graph = graph if isinstance(graph, Graph) else load(graph)
     from rlflow.rewrites import RULES
     from rlflow.train.worldmodel.dream import DreamBatch
     from rlflow.train.worldmodel.dream_ppo import DreamPPOConfig, train_in_dream

@@ -38,3 +38,4 @@ class Export:
     opset: int
     props: dict = field(default_factory=dict)  # extra ONNX metadata_props
     metadata: dict = field(default_factory=dict)  # extra sidecar JSON fields
+    tolerance: float = 1e-3  # largest difference from PyTorch's outputs, relative to their largest magnitude

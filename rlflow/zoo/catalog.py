@@ -25,7 +25,10 @@ class ZooEntry:
         output_names: names of the graph outputs.
         description: one line for listings.
         transformer: for onnxruntime's transformers optimizer (deployment entries): {"model_type", "num_heads",
-            "hidden_size"}, model_type as its ``optimizer.MODEL_TYPES`` names it; None elsewhere.
+            "hidden_size"}, model_type as its ``optimizer.MODEL_TYPES`` names it (decoders add "num_kv_heads" and
+            "head_dim"); None elsewhere.
+        gpu: for the GPU only (float16, or too large for the CPU bench): built when named, left out of
+            `rlflow.zoo.names` unless asked for.
     """
 
     name: str
@@ -39,11 +42,15 @@ class ZooEntry:
     output_names: tuple[str, ...] = ("logits",)
     description: str = ""
     transformer: dict | None = None
+    gpu: bool = False
 
     @property
     def tiny(self) -> bool:
-        """True for test-sized entries (the ``-tiny`` variants and the demo block)."""
-        return self.published is None and self.family != DEPLOY
+        """True for test-sized entries (the ``-tiny`` variants and the demo block; in the deployment section, the
+        ones whose recipe says ``tiny``)."""
+        if self.family == DEPLOY:
+            return bool(self.config.get("tiny", False))
+        return self.published is None
 
     def dtype(self, input_name: str) -> str:
         return self.input_dtypes.get(input_name, "float32")

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
-from rlflow.graph.model_file import max_ir_version, set_external_data
+from rlflow.graph.external_data import set_external_data
+from rlflow.graph.model_file import max_ir_version
 
 
 def dense_chain(folder: str | os.PathLike, layers: int = 10, width: int = 8192, seed: int = 0) -> Path:

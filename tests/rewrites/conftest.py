@@ -97,3 +97,91 @@ def exports(tmp_path_factory):
     for name in ZOO_MODELS:
         graphs[name] = load(zoo.build(name, folder).path)
     return graphs
+
+
+# ------------------------------------------------------------------------------------------ decoder LLM exports
+DECODER = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+               max_position_embeddings=64)
+"""A tiny Llama / Qwen3 (Qwen3's head size 16 set, so that its query and key norms run on [B, S, heads, 16])."""
+
+DECODERS = ("llama-fp32", "llama-fp16", "qwen3-fp32", "qwen3-fp16")
+DYNAMO_DECODERS = ("llama-fp32", "qwen3-fp16")
+"""The decoders exported by the dynamo exporter: Qwen3 in float16 writes every form its float32 writes and Llama's
+(the same norms, with Casts), and the two exports take half the time of four."""
+
+
+def _decoder(name: str, layers: int, seed: int):
+    """A transformers decoder LM from its configuration alone (random weights, norm weights around 1, not all 1)."""
+    import torch
+    import transformers
+
+    family, dtype = name.split("-")
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, **DECODER))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_hidden_layers=layers, head_dim=16, **DECODER))
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.normal_(1.0, 0.1)
+    model = model.eval()
+    return model.half() if dtype == "fp16" else model
+
+
+def _decoder_exports(folder) -> dict[str, onnx.ModelProto]:
+    """`<name>-ts`: each decoder of DECODERS (2 layers) through torch.onnx.export(dynamo=False, opset 17) with
+    input_ids and attention_mask (without a mask transformers 5 traces `torch.diff`, which TorchScript cannot export);
+    `decoders-dynamo`: DYNAMO_DECODERS (1 layer each) as one module through the dynamo exporter (opset 18, its
+    default optimisation), input_ids only: a dynamo export takes 10-20 s here, over 40 s for all four.  Parameters
+    keep their module names (`llama_fp16.model.norm.weight`), which tell the decoders apart."""
+    import torch
+
+    class One(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.key = name.replace("-", "_")
+            self.add_module(self.key, _decoder(name, 2, DECODERS.index(name)))
+
+        def forward(self, input_ids, attention_mask):
+            model = getattr(self, self.key)
+            return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    class All(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoders = torch.nn.ModuleDict({n.replace("-", "_"): _decoder(n, 1, DECODERS.index(n))
+                                                 for n in DYNAMO_DECODERS})
+
+        def forward(self, input_ids):
+            return tuple(m(input_ids=input_ids, use_cache=False).logits for m in self.decoders.values())
+
+    ids, mask = torch.randint(0, DECODER["vocab_size"], (2, 8)), torch.ones(2, 8, dtype=torch.int64)
+    axes = {0: "batch", 1: "sequence"}
+    protos = {}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for name in DECODERS:
+            path = folder / f"{name}-ts.onnx"
+            torch.onnx.export(One(name).eval(), (ids, mask), str(path), dynamo=False, opset_version=17,
+                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                              dynamic_axes={"input_ids": axes, "attention_mask": axes, "logits": axes})
+            protos[f"{name}-ts"] = onnx.load(str(path))
+        dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("sequence")}
+        protos["decoders-dynamo"] = torch.onnx.export(
+            All().eval(), (ids,), dynamo=True, opset_version=18, input_names=["input_ids"],
+            output_names=[f"logits_{n.replace('-', '_')}" for n in DYNAMO_DECODERS], dynamic_shapes=(dims,),
+            verbose=False).model_proto
+    for proto in protos.values():
+        proto.ir_version = min(proto.ir_version, 10)  # onnxruntime 1.31 refuses the IR 14 that onnx 1.23 writes
+    return protos
+
+
+@pytest.fixture(scope="session")
+def decoder_exports(tmp_path_factory):
+    """name -> ModelProto of tiny transformers decoders (Llama, Qwen3; float32 and float16) as both torch exporters
+    write them (`_decoder_exports`), built once per session (about 25 s, most of it the dynamo export)."""
+    pytest.importorskip("transformers")
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    logging.getLogger("rlflow").setLevel(logging.ERROR)
+    return _decoder_exports(tmp_path_factory.mktemp("decoders"))

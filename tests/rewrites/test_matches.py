@@ -8,17 +8,18 @@ from pathlib import Path
 import pytest
 
 from rlflow.graph.core import load
-from rlflow.rewrites import RULES, apply, fold, layout, rule
+from rlflow.rewrites import RULES, apply, fold, fusion_rmsnorm, layout, rule
 
-from . import test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge
+from . import test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm
 
 CASES = {name: case[0] for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout,
-                                      test_merge) for name, case in module.CASES.items()}
+                                      test_merge, test_rmsnorm) for name, case in module.CASES.items()}
 EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 SHAPES = {"bert-tiny-dynamo": {"input_ids": (1, 8), "attention_mask": (1, 8)}}
 
 MATCHERS = {"conv-mul-fold": (fold, "_conv_channel_constant"), "conv-add-fold": (fold, "_conv_channel_constant"),
-            "transpose-into-gemm": (layout, "_swapped_2d"), "matmul-transpose-to-gemm": (layout, "_swapped_2d")}
+            "transpose-into-gemm": (layout, "_swapped_2d"), "matmul-transpose-to-gemm": (layout, "_swapped_2d"),
+            "rmsnorm-fusion": (fusion_rmsnorm, "_rms_chain"), "rmsnorm-standard-fusion": (fusion_rmsnorm, "_rms_chain")}
 """Module-level matchers a rule's `check` calls besides its own methods."""
 
 

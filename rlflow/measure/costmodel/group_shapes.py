@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from rlflow.graph.core import Graph
-from rlflow.graph.model_file import max_ir_version
+from rlflow.graph.model_file import ONNXRUNTIME_OPS_IN_ONNX_DOMAIN, max_ir_version
 
 log = logging.getLogger("rlflow")
 
@@ -46,6 +46,8 @@ def standin(node: onnx.NodeProto, ranks: dict[str, int]) -> list[onnx.NodeProto]
     if op in ("Gelu", "FastGelu", "QuickGelu", "BiasGelu", "BiasSoftmax"):
         present = [i for i in ins if i]
         return [helper.make_node("Add" if len(present) > 1 else "Identity", present[:2], outs[:1])]
+    if op == "SimplifiedLayerNormalization":  # onnxruntime's, in the default domain
+        return [helper.make_node("Identity", ins[:1], outs[:1])]
     if op in ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization"):
         nodes = [helper.make_node("Add", ins[:2], [outs[0]])]
         nodes += [helper.make_node("Identity", [outs[0]], [o]) for o in outs[1:] if o]
@@ -94,7 +96,8 @@ def complete_shapes(graph: Graph) -> dict[str, tuple]:
     nodes = []
     for node in graph.gs.nodes:
         proto = OnnxExporter.export_node(node)
-        nodes.extend(standin(proto, ranks) if node.domain == "com.microsoft" else [proto])
+        contrib = node.domain == "com.microsoft" or node.op in ONNXRUNTIME_OPS_IN_ONNX_DOMAIN
+        nodes.extend(standin(proto, ranks) if contrib else [proto])
     outputs = [helper.make_empty_tensor_value_info(t.name) for t in graph.gs.outputs]
     body = helper.make_graph(nodes, "standin", inputs, outputs, initializer=initializers)
     opsets = [helper.make_opsetid(d, v) for d, v in dict(graph.model_info["opset_import"]).items()]

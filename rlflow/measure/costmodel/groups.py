@@ -30,7 +30,8 @@ from onnx import helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from rlflow.graph.core import Graph
-from rlflow.graph.model_file import external_reference, max_ir_version
+from rlflow.graph.external_data import external_reference
+from rlflow.graph.model_file import max_ir_version
 from rlflow.measure.costmodel.group_shapes import Shapes
 
 MAX_GROUP = 16
