@@ -4,7 +4,8 @@ onnxruntime's `SkipSimplifiedLayerNormalization`.
 
 onnxruntime registers `SimplifiedLayerNormalization` in the default ONNX domain (since version 1, as it does its
 opset-1 `LayerNormalization`), not in com.microsoft: only onnxruntime runs it, so its rule is `contrib`, and the onnx
-checker, which knows no such standard operator, refuses a model that holds one.
+checker, which knows no such standard operator, checks it as the contrib operator it is
+(`rlflow.graph.model_file.ONNXRUNTIME_OPS_IN_ONNX_DOMAIN`).
 """
 from __future__ import annotations
 
