@@ -42,6 +42,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, shape_inference
 
+from rlflow.graph.external_data import tensor_bytes
+
 __all__ = ["count_params", "count_flops", "flops_by_op", "node_flops"]
 
 _FLOAT_TYPES = frozenset(
@@ -196,12 +198,10 @@ def count_bytes_read(model: onnx.ModelProto) -> int:
     """Bytes one inference must read at least: every initializer and ``Constant`` node value, and every graph input
     at its static shape (a decode step's KV cache is an input).  Over the machine's streaming bandwidth it gives the
     memory roofline of a memory-bound model, as FLOPs over the matrix-product peak give the compute one."""
-    total = 0
-    for init in model.graph.initializer:
-        total += math.prod(init.dims) * _itemsize(init.data_type)
+    total = sum(tensor_bytes(init) for init in model.graph.initializer)
     for node in model.graph.node:
         if node.op_type == "Constant":
-            total += sum(math.prod(a.t.dims) * _itemsize(a.t.data_type) for a in node.attribute if a.name == "value")
+            total += sum(tensor_bytes(a.t) for a in node.attribute if a.name == "value")
     weights = {init.name for init in model.graph.initializer}
     for value in model.graph.input:
         if value.name in weights:

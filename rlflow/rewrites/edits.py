@@ -1,5 +1,5 @@
 """Small graph edits the rules share: adding nodes (`emit`, `emit_split`, `clone_node`, `combine`) and pointing a
-tensor's readers at another tensor (`replace_all`, `replace_typed`, `bypass`).  Rules call them on the clone that
+tensor's readers at another tensor (`replace_all`, `replace_typed`, `replace_with_skip_norm`, `bypass`).  Rules call them on the clone that
 `rlflow.rewrites.apply` hands to `Rule.rewrite`, never on a graph a caller holds."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from rlflow.graph.core import Graph
+from rlflow.rewrites.queries import MS
 
 
 # ----------------------------------------------------------------------------------------------------- new nodes
@@ -68,6 +69,21 @@ def replace_typed(graph: Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     if new.dtype is None and new.shape is None and not isinstance(new, gs.Constant):
         new.dtype, new.shape = old.dtype, old.shape
     graph.replace_uses(old, new)
+
+
+def replace_with_skip_norm(graph: Graph, op: str, inputs: Sequence[gs.Tensor], attrs: dict, norm: gs.Tensor,
+                           total: gs.Tensor | None, hint: str) -> None:
+    """Points `norm`'s readers at a new onnxruntime skip-norm node `op` (`SkipLayerNormalization`,
+    `SkipSimplifiedLayerNormalization`) on `inputs`; where the residual sum `total` is read elsewhere too (None where
+    it is not), its readers take the node's fourth output, the sum it computes anyway."""
+    if total is None:
+        replace_typed(graph, norm, emit(graph, op, inputs, attrs, domain=MS))
+        return
+    out, _, _, summed = graph.add_node(op, list(inputs), [
+        gs.Variable(graph.fresh_name(hint)), gs.Variable.empty(), gs.Variable.empty(),
+        gs.Variable(graph.fresh_name("skip_sum"))], attrs, domain=MS)
+    replace_typed(graph, norm, out)
+    replace_typed(graph, total, summed)
 
 
 def bypass(graph: Graph, node: gs.Node, source: gs.Tensor) -> None:

@@ -8,9 +8,8 @@ import onnx_graphsurgeon as gs
 from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.edits import emit, replace_typed
+from rlflow.rewrites.edits import emit, replace_with_skip_norm
 from rlflow.rewrites.queries import (
-    MS,
     bias_side,
     broadcast_shape,
     constant_input,
@@ -171,11 +170,5 @@ class SkipLayerNormFusion(Rule):
             beta = graph.add_constant(np.zeros(graph.shape(gamma), np.float32), "beta")
         inputs += [gamma, *([beta] if beta is not None else []), *bias]
         attrs = {"epsilon": float(node.attrs.get("epsilon", 1e-5))}
-        if not match.param("shared"):
-            replace_typed(graph, node.outputs[0], emit(graph, "SkipLayerNormalization", inputs, attrs, domain=MS))
-            return
-        out, _, _, total = graph.add_node("SkipLayerNormalization", inputs, [
-            gs.Variable(graph.fresh_name("skip_ln")), gs.Variable.empty(), gs.Variable.empty(),
-            gs.Variable(graph.fresh_name("skip_sum"))], attrs, domain=MS)
-        replace_typed(graph, node.outputs[0], out)
-        replace_typed(graph, add.outputs[0], total)
+        replace_with_skip_norm(graph, "SkipLayerNormalization", inputs, attrs, node.outputs[0],
+                               add.outputs[0] if match.param("shared") else None, "skip_ln")

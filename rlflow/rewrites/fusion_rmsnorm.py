@@ -16,10 +16,9 @@ from onnx import helper
 from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.edits import emit, replace_typed
+from rlflow.rewrites.edits import emit, replace_typed, replace_with_skip_norm
 from rlflow.rewrites.fusion_layernorm import _reduce_axes
 from rlflow.rewrites.queries import (
-    MS,
     broadcast_shape,
     has_input,
     input_producer,
@@ -272,11 +271,5 @@ class SkipRMSNormFusion(Rule):
         node, add = nodes[match.nodes[0]], nodes[match.nodes[1]]
         inputs = [*add.inputs, node.inputs[1]]
         attrs = {"epsilon": float(node.attrs.get("epsilon", 1e-5))}
-        if not match.param("shared"):
-            replace_typed(graph, node.outputs[0], emit(graph, "SkipSimplifiedLayerNormalization", inputs, attrs, domain=MS))
-            return
-        out, _, _, total = graph.add_node("SkipSimplifiedLayerNormalization", inputs, [
-            gs.Variable(graph.fresh_name("skip_rms")), gs.Variable.empty(), gs.Variable.empty(),
-            gs.Variable(graph.fresh_name("skip_sum"))], attrs, domain=MS)
-        replace_typed(graph, node.outputs[0], out)
-        replace_typed(graph, add.outputs[0], total)
+        replace_with_skip_norm(graph, "SkipSimplifiedLayerNormalization", inputs, attrs, node.outputs[0],
+                               add.outputs[0] if match.param("shared") else None, "skip_rms")
