@@ -14,7 +14,7 @@ from rlflow.cli import main
 from rlflow.graph.core import load
 from rlflow.measure.verify import verify
 from rlflow.optimize.pipeline import verification_shapes
-from rlflow.optimize.report import format_report
+from rlflow.optimize.report import _shapes_text, format_report
 from tests.conftest import save
 
 
@@ -284,3 +284,13 @@ def test_rules_for_leave_out_what_the_output_could_not_use():
     assert {"attention-fusion", "bias-gelu-fusion", "conv-activation-fusion"} <= on_cuda
     standard = rules_for(RULES, "standard", "CUDAExecutionProvider")
     assert standard and not any(r.contrib for r in standard)
+
+
+def test_the_report_gives_a_decoder_s_cache_shapes_once():
+    """A decoder step's 60 cache inputs of one shape: one entry per name pattern, not one per layer."""
+    shapes = {"input_ids": [1, 1], "attention_mask": [1, 129]}
+    shapes.update({f"past_key_values.{i}.{kv}": [1, 3, 128, 64] for i in range(30) for kv in ("key", "value")})
+    assert _shapes_text(shapes) == ("input_ids [1, 1], attention_mask [1, 129], past_key_values.{0..29}.key "
+                                    "[1, 3, 128, 64], past_key_values.{0..29}.value [1, 3, 128, 64]")
+    assert _shapes_text({"x1": [1], "x3": [1], "y": [2]}) == "x{1,3} [1], y [2]"
+    assert _shapes_text({"l1.h2": [3], "l2.h3": [3]}) == "l1.h2 [3], l2.h3 [3]"  # two numbers vary: kept apart

@@ -21,12 +21,14 @@ from rlflow.bench.peers import (
     ort_transformers,
     peer_settings,
     peer_tools,
+    run_peer,
     transformer_settings,
     zoo_hints,
 )
 from rlflow.bench.results import _peer_settings_lines
 from rlflow.bench.run import BenchConfig, _run_peer
 from rlflow.graph.core import load
+from rlflow.graph.external_data import external_tensors
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.verify import verify
 from tests.conftest import save, tiny_model
@@ -159,14 +161,14 @@ def test_non_transformers_are_not_applicable(cnn_opset9_ir3_path, matmul_model, 
     with pytest.raises(NotApplicable, match="no Softmax"):  # a family that does not say: the graph decides
         peer_tools(family="deploy")["ort-transformers"](matmul_model)
     graph = load(cnn_opset9_ir3_path)
-    row = _run_peer(graph, "ort-transformers", peer_tools()["ort-transformers"], SessionSettings(),
+    row = _run_peer(graph, "ort-transformers", {}, SessionSettings(),
                     BenchConfig(rounds=3))
     assert (row.status, row.kind) == ("not applicable", "peer") and "not a transformer" in row.error
 
 
 def test_bench_row_carries_the_settings(transformer_path):
     graph = load(transformer_path)
-    row = _run_peer(graph, "ort-transformers", peer_tools()["ort-transformers"], SessionSettings(),
+    row = _run_peer(graph, "ort-transformers", {}, SessionSettings(),
                     BenchConfig(rounds=3))
     assert row.status == "ok" and row.verified, row.error
     assert row.peer_settings["num_heads"] == 4 and row.peer_settings["fused"]
@@ -174,3 +176,23 @@ def test_bench_row_carries_the_settings(transformer_path):
                                    "peer_settings": row.peer_settings}])
     assert lines[1] == "## Peer settings" and "| transformer | ort-transformers | " in lines[-1]
     assert json.dumps(row.peer_settings["fused"], sort_keys=True) in lines[-1]
+
+
+def test_a_large_model_s_peer_runs_in_its_own_process(monkeypatch, tiny_bert_path, matmul_model, tmp_path):
+    """Over ISOLATED_PEER_BYTES a peer runs in a child (what it copies is given back when it ends): same output as in
+    this process, its settings and its refusals carried back, input and output with their weights left on disk."""
+    from rlflow.bench import peers
+
+    model = onnx.load(tiny_bert_path)
+    source, here = run_peer("ort-transformers", model, tmp_path / "unused")
+    assert source is model and not (tmp_path / "unused").exists()
+    monkeypatch.setattr(peers, "ISOLATED_PEER_BYTES", 0)
+    (tmp_path / "child").mkdir()
+    source, there = run_peer("ort-transformers", model, tmp_path / "child")
+    assert [n.op_type for n in there.graph.node] == [n.op_type for n in here.graph.node]
+    assert peer_settings(there) == peer_settings(here)
+    assert sorted(os.listdir(tmp_path / "child")) == ["input.onnx", "input.onnx.data", "output.onnx", "output.onnx.data"]
+    assert external_tensors(source) and external_tensors(there)
+    assert verify(model, source).ok and verify(model, there).ok
+    with pytest.raises(NotApplicable, match="zoo family 'rnn'"):
+        run_peer("ort-transformers", matmul_model, tmp_path / "child", family="rnn")

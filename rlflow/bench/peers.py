@@ -11,8 +11,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import multiprocessing
 import os
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -20,7 +23,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from rlflow.graph.model_file import max_ir_version, save_model
+from rlflow.graph.external_data import tensor_bytes
+from rlflow.graph.model_file import max_ir_version, read_model, save_model
 
 PeerTool = Callable[[onnx.ModelProto], onnx.ModelProto]
 
@@ -33,6 +37,12 @@ PEER_SETTINGS_KEY = "rlflow.peer.settings"
 ORT_OPT_LEVEL = 2
 """optimum's O2: onnxruntime's basic and extended graph optimisations first (`optimization_level=2`), then the
 transformer fusions (`enable_transformers_specific_optimizations=True`), no GELU approximation, no fp16."""
+
+
+ISOLATED_PEER_BYTES = 2**28
+"""Models whose weights reach this run each peer in a child process of its own (`run_peer`): the tools copy the
+weights several times over (onnxruntime's transformers optimizer held about ten times a decoder's weights), and a
+process gives back what it took only when it ends."""
 
 
 class NotApplicable(Exception):
@@ -79,6 +89,33 @@ def peer_tools(*, use_gpu: bool = False, transformer: Mapping | None = None,
     tools = {"onnxsim": onnxsim, "onnxoptimizer": onnxoptimizer, "onnxslim": onnxslim, "onnxscript": onnxscript,
              "ort-transformers": ort}
     return {name: tools[name] for name in PEERS}
+
+
+def run_peer(name: str, model: onnx.ModelProto, folder: str | os.PathLike,
+             **tool_options) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The peer `name` (`PEERS`) on `model`, with `peer_tools`' keywords `tool_options`: (the input, the output).
+
+    A model whose weights reach ISOLATED_PEER_BYTES goes to a child process through files in `folder`, and both
+    come back with their weights left there (`folder` must outlive them), so that this process holds no copy of
+    them: sessions map them.
+
+    Raises:
+        whatever the tool raises (NotApplicable, ImportError...), from the child too; RuntimeError when the child dies.
+    """
+    if sum(tensor_bytes(t) for t in model.graph.initializer) < ISOLATED_PEER_BYTES:
+        return model, peer_tools(**tool_options)[name](model)
+    source = save_model(model, Path(folder) / "input.onnx", external=True)
+    output = Path(folder) / "output.onnx"
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            pool.submit(_run_peer_child, name, str(source), str(output), tool_options).result()
+        except BrokenProcessPool:
+            raise RuntimeError(f"{name}'s process died (killed by the system: out of memory?)") from None
+    return read_model(source, external=True), read_model(output, external=True)
+
+
+def _run_peer_child(name: str, source: str, output: str, tool_options: dict) -> None:
+    save_model(peer_tools(**tool_options)[name](read_model(source)), output, external=True)
 
 
 def zoo_hints(model: onnx.ModelProto, path: str | os.PathLike | None = None) -> dict:

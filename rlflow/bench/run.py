@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 from tqdm import tqdm
 
 from rlflow.bench.machine import environment, measure_peak
-from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, peer_tools, zoo_hints
+from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, run_peer, zoo_hints
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
 from rlflow.graph.core import Graph, load
@@ -157,7 +158,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
         static = graph.to_model(static=True)
         flops, params, bytes_read = count_flops(static), count_params(static), count_bytes_read(static)
         warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
-        tools = peer_tools(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
+        tool_options = dict(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
     except RlflowError as exc:
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
                            for method in (*config.methods, *peers)], loaded=False)
@@ -166,7 +167,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
     for method in (*config.methods, *peers):
         try:
             if method in peers:
-                row = _run_peer(graph, method, tools[method], settings, config)
+                row = _run_peer(graph, method, tool_options, settings, config)
             else:
                 row = _run_method(graph, method, settings, config)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
@@ -270,26 +271,27 @@ def _ratio_fields(ratio: Ratio) -> dict:
     return {"speedup": ratio.median, "speedup_low": ratio.low, "speedup_high": ratio.high}
 
 
-def _run_peer(graph: Graph, name: str, tool: Callable, settings: SessionSettings, config: BenchConfig) -> Row:
-    """A peer tool on the model with its measurement shapes fixed, checked and measured exactly like rlflow's output."""
+def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSettings, config: BenchConfig) -> Row:
+    """A peer tool on the model with its measurement shapes fixed (`run_peer`, with `peer_tools`' keywords
+    `tool_options`), checked and measured exactly like rlflow's output."""
     start = time.monotonic()
     source = graph.to_model(static=True)
-    try:
-        output = tool(source)
-    except ImportError:
-        return Row(Path(graph.source or "graph").stem, name, "not installed", "pip install 'rlflow[peers]'", "peer")
-    except NotApplicable as exc:
-        return Row(Path(graph.source or "graph").stem, name, "not applicable", str(exc), "peer")
-    seconds = time.monotonic() - start
-    tool_settings = peer_settings(output)
-    output.ir_version = min(output.ir_version, max_ir_version())
-    verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
-                          shapes=verification_shapes(graph)[:1])
-    comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
+    with tempfile.TemporaryDirectory(prefix="rlflow-peer-") as folder:
+        try:
+            source, output = run_peer(name, source, folder, **tool_options)
+        except ImportError:
+            return Row(Path(graph.source or "graph").stem, name, "not installed", "pip install 'rlflow[peers]'", "peer")
+        except NotApplicable as exc:
+            return Row(Path(graph.source or "graph").stem, name, "not applicable", str(exc), "peer")
+        seconds = time.monotonic() - start
+        tool_settings = peer_settings(output)
+        output.ir_version = min(output.ir_version, max_ir_version())
+        verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
+                              shapes=verification_shapes(graph)[:1])
+        comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
     ratio = comparison.ratios[1]
     return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
                verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
                latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
                speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
                max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings)
-

@@ -46,11 +46,11 @@ def max_ir_version() -> int:
     return 7
 
 
-def read_model(path: str | os.PathLike) -> onnx.ModelProto:
+def read_model(path: str | os.PathLike, *, external: bool = False) -> onnx.ModelProto:
     """Parses and checks an ONNX file; external data is read in, as onnx.load does, unless the weights exceed
-    EXTERNAL_DATA_THRESHOLD: then they stay on disk and the tensors keep references to their files, with absolute
-    locations so that the proto is self-contained (sessions, verification and `save_model` find the weights whatever
-    the working directory) and small whatever the weights weigh.
+    EXTERNAL_DATA_THRESHOLD (or `external` says so): then they stay on disk and the tensors keep references to their
+    files, with absolute locations so that the proto is self-contained (sessions, verification and `save_model` find
+    the weights whatever the working directory) and small whatever the weights weigh.
 
     Raises:
         InputError: as `load`.
@@ -78,23 +78,24 @@ def read_model(path: str | os.PathLike) -> onnx.ModelProto:
         resolve_external_data(model, path.parent)
     except InputError as exc:
         raise InputError(f"{path}: {exc}") from None
-    if sum(tensor_bytes(t) for t in _initializers(model.graph)) <= EXTERNAL_DATA_THRESHOLD:
+    if not external and sum(tensor_bytes(t) for t in _initializers(model.graph)) <= EXTERNAL_DATA_THRESHOLD:
         return _with_inline_data(model)
     return model
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> Path:
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool = False) -> Path:
     """Writes a model atomically: a temporary file in the same folder, then a rename, so nothing is half-written.
 
-    Models whose weights exceed EXTERNAL_DATA_THRESHOLD are written with their weights in `<name>.data` beside them
-    (one tensor at a time, never as one big message); smaller ones are written as one file, external data included.
+    Models whose weights exceed EXTERNAL_DATA_THRESHOLD (or all, with `external`: a model handed to another process,
+    which maps its weights rather than parse them) are written with their weights in `<name>.data` beside them (one
+    tensor at a time, never as one big message); smaller ones are written as one file, external data included.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     weight_bytes = sum(tensor_bytes(t) for t in _initializers(model.graph))
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as tmp:
         tmp_model = Path(tmp) / path.name
-        if weight_bytes > EXTERNAL_DATA_THRESHOLD:
+        if external or weight_bytes > EXTERNAL_DATA_THRESHOLD:
             data_name = f"{path.name}.data"
             _write_with_external_data(model, tmp_model, data_name, final=path.parent / data_name)
             if (Path(tmp) / data_name).exists():  # absent when every tensor is small

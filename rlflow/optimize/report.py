@@ -2,6 +2,7 @@
 verification, rewrites, operator counts, time and settings."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from rlflow.optimize.result import Result
@@ -66,8 +67,29 @@ def format_report(result: Result) -> str:
                  f"graph optimisation '{s['opt_level']}', "
                  f"method {s['method']}{_why(s.get('method_reason'))}, operators {s.get('ops', 'all')}, "
                  f"seed {s['seed']}, "
-                 f"input shapes {s['input_shapes']}")
+                 f"input shapes {_shapes_text(s['input_shapes'])}")
     return "\n".join(lines)
+
+
+def _shapes_text(shapes: dict) -> str:
+    """`name [dims]` per input; inputs of one shape whose names differ in one number only are given once
+    (`past_key_values.{0..29}.key [1, 3, 128, 64]`): a decoder's cache has 60 of them."""
+    groups: dict[tuple, list[str]] = {}
+    for name, dims in shapes.items():
+        groups.setdefault((re.sub(r"\d+", "#", name), tuple(dims)), []).append(name)
+    return ", ".join(f"{name} {list(dims)}" for (_, dims), names in groups.items() for name in _collapsed(names))
+
+
+def _collapsed(names: list[str]) -> list[str]:
+    """Names alike but for their numbers, as one name with a set in place of the one number that varies."""
+    pieces = [re.split(r"(\d+)", n) for n in names]  # numbers at odd places
+    varying = [k for k in range(1, len(pieces[0]), 2) if len({p[k] for p in pieces}) > 1]
+    if len(varying) != 1:
+        return names
+    values = sorted({int(p[varying[0]]) for p in pieces})
+    contiguous = values == list(range(values[0], values[-1] + 1))
+    span = f"{{{values[0]}..{values[-1]}}}" if contiguous else "{" + ",".join(map(str, values)) + "}"
+    return ["".join(span if k == varying[0] else piece for k, piece in enumerate(pieces[0]))]
 
 
 def _profile_lines(profiles: list[dict]) -> list[str]:
