@@ -166,6 +166,31 @@ def test_external_weights_are_mapped_and_exported_as_references(external_model, 
     assert verify(reference, onnx.load(str(written))).ok
 
 
+def test_large_inline_weights_are_put_aside_once_and_mapped(tmp_path, monkeypatch):
+    """A file whose inline weights reach WEIGHTS_ASIDE_BYTES loads with them in a data file of the process's own
+    (sessions and exports then map them): same numbers, the file untouched, written once however often it is read."""
+    monkeypatch.setattr(model_file, "WEIGHTS_ASIDE_BYTES", 1024)
+    monkeypatch.setattr(model_file, "_ASIDE", {})
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "W")
+    model = tiny_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])], [w])
+    path = tmp_path / "inline.onnx"
+    onnx.save_model(model, str(path))
+    before = path.read_bytes()
+    read = read_model(path)
+    (weight,) = read.graph.initializer
+    aside = weight.external_data[0].value
+    assert weight.data_location == TensorProto.EXTERNAL and not aside.startswith(str(tmp_path))
+    assert os.path.isfile(aside) and verify(model, read).ok
+    graph = load(path)
+    assert is_mapped(graph.tensor_map()["W"].values) and verify(model, graph.to_model()).ok
+    assert read_model(path).graph.initializer[0].external_data[0].value == aside and len(model_file._ASIDE) == 1
+    assert path.read_bytes() == before
+    monkeypatch.setattr(model_file, "WEIGHTS_ASIDE_BYTES", 1 << 40)
+    assert read_model(path).graph.initializer[0].HasField("raw_data")  # under it: read in, as before
+
+
 def test_session_takes_weights_from_two_folders(external_model, tmp_path):
     """Weights outside the folder onnxruntime maps are handed over in memory."""
     path, reference = external_model

@@ -14,7 +14,7 @@ from rlflow.cli import main
 from rlflow.graph.core import load
 from rlflow.measure.verify import verify
 from rlflow.optimize.pipeline import verification_shapes
-from rlflow.optimize.report import _shapes_text, format_report
+from rlflow.optimize.report import _by_rule, _shapes_text, format_report
 from tests.conftest import save
 
 
@@ -294,3 +294,4 @@ def test_the_report_gives_a_decoder_s_cache_shapes_once():
                                     "[1, 3, 128, 64], past_key_values.{0..29}.value [1, 3, 128, 64]")
     assert _shapes_text({"x1": [1], "x3": [1], "y": [2]}) == "x{1,3} [1], y [2]"
     assert _shapes_text({"l1.h2": [3], "l2.h3": [3]}) == "l1.h2 [3], l2.h3 [3]"  # two numbers vary: kept apart
+    assert _by_rule(["rotary-fusion@a", "rmsnorm-fusion@b", "rotary-fusion@c"]) == "rotary-fusion x2, rmsnorm-fusion"

@@ -30,11 +30,18 @@ def format_report(result: Result) -> str:
         lines.append(f"  verified    {'yes' if v.ok else 'NO'}: relative error norm ||out - ref|| / ||ref|| at most "
                      f"{v.max_rel_norm:.2e} over seeds "
                      f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)")
+        groups: dict[tuple, list] = {}  # a decoder's 60 present states: one line per name pattern
         for check in v.outputs:
-            lines.append(f"              {check.name}: max abs {check.max_abs:.2e}, rel-norm {check.rel_norm:.2e} "
-                         f"(tolerance {check.tolerance:.0e})")
-    lines.append(f"  rewrites    {len(result.applied)}" + (": " + ", ".join(result.applied) if result.applied else "")
-                 + (f" (not kept: {', '.join(result.rejected)})" if result.rejected else ""))
+            groups.setdefault((re.sub(r"\d+", "#", check.name), check.tolerance), []).append(check)
+        for checks in groups.values():
+            together = len(checks) > 1 and len(_collapsed([c.name for c in checks])) == 1
+            most = "at most " if together else ""
+            for part in [checks] if together else [[c] for c in checks]:
+                lines.append(f"              {_collapsed([c.name for c in part])[0]}: max abs {most}"
+                             f"{max(c.max_abs for c in part):.2e}, rel-norm {most}{max(c.rel_norm for c in part):.2e} "
+                             f"(tolerance {part[0].tolerance:.0e})")
+    lines.append(f"  rewrites    {len(result.applied)}" + (": " + _by_rule(result.applied) if result.applied else "")
+                 + (f" (not kept: {_by_rule(result.rejected)})" if result.rejected else ""))
     ops = sorted(set(result.op_counts_before) | set(result.op_counts_after))
     lines.append("  operators   " + f"{'op':<24}{'before':>8}{'after':>8}")
     for op in ops:
@@ -69,6 +76,12 @@ def format_report(result: Result) -> str:
                  f"seed {s['seed']}, "
                  f"input shapes {_shapes_text(s['input_shapes'])}")
     return "\n".join(lines)
+
+
+def _by_rule(rewrites: list[str]) -> str:
+    """`rule@node` rewrites as `rule x N` per rule, in order of first use (a decoder's fusion applies in every layer)."""
+    counts = Counter(r.split("@")[0] for r in rewrites)
+    return ", ".join(rule if n == 1 else f"{rule} x{n}" for rule, n in counts.items())
 
 
 def _shapes_text(shapes: dict) -> str:
