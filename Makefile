@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test lint fuzz bench agent ppo-agent clean
+.PHONY: install demo test lint fuzz bench agent ppo-agent genai-builder clean
 
 install: $(STAMP)
 
@@ -83,5 +83,20 @@ ppo-agent: $(STAMP)
 	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --out $(PPO_RESULTS) --run-dir build/ppo-agent/run
 	$(BIN)/rlflow ship --checkpoint build/ppo-agent/run/ppo.pt --results $(PPO_RESULTS)/ppo.json
 
+# onnxruntime-genai's model builder, the hand-built reference beside the peers for the decoders (issue #50;
+# rlflow/bench/genai_builder.py runs it as a subprocess).  A venv of its own: onnxruntime-genai pulls the newest
+# onnxruntime (1.32 on), which rlflow pins below.  torch first, pinned, for the CPU wheel; then what the builder
+# imports (onnx-ir, transformers, safetensors).  `rlflow bench --peers` adds the `genai-builder` row to decoder
+# entries when $(GENAI_VENV) exists.
+GENAI_VENV := .venv-genai
+GENAI_STAMP := $(GENAI_VENV)/.installed
+genai-builder: $(GENAI_STAMP)
+
+$(GENAI_STAMP):
+	$(PYTHON) -m venv $(GENAI_VENV)
+	$(GENAI_VENV)/bin/pip install -q torch==2.13.0
+	$(GENAI_VENV)/bin/pip install -q onnxruntime-genai==0.18.0 'transformers>=5,<6' onnx onnx-ir safetensors tqdm
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GENAI_VENV) build *.egg-info

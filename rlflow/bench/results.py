@@ -143,7 +143,7 @@ def markdown_table(results: dict) -> str:
                      f"| {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
                      f"| {speed} | {r['peak_fraction']:.1%} | {r.get('memory_fraction', float('nan')):.1%} "
                      f"| {r['max_rel_error']:.1e} "
-                     f"| {len(r['rewrites']) if r['kind'] == 'rlflow' else 'peer'} "
+                     f"| {len(r['rewrites']) if r['kind'] == 'rlflow' else r['kind']} "
                      f"| {r['seconds']:.1f} |")
     profiled = [r for r in results["rows"] if r.get("profiles")]
     if cfg.get("profiles"):

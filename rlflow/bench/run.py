@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 
 from tqdm import tqdm
 
+from rlflow.bench.builder_reference import bench_references, bench_row
 from rlflow.bench.machine import environment, measure_peak
 from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, run_peer, zoo_hints
 from rlflow.bench.results import Row, summarize, write_results
@@ -159,14 +160,17 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
         flops, params, bytes_read = count_flops(static), count_params(static), count_bytes_read(static)
         warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
         tool_options = dict(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
+        references = bench_references(static, model) if config.peers else ()  # the genai builder's, for decoders
     except RlflowError as exc:
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
                            for method in (*config.methods, *peers)], loaded=False)
     rows = []
     settings = _settings_for(graph, settings)
-    for method in (*config.methods, *peers):
+    for method in (*config.methods, *peers, *references):
         try:
-            if method in peers:
+            if method in references:
+                row = bench_row(graph, static, settings, config)
+            elif method in peers:
                 row = _run_peer(graph, method, tool_options, settings, config)
             else:
                 row = _run_method(graph, method, settings, config)

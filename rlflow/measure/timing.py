@@ -272,7 +272,8 @@ def check_and_time(model: onnx.ModelProto, settings: SessionSettings, *, seed: i
 def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None = None, *, rounds: int = 30,
             warmup: int = WARMUP_RUNS, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
             labels: Sequence[str] | None = None, confidence: float = 0.95, deadline: float | None = None,
-            blocks: int | None = None, pace: Pace | None = None) -> Comparison:
+            blocks: int | None = None, pace: Pace | None = None,
+            feeds: Sequence[Mapping[str, np.ndarray]] | None = None) -> Comparison:
     """Interleaved comparison of models on the same inputs.
 
     Every round runs each model (in a freshly shuffled order) enough times to take MIN_ROUND_SECONDS; the speedup of
@@ -291,6 +292,8 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         pace: records how long sessions and runs take; with a deadline, a later block or a round past MIN_ROUNDS
             starts only if the pace predicts it ends before the deadline (the first block always runs: plan it with
             `Pace.block_seconds`).
+        feeds: one input dict per model, for models whose inputs differ (default: random inputs of model 0 at
+            `shapes`, fed to every model).
     """
     if len(models) < 2:
         raise ValueError("compare needs at least two models")
@@ -298,7 +301,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     labels = list(labels or [f"model{i}" for i in range(len(models))])
     blocks = blocks or min(5, max(1, rounds // 6))
     per_block = max(1, rounds // blocks)
-    feeds = random_inputs(models[0], seed, shapes)
+    feeds = list(feeds) if feeds is not None else [random_inputs(models[0], seed, shapes)] * len(models)
     sources = [session_source(m) if isinstance(m, onnx.ModelProto) else m for m in models]  # serialized once
     rng = np.random.default_rng(seed)
     times: list[list[float]] = [[] for _ in models]
@@ -311,7 +314,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         runners: list[Runner | None] = [None] * len(models)
         for i in rng.permutation(len(models)):
             start = time.perf_counter()
-            runners[i] = Runner(sources[i], settings, feeds)
+            runners[i] = Runner(sources[i], settings, feeds[i])
             if pace is not None:
                 pace.observe("session", time.perf_counter() - start)
         try:
