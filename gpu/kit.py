@@ -39,8 +39,14 @@ DEPENDENCIES = ("onnx-graphsurgeon==0.6.1", "gymnasium==1.4.0", "farama-notifica
                 "onnxsim==0.8.1", "onnxoptimizer==0.4.2", "onnxslim==0.1.98")
 """What rlflow (and `rlflow bench --peers`) imports that the device image lacks; everything else is there."""
 
-LEFT_OUT = ("onnxruntime/capi/libonnxruntime.so", "onnxruntime/capi/libonnxruntime_providers_tensorrt.so")
-"""Prefixes of wheel members the Python binding never loads: the C API library and the TensorRT provider."""
+GENAI_BUILDER = "onnxruntime-genai==0.18.0"
+"""onnxruntime-genai, for its model builder's Python source alone (`models/`, run as `builder.py` under the image's
+torch, transformers and onnx-ir: RLFLOW_GENAI_BUILDER in gpu/measure.sh); its own libraries stay behind."""
+
+LEFT_OUT = ("onnxruntime/capi/libonnxruntime.so", "onnxruntime/capi/libonnxruntime_providers_tensorrt.so",
+            "onnxruntime_genai/libonnxruntime-genai.so", "onnxruntime_genai/onnxruntime_genai.")
+"""Prefixes of wheel members never loaded there: onnxruntime's C API library and TensorRT provider, and
+onnxruntime-genai's libraries (only its builder's source is used)."""
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
@@ -51,11 +57,13 @@ CALL_LIMIT = 64 * 2**20
 MARGIN = 3 * 2**20
 """Room left in every call for files that change between preparing the kit and the calls."""
 
-LEASE_PLAN = ('GPU_STEPS="optimize bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=20 '
-              'GPU_ZOO="gpt2-small bert-l4-h256-s16-ts vit-b-16 bert-base"')
-"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  measure.sh's own defaults (the whole zoo, bench, capture and cost check) took 28 minutes on an H100; this plan
-on four smaller transformers took 9.7 on an H200 (docs/results/gpu/h200-1126-cg/).  Next: gpt2-small with its GELU
-fused, which candidates BERT-L4 drops under capture, and the two large transformers captured beside the peers."""
+LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=20 '
+              'GPU_ZOO="smollm2-135m-decode-p128-dynamo-fp16 qwen3-0.6b-l8-decode-p128-dynamo-fp16"')
+"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's first priority: the
+decode step at past 128 of both decoders (dynamo, fp16, captured), greedy and the peers with the genai builder's
+graph beside (`bench --peers`).  Next, if device time is left: the same without GPU_CUDA_GRAPH, then the fp32
+entries (drop `-fp16`), then the prefill steps.  (The encoders' plan, `GPU_STEPS="optimize bench"` on four
+transformers, took 9.7 minutes on an H200: docs/results/gpu/h200-1126-cg/.)"""
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"
@@ -68,8 +76,9 @@ def download(dest: Path) -> list[Path]:
                "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
     for platform in PLATFORMS:
         command += ["--platform", platform]
-    subprocess.run(command + [ORT_GPU, *DEPENDENCIES], check=True)
-    wanted = [spec.split("==")[0].replace("-", "_").lower() for spec in (ORT_GPU, *DEPENDENCIES)]
+    specs = (ORT_GPU, GENAI_BUILDER, *DEPENDENCIES)
+    subprocess.run(command + list(specs), check=True)
+    wanted = [spec.split("==")[0].replace("-", "_").lower() for spec in specs]
     wheels = [w for w in sorted(dest.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
     missing = set(wanted) - {w.name.split("-")[0].lower() for w in wheels}
     if missing:

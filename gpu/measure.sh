@@ -6,7 +6,9 @@
 # without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT, GPU_ROUNDS, GPU_SEQUENCES.
 # The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
-# has whole rows.  GPU_CUDA_GRAPH=1 makes it `rlflow optimize --cuda-graph` (the search and its verdict measured with
+# has whole rows.  The bench's peers include, for the zoo's decoders, onnxruntime-genai's model builder's graph (-p fp16
+# for the -fp16 entries, -e cuda), the builder run from the kit's copy of its source (RLFLOW_GENAI_BUILDER).
+# GPU_CUDA_GRAPH=1 makes it `rlflow optimize --cuda-graph` (the search and its verdict measured with
 # CUDA graph capture), written as STEM.rlflow-cg.onnx and optimize/STEM-cg.json, and the bench `--cuda-graph`
 # (into bench-cg/).  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
 #   mkdir -p /tmp/k/site /tmp/k/src      # what `remote.sh install` copies: the files a device call carries
@@ -20,6 +22,7 @@ PY=${PYTHON:-python3}
 PROVIDER=${GPU_PROVIDER:-cuda}
 # what `gpu/remote.sh measure` sets already; the defaults let the script run on its own, as in a rehearsal
 export PYTHONPATH=${PYTHONPATH:-$KIT/site:$KIT/src} RLFLOW_CACHE=${RLFLOW_CACHE:-$KIT/cache} PYTHONUNBUFFERED=1
+export RLFLOW_GENAI_BUILDER=${RLFLOW_GENAI_BUILDER:-$KIT/site/onnxruntime_genai/models}
 mkdir -p "$R"
 cd "$KIT/src"
 step() { echo "== $(date -u +%FT%TZ) $*"; }

@@ -2,6 +2,7 @@
 Hugging Face folder it reads (the export's weights, an offline tokenizer), the inputs of a builder-like graph filled from the export's step,
 the reference row; the builder itself only where `make genai-builder` made its venv (and with -m slow)."""
 import json
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -138,6 +139,16 @@ def test_no_builder_venv_no_reference_row(step, tmp_path, monkeypatch):
     assert br.bench_references(helper.make_model(helper.make_graph([], "g", [], [])), tmp_path / "mlp.onnx") == ()
 
 
+def test_a_copy_of_the_builders_source_runs_under_this_python(tmp_path, monkeypatch):
+    """The GPU kit's way (RLFLOW_GENAI_BUILDER): the builder's `models` folder, no venv of its own."""
+    monkeypatch.setenv("RLFLOW_GENAI_VENV", str(tmp_path / "none"))
+    monkeypatch.setenv("RLFLOW_GENAI_BUILDER", str(tmp_path / "models"))
+    assert gb.builder_command() is None  # no builder.py there
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "builder.py").touch()
+    assert gb.builder_command() == [sys.executable, str(tmp_path / "models" / "builder.py")]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(gb.genai_python() is None, reason="onnxruntime-genai's builder venv is missing: make genai-builder")
 def test_the_builders_graph_computes_the_exports_logits(step, tmp_path):
@@ -151,3 +162,17 @@ def test_the_builders_graph_computes_the_exports_logits(step, tmp_path):
     counts = row.peer_settings["nodes_after_ort_all"]
     assert counts["genai-builder"] < counts["export"]
     assert gb.build_reference(dec, cache=tmp_path)[1].get("cached")  # the same weights: built once
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(gb.genai_python() is None, reason="onnxruntime-genai's builder venv is missing: make genai-builder")
+def test_the_builders_source_copy_builds_the_same_graph(step, tmp_path, monkeypatch):
+    import shutil
+
+    site = next(gb.genai_python().parent.parent.glob("lib/python*/site-packages/onnxruntime_genai/models"))
+    shutil.copytree(site, tmp_path / "models")
+    monkeypatch.setenv("RLFLOW_GENAI_BUILDER", str(tmp_path / "models"))
+    model, record = gb.build_reference(gb.decoder(NAME), cache=tmp_path / "cache")
+    assert record["versions"]["onnxruntime-genai"] == "source copy" and record["versions"]["torch"]
+    row = br.reference_row(step[1], step[2], gb.decoder(NAME), SessionSettings(threads=1), rounds=3, builder=model)
+    assert row.status == "ok" and row.peer_settings["logits_max_rel_diff"] < 1e-5

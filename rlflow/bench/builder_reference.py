@@ -29,7 +29,7 @@ from typing import Mapping
 import numpy as np
 import onnx
 
-from rlflow.bench.genai_builder import Decoder, build_reference, decoder, decoder_of, genai_python
+from rlflow.bench.genai_builder import Decoder, build_reference, builder_command, decoder, decoder_of
 from rlflow.bench.results import Row
 from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
@@ -201,22 +201,23 @@ def _inputs(feeds: Mapping[str, np.ndarray]) -> dict:
 
 def bench_references(model: onnx.ModelProto, path: str | os.PathLike | None) -> tuple[str, ...]:
     """`rlflow bench --peers`: (REFERENCE,) for a zoo decoder when the builder's venv exists, else ()."""
-    return (REFERENCE,) if genai_python() is not None and decoder_of(model, path) is not None else ()
+    return (REFERENCE,) if builder_command() is not None and decoder_of(model, path) is not None else ()
 
 
 def bench_row(graph, source: onnx.ModelProto, settings: SessionSettings, config) -> Row:
     """The bench's reference row for `graph` (an `rlflow.graph.core.Graph` of a zoo decoder; `source` its static
-    model, the bench's input) at its shapes."""
+    model, the bench's input) at its shapes, built in the export's precision for the bench's provider."""
     dec = decoder_of(source, graph.source)
     return reference_row(source, dict(graph.input_shapes), dec, settings, rounds=config.rounds, seed=config.seed,
-                         export_file=graph.source, model_name=Path(graph.source or dec.name).stem)
+                         precision="fp16" if dec.dtype == "float16" else "fp32", export_file=graph.source,
+                         model_name=Path(graph.source or dec.name).stem)
 
 
 def main(argv=None) -> dict:
     """`rlflow bench-builder MODEL...`: the reference row of each zoo decoder step, one at a time; a JSON file."""
     from rlflow.graph.core import load
     from rlflow.measure.memory import shares_weights
-    from rlflow.measure.session import resolve_provider
+    from rlflow.measure.session import check_capture, resolve_provider
 
     parser = argparse.ArgumentParser(prog="rlflow bench-builder", description="onnxruntime-genai's builder's graph of each zoo decoder step (same weights) against the export: time, nodes after ORT_ENABLE_ALL, logits.")
     parser.add_argument("models", nargs="+", type=Path, help="zoo decoder steps, named as `rlflow zoo build` does")
@@ -225,11 +226,14 @@ def main(argv=None) -> dict:
                         help="the builder's -e, and the provider both graphs are measured on")
     for option, default in (("--threads", 1), ("--rounds", 30), ("--seed", 0)):  # as `rlflow bench` has them
         parser.add_argument(option, type=int, default=default)
+    parser.add_argument("--cuda-graph", action="store_true", help="measure both with CUDA graph capture (CUDA only)")
     parser.add_argument("--out", type=Path, default=Path("builder-reference.json"))
     args = parser.parse_args(argv)
     import onnxruntime
 
-    settings = SessionSettings(provider=resolve_provider(args.execution_provider), threads=args.threads)
+    provider = resolve_provider(args.execution_provider)
+    check_capture(provider, args.cuda_graph)
+    settings = SessionSettings(provider=provider, threads=args.threads, cuda_graph=args.cuda_graph)
     rows = []
     for path in args.models:
         dec = decoder(path.with_suffix(".json") if path.with_suffix(".json").is_file() else path.stem)

@@ -2,7 +2,9 @@
 builds).
 
 The builder (``python -m onnxruntime_genai.models.builder``) runs as a subprocess in a venv of its own (`make
-genai-builder`: ``.venv-genai``; onnxruntime-genai pulls an onnxruntime that rlflow pins below).  The decoder's
+genai-builder`: ``.venv-genai``; onnxruntime-genai pulls an onnxruntime that rlflow pins below), or, where
+RLFLOW_GENAI_BUILDER names a copy of the package's ``models`` folder, as that folder's ``builder.py`` under this
+Python (it needs torch, transformers and onnx-ir, not onnxruntime-genai's own libraries: the GPU kit carries it so).  The decoder's
 transformers model (`rlflow.zoo.decoders`: the entry's configuration and the zoo's seed, so the weights are the
 export's) is saved as a Hugging Face folder with a tokenizer made here: a word-level vocabulary of ``<i>`` tokens as long
 as the model's, with bos/eos at the configuration's ids (the builder loads a tokenizer for its special tokens and
@@ -16,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -31,7 +34,14 @@ GENAI_VENV = Path(__file__).resolve().parents[2] / ".venv-genai"
 """Where `make genai-builder` puts the builder's venv (RLFLOW_GENAI_VENV names another)."""
 
 BUILDER_SECONDS = 3600
-_VERSIONS = "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in %r}))"
+_VERSIONS = """import importlib.metadata as m, json
+versions = {}
+for p in %r:
+    try:
+        versions[p] = m.version(p)
+    except m.PackageNotFoundError:
+        versions[p] = None
+print(json.dumps(versions))"""
 _PACKAGES = ("onnxruntime-genai", "onnxruntime", "torch", "transformers")
 
 
@@ -51,10 +61,22 @@ def genai_python(venv: str | os.PathLike | None = None) -> Path | None:
     return python if python.is_file() else None
 
 
-def _required(python: Path | None) -> Path:
-    if (python or genai_python()) is None:
+def builder_command(python: Path | None = None) -> list[str] | None:
+    """How to start the builder: the copy of its source RLFLOW_GENAI_BUILDER names, run by this Python; else
+    `python -m onnxruntime_genai.models.builder` in its venv (`python`, else `genai_python`); None when neither is
+    there."""
+    source = os.environ.get("RLFLOW_GENAI_BUILDER")
+    if source and (Path(source) / "builder.py").is_file() and python is None:
+        return [sys.executable, str(Path(source) / "builder.py")]
+    python = python or genai_python()
+    return [str(python), "-m", "onnxruntime_genai.models.builder"] if python is not None else None
+
+
+def _required(python: Path | None) -> list[str]:
+    command = builder_command(python)
+    if command is None:
         raise RlflowError("onnxruntime-genai's builder is not installed: `make genai-builder` makes .venv-genai")
-    return python or genai_python()
+    return command
 
 
 def decoder(entry) -> Decoder:
@@ -135,12 +157,11 @@ def run_builder(hf_folder: Path, out: Path, *, precision: str = "fp32", provider
     Raises:
         RlflowError: no builder venv, or the builder failed (the log's last lines say why).
     """
-    python = _required(python)
+    builder = _required(python)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tempfile.TemporaryDirectory(prefix="rlflow-genai-cache-") as cache:
-        command = [str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder), "-o", str(out),
-                   "-p", precision, "-e", provider, "-c", cache]
+        command = builder + ["-i", str(hf_folder), "-o", str(out), "-p", precision, "-e", provider, "-c", cache]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     (out / "builder.log").write_text(" ".join(command) + "\n" + done.stdout + done.stderr)
     if done.returncode != 0 or not (out / "model.onnx").is_file():
@@ -153,9 +174,11 @@ def build_reference(dec: Decoder, *, precision: str = "fp32", provider: str = "c
                     cache: str | os.PathLike | None = None) -> tuple[Path, dict]:
     """(the builder's model.onnx for `dec`, its record: digest, precision, provider, versions, seconds), built once
     per weights, precision, provider and builder version (``genai-builder/`` in rlflow's cache)."""
-    python = _required(python)
-    versions = json.loads(subprocess.run([str(python), "-c", _VERSIONS % (_PACKAGES,)], capture_output=True,
+    builder = _required(python)
+    versions = json.loads(subprocess.run([builder[0], "-c", _VERSIONS % (_PACKAGES,)], capture_output=True,
                                          text=True, check=True).stdout)
+    if builder[1] != "-m":  # a copy of the builder's source: its version is the one it was copied from
+        versions["onnxruntime-genai"] = os.environ.get("RLFLOW_GENAI_BUILDER_VERSION", "source copy")
     root = Path(cache) if cache is not None else cache_dir("genai-builder")
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rlflow-hf-", dir=root) as tmp:
