@@ -87,6 +87,40 @@ def test_profiles_must_name_the_same_inputs_and_differ(text_model):
     assert [p.label for p in heavy_last] == [S64, S16]  # the heaviest gives the graph its static shapes
 
 
+@pytest.fixture
+def cached_model() -> onnx.ModelProto:
+    """A decode step's interface, as the dynamo exporter names its dimensions: a token [batch, 1], a mask
+    [batch, past_sequence + 1] and two cache tensors [batch, 2, past_sequence, 4]."""
+    cache = ["batch", 2, "past_sequence", 4]
+    nodes = [helper.make_node("ReduceSum", ["k"], ["ks"], keepdims=0), helper.make_node("Identity", ["v"], ["y"])]
+    return tiny_model(nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 1]),
+                              helper.make_tensor_value_info("mask", TensorProto.INT64, ["batch", "past_sequence + 1"]),
+                              helper.make_tensor_value_info("k", TensorProto.FLOAT, cache),
+                              helper.make_tensor_value_info("v", TensorProto.FLOAT, cache)],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, cache),
+                       helper.make_tensor_value_info("ks", TensorProto.FLOAT, None)], [])
+
+
+def test_a_profile_may_name_dimensions_instead_of_inputs(cached_model):
+    """A decoder's 60 cache inputs share one symbolic shape: `past_sequence=1024` sets them all, and the mask's
+    `past_sequence + 1` is worked out; inputs named keep their shapes."""
+    short, long = arrange([parse_profile("batch=1;past_sequence=1024"),  # the heaviest first
+                           parse_profile("batch=2;past_sequence=128;ids=2,1@3")], cached_model)
+    assert (short.label, short.weight) == ("batch=2;past_sequence=128;ids=2,1", 3.0)
+    assert dict(short.shapes) == {"ids": (2, 1), "mask": (2, 129), "k": (2, 2, 128, 4), "v": (2, 2, 128, 4)}
+    assert dict(long.shapes) == {"ids": (1, 1), "mask": (1, 1025), "k": (1, 2, 1024, 4), "v": (1, 2, 1024, 4)}
+    with pytest.raises(InputError, match="no value for dimension 'batch' of input 'ids'"):
+        arrange([parse_profile("past_sequence=16")], cached_model)
+    with pytest.raises(InputError, match=r"unknown input\(s\) or dimension\(s\) past; .* dimensions are batch, "
+                                         r"past_sequence$"):
+        arrange([parse_profile("batch=1;past=16")], cached_model)
+    with pytest.raises(InputError, match="a dimension takes one number"):
+        arrange([parse_profile("batch=1,2;past_sequence=16")], cached_model)
+    with pytest.raises(InputError, match="same shapes"):  # the same shapes, said two ways
+        arrange([parse_profile("batch=1;past_sequence=8"), parse_profile("batch=1;past_sequence=8;ids=1,1")],
+                cached_model)
+
+
 def test_a_text_model_gets_sequence_16_and_128_by_default(text_model, matmul_model):
     assert [p.label for p in default_profiles(text_model)] == [
         "input_ids=1,16;attention_mask=1,16", "input_ids=1,128;attention_mask=1,128"]

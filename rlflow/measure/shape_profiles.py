@@ -10,6 +10,7 @@ The others are measured by fixing the dynamic dimensions of the exported model (
 """
 from __future__ import annotations
 
+import ast
 import math
 import os
 from dataclasses import dataclass
@@ -29,15 +30,17 @@ classification request, and a paragraph)."""
 
 @dataclass(frozen=True)
 class Profile:
-    """One shape for every dynamic input, and its share of the traffic (weights are relative)."""
+    """One shape for every dynamic input, and its share of the traffic (weights are relative); `given`: the text it
+    was given as, where that named dimensions rather than inputs (`by_dimension`)."""
 
     shapes: Mapping[str, tuple[int, ...]]
     weight: float = 1.0
+    given: str | None = None
 
     @property
     def label(self) -> str:
-        """`input_ids=1,16;attention_mask=1,16` (the `--profile` syntax, without the weight)."""
-        return ";".join(f"{name}={','.join(map(str, shape))}" for name, shape in self.shapes.items())
+        """`input_ids=1,16;attention_mask=1,16` (the `--profile` syntax, without the weight), or the text given."""
+        return self.given or ";".join(f"{name}={','.join(map(str, shape))}" for name, shape in self.shapes.items())
 
     def as_dict(self) -> dict:
         return {"shapes": {k: list(v) for k, v in self.shapes.items()}, "weight": self.weight}
@@ -113,8 +116,8 @@ def check_profiles(profiles: Sequence[Profile]) -> None:
     for profile in profiles[1:]:
         if set(profile.shapes) != names:
             raise InputError(f"profiles must name the same inputs: '{profiles[0].label}' and '{profile.label}' do not")
-    labels = [p.label for p in profiles]
-    if len(set(labels)) != len(labels):
+    shapes = [tuple(sorted(p.shapes.items())) for p in profiles]
+    if len(set(shapes)) != len(shapes):
         raise InputError("two profiles give the same shapes: give one, with the sum of their weights")
 
 
@@ -125,13 +128,74 @@ def arrange(profiles: Sequence[Profile], model: onnx.ModelProto) -> list[Profile
     Raises:
         InputError: they do not pass.
     """
-    check_profiles(profiles)
     weights = {t.name for t in model.graph.initializer}
     inputs = [vi for vi in model.graph.input if vi.name not in weights]
+    profiles = [by_dimension(p, inputs) for p in profiles]
+    check_profiles(profiles)
     for profile in profiles:
         check_shapes(profile, inputs)
     first = primary(profiles)
     return [first, *(p for p in profiles if p is not first)]
+
+
+def by_dimension(profile: Profile, inputs: Sequence[onnx.ValueInfoProto]) -> Profile:
+    """A profile naming the model's dynamic dimensions (`past_sequence=1024`: the symbols its inputs' shapes carry) in
+    place of inputs, as one giving every input its shape: each symbolic dimension takes its symbol's value, or that
+    of an expression of them (`past_sequence + 1`, as the dynamo exporter writes an attention mask's).  A decoder's
+    cache is 60 inputs of one symbolic shape.  Inputs it names keep the shapes given.
+
+    Raises:
+        InputError: a name is neither an input nor a dimension, a dimension's value is not one number, or a dynamic
+            dimension of an input it does not name has no value.
+    """
+    by_name = {vi.name: vi for vi in inputs}
+    symbols = {name: dims for name, dims in profile.shapes.items() if name not in by_name}
+    if not symbols:
+        return profile
+    known = {d.dim_param for vi in inputs for d in vi.type.tensor_type.shape.dim if d.dim_param.isidentifier()}
+    unknown = sorted(set(symbols) - known)
+    if unknown:
+        raise InputError(f"profile '{profile.label}' names unknown input(s) or dimension(s) {', '.join(unknown)}; "
+                         f"inputs are {', '.join(sorted(by_name))}; dimensions are {', '.join(sorted(known))}")
+    if any(len(dims) != 1 for dims in symbols.values()):
+        raise InputError(f"profile '{profile.label}': a dimension takes one number ({', '.join(symbols)})")
+    values = {name: dims[0] for name, dims in symbols.items()}
+    shapes = {name: dims for name, dims in profile.shapes.items() if name in by_name}
+    for vi in inputs:
+        dims = list(vi.type.tensor_type.shape.dim)
+        if vi.name in shapes or all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+            continue
+        shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") and d.dim_value > 0
+                                else _dimension(d.dim_param, values, profile, vi.name) for d in dims)
+    return Profile(shapes, profile.weight, given=profile.label)
+
+
+_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.FloorDiv: lambda a, b: a // b}
+
+
+def _dimension(symbol: str, values: Mapping[str, int], profile: Profile, name: str) -> int:
+    """The value of a symbolic dimension of input `name`: a symbol of `values`, or +, -, * and // of them and
+    integers."""
+    def evaluate(node):
+        if isinstance(node, ast.Name) and node.id in values:
+            return values[node.id]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](evaluate(node.left), evaluate(node.right))
+        raise ValueError
+
+    if symbol in values:
+        return values[symbol]
+    try:
+        value = evaluate(ast.parse(symbol, mode="eval").body) if symbol else None
+    except (SyntaxError, ValueError, ZeroDivisionError):
+        value = None
+    if value is None or value < 1:
+        raise InputError(f"profile '{profile.label}' gives no value for dimension '{symbol or '?'}' of input "
+                         f"'{name}': name it, or give the input's shape")
+    return value
 
 
 def attach(graph, profiles: Sequence[Profile]) -> None:
