@@ -197,8 +197,20 @@ def node_flops(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> int:
 def count_bytes_read(model: onnx.ModelProto) -> int:
     """Bytes one inference must read at least: every initializer and ``Constant`` node value, and every graph input
     at its static shape (a decode step's KV cache is an input).  Over the machine's streaming bandwidth it gives the
-    memory roofline of a memory-bound model, as FLOPs over the matrix-product peak give the compute one."""
-    total = sum(tensor_bytes(init) for init in model.graph.initializer)
+    memory roofline of a memory-bound model, as FLOPs over the matrix-product peak give the compute one.  A table
+    only looked up (`_looked_up`: an embedding's Gather, a rotary embedding's cos/sin caches by position) counts the
+    rows its lookups read, not all of its rows."""
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else 1 for d in v.type.tensor_type.shape.dim]
+              for v in list(model.graph.input) + list(model.graph.value_info)}
+    looked_up = _looked_up(model)
+    total = 0
+    for init in model.graph.initializer:
+        lookups = looked_up.get(init.name)
+        if lookups is None or not init.dims:
+            total += tensor_bytes(init)
+        else:
+            rows = sum(math.prod(shapes.get(index, [1])) for index in lookups)
+            total += min(tensor_bytes(init), rows * tensor_bytes(init) // init.dims[0])
     for node in model.graph.node:
         if node.op_type == "Constant":
             total += sum(tensor_bytes(a.t) for a in node.attribute if a.name == "value")
@@ -210,6 +222,28 @@ def count_bytes_read(model: onnx.ModelProto) -> int:
         dims = [d.dim_value if d.HasField("dim_value") else 1 for d in tensor.shape.dim]
         total += math.prod(dims) * _itemsize(tensor.elem_type)
     return total
+
+
+_LOOKUPS = {("", "Gather"): {0: 1}, ("com.microsoft", "RotaryEmbedding"): {2: 1, 3: 1},
+            ("", "RotaryEmbedding"): {1: 3, 2: 3}}
+"""(domain, operator) -> {table input: the input indexing its rows}: reads of a table's rows by index (Gather along
+axis 0; a rotary embedding's cos/sin caches by position_ids)."""
+
+
+def _looked_up(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """Initializers every reader of which only looks rows up (`_LOOKUPS`) -> the index tensors of those lookups."""
+    lookups: dict[str, list[str]] = {}
+    other: set[str] = set()
+    for node in model.graph.node:
+        tables = _LOOKUPS.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type), {})
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        for k, name in enumerate(node.input):
+            index = tables.get(k) if axis == 0 else None
+            if index is not None and index < len(node.input) and node.input[index]:
+                lookups.setdefault(name, []).append(node.input[index])
+            else:
+                other.add(name)
+    return {name: indices for name, indices in lookups.items() if name not in other}
 
 
 def _itemsize(data_type: int) -> int:

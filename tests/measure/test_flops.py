@@ -134,3 +134,29 @@ def test_bytes_read_counts_weights_constants_and_inputs_a_cache_included():
          helper.make_tensor_value_info("flat", TensorProto.FLOAT16, None)], initializer=[weight])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
     assert count_bytes_read(model) == 8 * 3 * 4 + 2 * 8 + 1 * 8 * 4 + 1 * 2 * 7 * 4 * 2
+
+
+def test_bytes_read_counts_a_looked_up_table_by_the_rows_read():
+    """An embedding only gathered from reads one row per token; the same table also multiplied (tied to an LM head)
+    is read whole; a rotary embedding's cos/sin caches are read one row per position."""
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])
+    pos = helper.make_tensor_value_info("pos", TensorProto.INT64, [1, 3])
+    table = numpy_helper.from_array(np.zeros((100, 8), np.float32), "table")
+    cos, sin = (numpy_helper.from_array(np.zeros((1000, 2), np.float32), n) for n in ("cos", "sin"))
+    rotary = helper.make_node("RotaryEmbedding", ["e4", "pos", "cos", "sin"], ["r"], domain="com.microsoft")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]),
+             helper.make_node("Reshape", ["e", "shape"], ["e4"]), rotary]
+    shape = numpy_helper.from_array(np.array([1, 1, 3, 8], np.int64), "shape")
+
+    def model(extra=()):
+        graph = helper.make_graph(nodes + list(extra), "g", [ids, pos],
+                                  [helper.make_tensor_value_info("r", TensorProto.FLOAT, None)],
+                                  initializer=[table, cos, sin, shape])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                       helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+
+    inputs, rows = 2 * 3 * 8, 3 * 8 * 4 + 2 * 3 * 2 * 4 + 4 * 8
+    assert count_bytes_read(model()) == inputs + rows
+    tied = model([helper.make_node("MatMul", ["r", "table_t"], ["logits"]),
+                  helper.make_node("Transpose", ["table"], ["table_t"])])
+    assert count_bytes_read(tied) == inputs + 100 * 8 * 4 + 2 * 3 * 2 * 4 + 4 * 8
