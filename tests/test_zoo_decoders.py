@@ -200,3 +200,24 @@ def test_cli_builds_gpu_entries_only_by_name_and_lists_long_names_in_their_colum
     assert main(["zoo", "list", "--family", "deploy", "--tiny"]) == 0
     rows = [row.split() for row in capsys.readouterr().out.splitlines()[1:]]
     assert [row[0] for row in rows if row[0] in CPU + TINY] == CPU + TINY and all(row[1] == "deploy" for row in rows)
+
+
+@pytest.mark.parametrize("name", [*DECODE, "llama-tiny-prefill-s16-ts"])
+def test_every_fusion_leaves_no_norm_rotary_or_attention_unfused(tiny, name):
+    """Issue #50's structure: the all-fusions graph of the smallest decoder cut holds no decomposed RMSNorm
+    (ReduceMean, Pow, Sqrt, Reciprocal), rotary embedding (Neg, Sin, Cos) or attention (Softmax), and computes what
+    the export does."""
+    from rlflow.graph.core import load
+    from rlflow.measure.verify import verify
+    from rlflow.search.candidates import Candidate, all_fusions
+
+    graph = load(tiny[1][name].path)
+    fused = all_fusions(Candidate(graph, (), graph.fingerprint())).graph
+    ops = fused.op_counts()
+    left = {op: ops[op] for op in ("ReduceMean", "Pow", "Sqrt", "Reciprocal", "Neg", "Sin", "Cos", "Softmax")
+            if op in ops}
+    assert left == {}
+    norms = 5 + (4 if name.startswith("qwen3") else 0)  # two per layer and the final one; Qwen3's q and k norms
+    assert ops.get("SimplifiedLayerNormalization", 0) + ops.get("SkipSimplifiedLayerNormalization", 0) == norms
+    assert ops.get("RotaryEmbedding") == 4 and ops.get("GroupQueryAttention", 0) + ops.get("MultiHeadAttention", 0) == 2
+    assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok

@@ -177,31 +177,39 @@ def _cached_heads(graph: Graph, tensor: gs.Tensor) -> _Heads | None:
     return _Heads(found[0], found[1], [producer, *([concat] if concat else [])], past, present)
 
 
-def _keys_transposed(graph: Graph, tensor: gs.Tensor) -> tuple[_Heads, list[gs.Node]] | None:
-    """K^T as [B, H, Dh, T] from K split into heads ([B, H, T, Dh], see `_cached_heads`): `Transpose(heads,
-    (0, 2, 3, 1))`, a swap of the last two axes after the split, or (the dynamo exporter)
-    `Reshape(Transpose(Reshape(K, [B*H, T, Dh])), [B, H, Dh, T])`.  Returns (the heads, the nodes in between)."""
+def _last_axes_swapped(graph: Graph, tensor: gs.Tensor) -> tuple[gs.Tensor, list[gs.Node]] | None:
+    """For a private K^T ([B, H, Dh, T]) of heads K ([B, H, T, Dh]) written as `Transpose(K, (0, 1, 3, 2))` or (the
+    dynamo exporter) `Reshape(Transpose(Reshape(K, [B*H, T, Dh])), [B, H, Dh, T])`: (K, the nodes in between)."""
     k_t = standard_producer(tensor)
     if k_t is None or not _sole(graph, tensor):
         return None
     if k_t.op == "Transpose":
-        key = _heads_of(graph, k_t, (0, 2, 3, 1))
-        if key is not None:
-            return _Heads(key[0], key[1], [], None, None), [k_t]
-        heads = _cached_heads(graph, k_t.inputs[0]) if perm_of(k_t, 4) == (0, 1, 3, 2) else None
-        return (heads, [k_t]) if heads is not None else None
+        return (k_t.inputs[0], [k_t]) if perm_of(k_t, 4) == (0, 1, 3, 2) else None
     if k_t.op != "Reshape":
         return None
     swap = _producer(graph, k_t, 0, "Transpose")
     flat = None if swap is None or perm_of(swap, 3) != (0, 2, 1) else _producer(graph, swap, 0, "Reshape")
-    heads = None if flat is None else _cached_heads(graph, flat.inputs[0])
-    if heads is None:
+    if flat is None:
         return None
     split, flat_shape, out = graph.shape(flat.inputs[0]), graph.shape(flat.outputs[0]), graph.shape(k_t.outputs[0])
     if split is None or len(split) != 4 or flat_shape != (split[0] * split[1], split[2], split[3]) or out != (
             split[0], split[1], split[3], split[2]):
         return None
-    return heads, [k_t, swap, flat]
+    return flat.inputs[0], [k_t, swap, flat]
+
+
+def _keys_transposed(graph: Graph, tensor: gs.Tensor) -> tuple[_Heads, list[gs.Node]] | None:
+    """K^T as [B, H, Dh, T] from K split into heads ([B, H, T, Dh], see `_cached_heads`): `Transpose(heads,
+    (0, 2, 3, 1))`, a swap of the last two axes after the split, or (the dynamo exporter)
+    `Reshape(Transpose(Reshape(K, [B*H, T, Dh])), [B, H, Dh, T])`.  Returns (the heads, the nodes in between)."""
+    k_t = standard_producer(tensor)
+    if k_t is not None and k_t.op == "Transpose" and _sole(graph, tensor):
+        key = _heads_of(graph, k_t, (0, 2, 3, 1))
+        if key is not None:
+            return _Heads(key[0], key[1], [], None, None), [k_t]
+    swapped = _last_axes_swapped(graph, tensor)
+    heads = None if swapped is None else _cached_heads(graph, swapped[0])
+    return (heads, swapped[1]) if heads is not None else None
 
 
 class _Found(NamedTuple):

@@ -18,12 +18,14 @@ from rlflow.rewrites import (
     cleanup,
     fold,
     fusion_attention,
+    fusion_decoder_attention,
     fusion_embedding,
     fusion_gelu,
     fusion_layernorm,
     fusion_linear,
     fusion_packed_qkv,
     fusion_rmsnorm,
+    fusion_rotary,
     layout,
     merge,
     merge_batch,
@@ -127,6 +129,12 @@ RULES: tuple[Rule, ...] = (
     fusion_rmsnorm.RMSNormStandardFusion(group="fusion"),           # 90 rmsnorm-standard-fusion
     unfuse.RMSNormUnfuse(group="inverse"),                          # 91 rmsnorm-unfuse
     unfuse.SkipRMSNormUnfuse(group="inverse"),                      # 92 skip-rmsnorm-unfuse
+    fusion_rotary.RotaryFusion(group="fusion"),                     # 93 rotary-fusion
+    fusion_rotary.RotaryStandardFusion(group="fusion"),             # 94 rotary-standard-fusion
+    unfuse.RotaryUnfuse(group="inverse"),                           # 95 rotary-unfuse
+    fusion_decoder_attention.DecoderAttentionFusion(group="fusion"),  # 96 decoder-attention-fusion
+    fusion_decoder_attention.GroupQueryAttentionFusion(group="fusion"),  # 97 group-query-attention-fusion
+    fusion_decoder_attention.AttentionStandardFusion(group="fusion"),  # 98 attention-standard-fusion
 )
 """Every rule, in action-id order.  Append only."""
 

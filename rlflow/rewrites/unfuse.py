@@ -1,5 +1,6 @@
 """Inverse rules for onnxruntime's contrib fusions: each rule roots at a com.microsoft operator (`domains`; or at
-SimplifiedLayerNormalization, which onnxruntime registers in the default domain) and writes the standard form that the
+SimplifiedLayerNormalization, which onnxruntime registers in the default domain; rotary-unfuse at the standard
+RotaryEmbedding too) and writes the standard form that the
 matching fusion rule recognises again, so every fusion can be taken back and a search can pass through the unfused
 graph (where other rules may merge) to reach a faster one."""
 from __future__ import annotations
@@ -324,3 +325,52 @@ class SkipRMSNormUnfuse(Rule):
         replace_typed(graph, node.outputs[0], emit(graph, "SimplifiedLayerNormalization", [total, node.inputs[2]], attrs))
         if len(node.outputs) > 3 and (node.outputs[3].outputs or graph.is_output(node.outputs[3])):
             graph.replace_uses(node.outputs[3], total)
+
+
+# ------------------------------------------------------------------------------------------------------- RoPE
+class RotaryUnfuse(Rule):
+    """Replaces a `RotaryEmbedding` (onnxruntime's or the standard one) with `x * cos + rotate_half(x) * sin`, cos and sin gathered from its tables.
+
+    As rotary-fusion finds it again: `Unsqueeze(Concat(Gather(table, position_ids) twice), 1)`, the table used as it
+    is, on [batch, heads, sequence, head size] inputs (a partial rotation Slices the head and Concats the rest back)."""
+
+    name = "rotary-unfuse"
+    root_ops = ("RotaryEmbedding",)
+    domains = ("", "ai.onnx", MS)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        contrib = node.domain == MS
+        positions = node.inputs[1] if contrib else node.inputs[3] if has_input(node, 3) else None
+        shape = graph.shape(node.inputs[0])
+        if positions is None or len(graph.shape(positions) or ()) != 2 or shape is None or len(shape) != 4:
+            return self.no(node, "not a 4-D input with [batch, sequence] position ids")
+        if node.attrs.get("interleaved", 0) or node.attrs.get("is_packed_batching", 0) or node.attrs.get("scale", 1.0) != 1:
+            return self.no(node, "interleaved, packed or scaled")
+        table = graph.shape(node.inputs[2] if contrib else node.inputs[1])
+        size = int(node.attrs.get("rotary_embedding_dim", 0)) or shape[3]
+        if np_dtype(node.inputs[0]) not in (np.float32, np.float16) or table is None or len(table) != 2 or 2 * table[1] != size or (
+                size > shape[3]):
+            return self.no(node, "not a float32 or float16 rotation by 2-D tables of half the rotated size")
+        return self.match([node], contrib=contrib, size=size, head=shape[3])
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        x, size, head = node.inputs[0], match.param("size"), match.param("head")
+        positions, cos, sin = [node.inputs[i] for i in ((1, 2, 3) if match.param("contrib") else (3, 1, 2))]
+
+        def cut(t: gs.Tensor, start: int, end: int) -> gs.Tensor:
+            bounds = [graph.add_constant(np.array([v], np.int64), "bound") for v in (start, end, 3)]
+            return emit(graph, "Slice", [t, *bounds])
+
+        def full(table: gs.Tensor) -> gs.Tensor:
+            rows = emit(graph, "Gather", [table, positions], {"axis": 0})
+            both = emit(graph, "Concat", [rows, rows], {"axis": -1})
+            return emit(graph, "Unsqueeze", [both, graph.add_constant(np.array([1], np.int64), "axes")])
+
+        part = x if size == head else cut(x, 0, size)
+        half = size // 2
+        rotated = emit(graph, "Concat", [emit(graph, "Neg", [cut(part, half, size)]), cut(part, 0, half)], {"axis": -1})
+        out = emit(graph, "Add", [emit(graph, "Mul", [part, full(cos)]), emit(graph, "Mul", [rotated, full(sin)])])
+        if size != head:
+            out = emit(graph, "Concat", [out, cut(x, size, head)], {"axis": -1})
+        graph.replace_uses(node.outputs[0], out)

@@ -8,18 +8,32 @@ from pathlib import Path
 import pytest
 
 from rlflow.graph.core import load
-from rlflow.rewrites import RULES, apply, fold, fusion_rmsnorm, layout, rule
+from rlflow.rewrites import RULES, apply, fold, fusion_decoder_attention, fusion_rmsnorm, fusion_rotary, layout, rule
 
-from . import test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm
+from . import (
+    test_algebra,
+    test_cleanup,
+    test_decoder_attention,
+    test_fold,
+    test_fusion,
+    test_inverse,
+    test_layout,
+    test_merge,
+    test_rmsnorm,
+    test_rotary,
+)
 
 CASES = {name: case[0] for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout,
-                                      test_merge, test_rmsnorm) for name, case in module.CASES.items()}
+                                      test_merge, test_rmsnorm, test_rotary, test_decoder_attention)
+         for name, case in module.CASES.items()}
 EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 SHAPES = {"bert-tiny-dynamo": {"input_ids": (1, 8), "attention_mask": (1, 8)}}
 
 MATCHERS = {"conv-mul-fold": (fold, "_conv_channel_constant"), "conv-add-fold": (fold, "_conv_channel_constant"),
             "transpose-into-gemm": (layout, "_swapped_2d"), "matmul-transpose-to-gemm": (layout, "_swapped_2d"),
-            "rmsnorm-fusion": (fusion_rmsnorm, "_rms_chain"), "rmsnorm-standard-fusion": (fusion_rmsnorm, "_rms_chain")}
+            "rmsnorm-fusion": (fusion_rmsnorm, "_rms_chain"), "rmsnorm-standard-fusion": (fusion_rmsnorm, "_rms_chain"),
+            "rotary-fusion": (fusion_rotary, "_angles"), "rotary-standard-fusion": (fusion_rotary, "_angles"),
+            **{name: (fusion_decoder_attention, "_pattern") for name in test_decoder_attention.RULES}}
 """Module-level matchers a rule's `check` calls besides its own methods."""
 
 

@@ -14,7 +14,18 @@ from onnx import TensorProto
 from rlflow.rewrites import GROUP_NAMES, REGISTRY_VERSION, RULES, match_counts, rule
 from rlflow.rewrites.base import registry_version
 
-from . import test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm
+from . import (
+    test_algebra,
+    test_cleanup,
+    test_decoder_attention,
+    test_fold,
+    test_fusion,
+    test_inverse,
+    test_layout,
+    test_merge,
+    test_rmsnorm,
+    test_rotary,
+)
 from .helpers import graph, node
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlflow"
@@ -32,7 +43,8 @@ def test_registry_shape():
 
 def test_every_rule_has_a_case():
     covered = set()
-    for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm):
+    for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm,
+                   test_rotary, test_decoder_attention):
         covered |= set(module.CASES)
     assert covered == {r.name for r in RULES}
 
@@ -42,7 +54,8 @@ def test_contrib_flag_matches_what_rules_emit():
     assert contrib == {"skip-layernorm-fusion", "gelu-fusion", "fast-gelu-fusion", "conv-activation-fusion",
                        "gemm-activation-fusion", "matmul-transpose-fusion", "bias-gelu-fusion", "bias-fast-gelu-fusion",
                        "attention-fusion", "bias-gelu-unfuse", "attention-pack-qkv", "embed-layernorm-fusion",
-                       "rmsnorm-fusion", "skip-rmsnorm-fusion", "skip-rmsnorm-unfuse"}
+                       "rmsnorm-fusion", "skip-rmsnorm-fusion", "skip-rmsnorm-unfuse",
+                       "rotary-fusion", "decoder-attention-fusion", "group-query-attention-fusion"}
 
 
 def test_groups_cover_every_rule_once():
