@@ -21,6 +21,7 @@ from rlflow.rewrites import (
     fusion_decoder_attention,
     fusion_embedding,
     fusion_gelu,
+    fusion_gqa_absorb,
     fusion_layernorm,
     fusion_linear,
     fusion_packed_qkv,
@@ -135,6 +136,8 @@ RULES: tuple[Rule, ...] = (
     fusion_decoder_attention.DecoderAttentionFusion(group="fusion"),  # 96 decoder-attention-fusion
     fusion_decoder_attention.GroupQueryAttentionFusion(group="fusion"),  # 97 group-query-attention-fusion
     fusion_decoder_attention.AttentionStandardFusion(group="fusion"),  # 98 attention-standard-fusion
+    fusion_gqa_absorb.GroupQueryAttentionRotary(group="fusion"),  # 99 group-query-attention-rotary
+    fusion_gqa_absorb.GroupQueryAttentionPackQkv(group="fusion"),  # 100 group-query-attention-pack-qkv
 )
 """Every rule, in action-id order.  Append only."""
 

@@ -16,6 +16,7 @@ from . import (
     test_decoder_attention,
     test_fold,
     test_fusion,
+    test_gqa_absorb,
     test_inverse,
     test_layout,
     test_merge,
@@ -24,7 +25,7 @@ from . import (
 )
 
 CASES = {name: case[0] for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout,
-                                      test_merge, test_rmsnorm, test_rotary, test_decoder_attention)
+                                      test_merge, test_rmsnorm, test_rotary, test_decoder_attention, test_gqa_absorb)
          for name, case in module.CASES.items()}
 EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 SHAPES = {"bert-tiny-dynamo": {"input_ids": (1, 8), "attention_mask": (1, 8)}}

@@ -20,6 +20,7 @@ from . import (
     test_decoder_attention,
     test_fold,
     test_fusion,
+    test_gqa_absorb,
     test_inverse,
     test_layout,
     test_merge,
@@ -44,7 +45,7 @@ def test_registry_shape():
 def test_every_rule_has_a_case():
     covered = set()
     for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm,
-                   test_rotary, test_decoder_attention):
+                   test_rotary, test_decoder_attention, test_gqa_absorb):
         covered |= set(module.CASES)
     assert covered == {r.name for r in RULES}
 
@@ -55,7 +56,8 @@ def test_contrib_flag_matches_what_rules_emit():
                        "gemm-activation-fusion", "matmul-transpose-fusion", "bias-gelu-fusion", "bias-fast-gelu-fusion",
                        "attention-fusion", "bias-gelu-unfuse", "attention-pack-qkv", "embed-layernorm-fusion",
                        "rmsnorm-fusion", "skip-rmsnorm-fusion", "skip-rmsnorm-unfuse",
-                       "rotary-fusion", "decoder-attention-fusion", "group-query-attention-fusion"}
+                       "rotary-fusion", "decoder-attention-fusion", "group-query-attention-fusion",
+                       "group-query-attention-rotary", "group-query-attention-pack-qkv"}
 
 
 def test_groups_cover_every_rule_once():
@@ -86,7 +88,8 @@ def test_the_registry_tables_comments_name_each_rules_action_id():
 
 def test_contrib_roots_only_where_declared():
     assert all(r.domains == ("", "ai.onnx") for r in RULES if not r.name.endswith("-unfuse")
-               and r.name not in ("bias-gelu-fusion", "bias-fast-gelu-fusion", "attention-pack-qkv"))
+               and r.name not in ("bias-gelu-fusion", "bias-fast-gelu-fusion", "attention-pack-qkv",
+                                  "group-query-attention-rotary", "group-query-attention-pack-qkv"))
 
 
 def test_rule_lookup():
