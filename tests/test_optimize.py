@@ -295,3 +295,18 @@ def test_the_report_gives_a_decoder_s_cache_shapes_once():
     assert _shapes_text({"x1": [1], "x3": [1], "y": [2]}) == "x{1,3} [1], y [2]"
     assert _shapes_text({"l1.h2": [3], "l2.h3": [3]}) == "l1.h2 [3], l2.h3 [3]"  # two numbers vary: kept apart
     assert _by_rule(["rotary-fusion@a", "rmsnorm-fusion@b", "rotary-fusion@c"]) == "rotary-fusion x2, rmsnorm-fusion"
+
+
+def test_a_default_time_limit_leaves_room_for_enough_candidates():
+    """A model slow to measure (a 1 GB decoder's step at two cache lengths) gets more than the default search time;
+    a fast one keeps it."""
+    from rlflow.measure.timing import Pace
+    from rlflow.optimize.pipeline import SEARCH_CANDIDATES, _default_time_limit
+
+    fast = Pace({"session": 0.05, "run": 0.001})
+    assert _default_time_limit("greedy", [fast, fast]) == 60.0 and _default_time_limit("agent", [fast]) == 10.0
+    slow = Pace({"session": 3.0, "run": 0.06})
+    candidate = slow.block_seconds(2, rounds=9)
+    assert candidate > 6
+    assert _default_time_limit("greedy", [slow, slow]) == pytest.approx(SEARCH_CANDIDATES["greedy"] * 2 * candidate)
+    assert _default_time_limit("agent", [slow]) == pytest.approx(2 * candidate) and 2 * candidate > 10

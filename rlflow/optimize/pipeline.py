@@ -62,8 +62,6 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     check_capture(resolved, cuda_graph)
     method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune)
     limited = time_limit is not None
-    time_limit = DEFAULT_TIME_LIMITS[method] if time_limit is None else time_limit
-    gate_seconds = gate_budget(time_limit)
     settings = SessionSettings(provider=resolved, threads=threads, share_weights=shares_weights(graph),
                                cuda_graph=cuda_graph)
     if settings.share_weights:
@@ -71,6 +69,8 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                  "weights with candidates measured one at a time", weight_bytes(graph) / 2**30, predicted_peak / 2**30)
     paces, input_timings = _time_input(graph, given, settings, seed)
     input_timing = input_timings[0]
+    time_limit = _default_time_limit(method, paces) if time_limit is None else time_limit
+    gate_seconds = gate_budget(time_limit)
 
     policy, adapted = None, None
     if finetune:
@@ -135,6 +135,18 @@ def _default_for(provider: str, agent, finetune: int) -> tuple[str, str | None]:
     if reason:
         log.info("method %s: %s", method, reason)
     return method, reason
+
+
+SEARCH_CANDIDATES = {"agent": 2, "greedy": 8, "taso": 8, "random": 8}
+"""Candidates a method's default time leaves room to measure end to end: a 1 GB decoder's candidate takes 10 s and
+more at two cache lengths, and greedy's 60 s then measured four, too few to reach its second step."""
+
+
+def _default_time_limit(method: str, paces: Sequence[Pace]) -> float:
+    """`method`'s default search time (DEFAULT_TIME_LIMITS), raised where measuring SEARCH_CANDIDATES candidates
+    against the input (one block of `GreedyConfig.rounds` rounds at every profile) would not fit in it."""
+    candidate = sum(p.block_seconds(2, rounds=GreedyConfig.rounds) for p in paces)
+    return max(DEFAULT_TIME_LIMITS[method], SEARCH_CANDIDATES[method] * candidate)
 
 
 def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,
