@@ -145,6 +145,23 @@ def _where_mask(where: gs.Node) -> tuple[gs.Tensor, np.ndarray] | None:
     return None
 
 
+def _probabilities(graph: Graph, merge: gs.Node, keep_shape: bool) -> tuple | str:
+    """For the heads `merge` transposes back: (the MatMul of probabilities and values, the Reshape between them if
+    any, which with `keep_shape` must give its input's shape back, the Softmax, the NaN guard's nodes), or a reason."""
+    context, between = _producer(graph, merge, 0, "MatMul"), []
+    if context is None and (reshape := _producer(graph, merge, 0, "Reshape")) is not None and (
+            not keep_shape or _keeps_shape(graph, reshape)):
+        context, between = _producer(graph, reshape, 0, "MatMul"), [reshape]
+    if context is None:
+        return "the heads are not a MatMul of probabilities and values"
+    softmax, guard = _producer(graph, context, 0, "Softmax"), []
+    if softmax is None and (found := _nan_guard(graph, context)) is not None:
+        softmax, guard = found
+    if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
+        return "the probabilities are not a Softmax over the last axis"
+    return context, between, softmax, guard
+
+
 class _Heads(NamedTuple):
     """Keys or values split into heads ([B, H, T, Dh]) as attention reads them."""
 
@@ -261,16 +278,10 @@ class AttentionFusion(Rule):
         merge = _producer(graph, node, 0, "Transpose")
         if merge is None or perm_of(merge, 4) != (0, 2, 1, 3):
             return "not a Reshape of heads transposed back ([B, H, S, Dh] -> [B, S, H, Dh])"
-        context, kept = _producer(graph, merge, 0, "MatMul"), []
-        if context is None and (same := _producer(graph, merge, 0, "Reshape")) is not None and _keeps_shape(graph, same):
-            context, kept = _producer(graph, same, 0, "MatMul"), [same]  # a reshape to [B, -1, S, Dh] that keeps it
-        if context is None:
-            return "the heads are not a MatMul of probabilities and values"
-        softmax, guard = _producer(graph, context, 0, "Softmax"), []
-        if softmax is None and (found := _nan_guard(graph, context)) is not None:
-            softmax, guard = found
-        if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
-            return "the probabilities are not a Softmax over the last axis"
+        found = _probabilities(graph, merge, keep_shape=True)  # a reshape to [B, -1, S, Dh] that keeps it
+        if isinstance(found, str):
+            return found
+        context, kept, softmax, guard = found
         mask, bias, mask_nodes, sides = None, None, [], [softmax.inputs[0]]
         add = _producer(graph, softmax, 0, "Add")
         where = _producer(graph, softmax, 0, "Where") if add is None else None

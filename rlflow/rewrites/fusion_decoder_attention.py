@@ -35,7 +35,7 @@ from rlflow.rewrites.fusion_attention import (
     AttentionFusion,
     _keeps_shape,
     _last_axes_swapped,
-    _nan_guard,
+    _probabilities,
     _producer,
     _scaled_operand,
     _shape_readers_die,
@@ -133,16 +133,10 @@ def _pattern(graph: Graph, node: gs.Node) -> _Found | str:
     merge = _producer(graph, node, 0, "Transpose")
     if merge is None or perm_of(merge, 4) != (0, 2, 1, 3):
         return "not a Reshape of heads transposed back ([B, N, S, Dh] -> [B, S, N, Dh])"
-    context, between = _producer(graph, merge, 0, "MatMul"), []
-    if context is None and (reshape := _producer(graph, merge, 0, "Reshape")) is not None:
-        context, between = _producer(graph, reshape, 0, "MatMul"), [reshape]
-    if context is None:
-        return "the heads are not a MatMul of probabilities and values"
-    softmax, guard = _producer(graph, context, 0, "Softmax"), []
-    if softmax is None and (found := _nan_guard(graph, context)) is not None:
-        softmax, guard = found
-    if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
-        return "the probabilities are not a Softmax over the last axis"
+    found = _probabilities(graph, merge, keep_shape=False)
+    if isinstance(found, str):
+        return found
+    context, between, softmax, guard = found
     add = _producer(graph, softmax, 0, "Add")
     mask, mask_nodes, qk = None, [add] if add is not None else [], None
     for i, side in enumerate(add.inputs if add is not None else softmax.inputs):

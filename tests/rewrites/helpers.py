@@ -130,3 +130,38 @@ def case_tests(cases: Mapping[str, tuple]):
         assert_refuses(negative(), name, reason)
 
     return test_matches_and_keeps_numbers, test_refuses_with_reason
+
+
+def checkable(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy the onnx checker can judge: onnxruntime's SimplifiedLayerNormalization, which it registers in the default
+    ONNX domain where the checker knows no such operator, moved to com.microsoft (left alone, as every contrib op)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for n in copy.graph.node:
+        if n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx"):
+            n.domain = "com.microsoft"
+    if not any(o.domain == "com.microsoft" for o in copy.opset_import):
+        copy.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return copy
+
+
+def fused(g: Graph, *names: str, shapes=None) -> Graph:
+    """`g` with each rule of `names` applied at all its matches (each must match), checked and verified through
+    onnxruntime at `shapes` (input name -> shape dicts; default: the graph's own, and 3 for each dynamic dimension)."""
+    out = g
+    for name in names:
+        matches = rule(name).find(out)
+        assert matches, f"{name}: {[m.reason for m in rule(name).reasons(out)]}"
+        for match in matches:
+            new = apply(out, match)
+            assert out.fingerprint() != new.fingerprint()
+            out = new
+    onnx.checker.check_model(checkable(out.to_model()))
+    if not any(rule(n).contrib for n in names):
+        assert all((n.domain or "") in ("", "ai.onnx") for n in out.gs.nodes)
+    if shapes is None and other_input_sizes(g) is not None:
+        shapes = [dict(g.input_shapes), other_input_sizes(g)]
+    static = shapes is None
+    result = verify(g.to_model(static=static), out.to_model(static=static), shapes=shapes or (None,))
+    assert result.ok, result.message
+    return out

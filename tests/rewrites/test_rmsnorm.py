@@ -21,45 +21,11 @@ from rlflow.measure.verify import verify
 from rlflow.rewrites import apply, apply_everywhere, rule
 
 from .conftest import DECODERS, DYNAMO_DECODERS
-from .helpers import F32, graph, ints, model, node, other_input_sizes, weights
+from .helpers import F32, fused, graph, ints, model, node, weights
 
 F16, F64 = TensorProto.FLOAT16, TensorProto.DOUBLE
 SHAPES = ((2, 1), (2, 16))
 """(batch, sequence) of every check: one token (a decode step) and a prompt."""
-
-
-def checkable(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy the onnx checker can judge: SimplifiedLayerNormalization moved to com.microsoft (see the docstring)."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(proto)
-    for n in copy.graph.node:
-        if n.op_type == "SimplifiedLayerNormalization" and n.domain in ("", "ai.onnx"):
-            n.domain = "com.microsoft"
-    if not any(o.domain == "com.microsoft" for o in copy.opset_import):
-        copy.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
-    return copy
-
-
-def fused(g: Graph, *names: str, shapes=None) -> Graph:
-    """`g` with each rule of `names` applied at all its matches (each must match), checked and verified through
-    onnxruntime at `shapes` (input name -> shape dicts; default: the graph's own, and 3 for each dynamic dimension)."""
-    out = g
-    for name in names:
-        matches = rule(name).find(out)
-        assert matches, f"{name}: {[m.reason for m in rule(name).reasons(out)]}"
-        for match in matches:
-            new = apply(out, match)
-            assert out.fingerprint() != new.fingerprint()
-            out = new
-    onnx.checker.check_model(checkable(out.to_model()))
-    if not any(rule(n).contrib for n in names):
-        assert all((n.domain or "") in ("", "ai.onnx") for n in out.gs.nodes)
-    if shapes is None and other_input_sizes(g) is not None:
-        shapes = [dict(g.input_shapes), other_input_sizes(g)]
-    static = shapes is None
-    result = verify(g.to_model(static=static), out.to_model(static=static), shapes=shapes or (None,))
-    assert result.ok, result.message
-    return out
 
 
 # ------------------------------------------------------------------------------------------ synthetic patterns

@@ -17,10 +17,10 @@ from onnx import TensorProto
 from rlflow.graph.core import Graph, load
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.verify import verify
-from rlflow.rewrites import apply, apply_everywhere, fusion_rotary, rule
+from rlflow.rewrites import apply_everywhere, fusion_rotary, rule
 
 from .conftest import DECODERS, DYNAMO_DECODERS
-from .helpers import graph, ints, node, other_input_sizes, weights
+from .helpers import fused, graph, ints, node, weights
 
 F16, I64 = TensorProto.FLOAT16, TensorProto.INT64
 TABLE = 64
@@ -31,28 +31,6 @@ TABLE = 64
 def small_tables(request, monkeypatch):
     if "decode_step" not in request.fixturenames:  # the zoo's decode step is fused with the full table
         monkeypatch.setattr(fusion_rotary, "CACHE_POSITIONS", TABLE)
-
-
-def fused(g: Graph, *names: str, shapes=None) -> Graph:
-    """`g` with each rule of `names` applied at all its matches (each must match), checked and verified through
-    onnxruntime at `shapes` (default: the graph's own, and 3 for each dynamic dimension)."""
-    out = g
-    for name in names:
-        matches = rule(name).find(out)
-        assert matches, f"{name}: {[m.reason for m in rule(name).reasons(out)]}"
-        for match in matches:
-            new = apply(out, match)
-            assert out.fingerprint() != new.fingerprint()
-            out = new
-    onnx.checker.check_model(out.to_model())
-    if not any(rule(n).contrib for n in names):
-        assert all((n.domain or "") in ("", "ai.onnx") for n in out.gs.nodes)
-    if shapes is None and other_input_sizes(g) is not None:
-        shapes = [dict(g.input_shapes), other_input_sizes(g)]
-    static = shapes is None
-    result = verify(g.to_model(static=static), out.to_model(static=static), shapes=shapes or (None,))
-    assert result.ok, result.message
-    return out
 
 
 # ------------------------------------------------------------------------------------------ synthetic patterns
