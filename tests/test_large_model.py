@@ -189,6 +189,14 @@ def test_large_inline_weights_are_put_aside_once_and_mapped(tmp_path, monkeypatc
     assert path.read_bytes() == before
     monkeypatch.setattr(model_file, "WEIGHTS_ASIDE_BYTES", 1 << 40)
     assert read_model(path).graph.initializer[0].HasField("raw_data")  # under it: read in, as before
+    monkeypatch.setattr(model_file, "WEIGHTS_ASIDE_BYTES", 1024)
+    monkeypatch.setattr(model_file, "_ASIDE", {})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_file, "save_model", full)
+    assert read_model(path).graph.initializer[0].HasField("raw_data")  # nowhere to put them: read in
 
 
 def test_session_takes_weights_from_two_folders(external_model, tmp_path):

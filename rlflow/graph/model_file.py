@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import errno
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ import onnx
 from onnx import helper
 
 from rlflow.errors import InputError
+from rlflow.files import cache_dir
 from rlflow.graph.external_data import (
     _initializers,
     external_info,
@@ -23,6 +25,8 @@ from rlflow.graph.external_data import (
     set_external_data,
     tensor_bytes,
 )
+
+log = logging.getLogger("rlflow")
 
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 """Initializer bytes above which a model's weights stay in external-data files, when loaded and when saved (protobuf
@@ -97,18 +101,25 @@ def read_model(path: str | os.PathLike, *, external: bool = False) -> onnx.Model
 
 
 def _weights_aside(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """`model` (read from `path`, its weights inline) with its weights in a data file of this process's temporary
-    folder, removed when the process ends; written once per file and process."""
+    """`model` (read from `path`, its weights inline) with its weights in a data file of this process's folder in
+    rlflow's cache (on disk, where /tmp may be memory), removed when the process ends; written once per file and
+    process.  Where that cannot be written, the weights are read in as they are."""
     stat = path.stat()
     key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
     if key not in _ASIDE:
-        _ASIDE[key] = save_model(model, _aside_folder() / f"{len(_ASIDE)}-{path.name}", external=True)
+        try:
+            _ASIDE[key] = save_model(model, _aside_folder() / f"{len(_ASIDE)}-{path.name}", external=True)
+        except OSError as exc:
+            log.warning("could not put %s's weights aside (%s); they are read into memory", path.name, exc)
+            return _with_inline_data(model)
     return read_model(_ASIDE[key], external=True)
 
 
 @functools.lru_cache(maxsize=None)
 def _aside_folder() -> Path:
-    folder = tempfile.mkdtemp(prefix="rlflow-weights-")
+    root = cache_dir("weights-aside")
+    root.mkdir(parents=True, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return Path(folder)
 
