@@ -359,3 +359,17 @@ def test_gpt2_large_decode_step_stays_within_three_times_its_weights(tmp_path):
     finally:
         for file in [*(tmp_path / "in").glob("*"), *(tmp_path / "out").glob("*")]:
             file.unlink()
+
+
+def test_a_dead_process_s_weights_aside_are_removed(tmp_path, monkeypatch):
+    """A folder of put-aside weights whose process is gone (killed before its exit handler) goes at the next start."""
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    model_file._aside_folder.cache_clear()
+    stale, live = tmp_path / "weights-aside" / "999999999-x", tmp_path / "weights-aside" / f"{os.getpid()}-y"
+    stale.mkdir(parents=True)
+    live.mkdir()
+    try:
+        folder = model_file._aside_folder()
+    finally:
+        model_file._aside_folder.cache_clear()
+    assert not stale.exists() and live.exists() and folder.parent == tmp_path / "weights-aside"

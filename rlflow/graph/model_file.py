@@ -115,10 +115,24 @@ def _weights_aside(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     return read_model(_ASIDE[key], external=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
+
+
 @functools.lru_cache(maxsize=None)
 def _aside_folder() -> Path:
     root = cache_dir("weights-aside")
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.iterdir():  # a process killed before its exit handler ran leaves its folder behind
+        pid = stale.name.split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
     folder = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root)
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return Path(folder)
