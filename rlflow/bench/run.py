@@ -24,6 +24,7 @@ from rlflow.bench.machine import environment, measure_peak
 from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, run_peer, zoo_hints
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
+from rlflow.files import cache_dir
 from rlflow.graph.core import Graph, load
 from rlflow.graph.flops import count_bytes_read, count_flops, count_params
 from rlflow.graph.model_file import max_ir_version, read_model
@@ -280,7 +281,9 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
     `tool_options`), checked and measured exactly like rlflow's output."""
     start = time.monotonic()
     source = graph.to_model(static=True)
-    with tempfile.TemporaryDirectory(prefix="rlflow-peer-") as folder:
+    scratch = cache_dir("peers")  # on disk: a large model's peer writes its input and output there, not to /tmp
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rlflow-peer-", dir=scratch) as folder:
         try:
             source, output = run_peer(name, source, folder, **tool_options)
         except ImportError:
