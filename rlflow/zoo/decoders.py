@@ -30,6 +30,7 @@ import io
 import warnings
 
 from rlflow.graph.input_shapes import DEPLOYED_SHAPES_KEY, format_input_shapes
+from rlflow.torch_threads import torch_threads
 from rlflow.zoo.decoder_architectures import DECODERS, DecoderArchitecture
 from rlflow.zoo.deploy import EXPORTERS, FAMILY
 
@@ -249,13 +250,8 @@ def export(entry):
     shapes = entry.input_shapes
     length = shapes["input_ids"][1] if kind == "prefill" else shapes["attention_mask"][1] - 1
     inputs = inputs_at(arch, kind, dtype, batch=1, length=length, seed=zoo.SEED + 1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            expected = [t.float().numpy() if dtype == "float16" else t.numpy() for t in wrapper(*inputs.values())]
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1), torch.no_grad():
+        expected = [t.float().numpy() if dtype == "float16" else t.numpy() for t in wrapper(*inputs.values())]
     return zoo.Export(
         proto=onnx.load_from_string(data), feeds={k: v.numpy() for k, v in inputs.items()}, expected=expected,
         exporter=EXPORTERS[exporter][1], opset=EXPORTERS[exporter][0],

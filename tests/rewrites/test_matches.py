@@ -24,9 +24,11 @@ from . import (
     test_rotary,
 )
 
-CASES = {name: case[0] for module in (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout,
-                                      test_merge, test_rmsnorm, test_rotary, test_decoder_attention, test_gqa_absorb)
-         for name, case in module.CASES.items()}
+CASE_MODULES = (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm,
+                test_rotary, test_decoder_attention, test_gqa_absorb)
+"""The test modules with a CASES table (rule name -> positive builder, negative builder, reason)."""
+
+CASES = {name: case[0] for module in CASE_MODULES for name, case in module.CASES.items()}
 EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 SHAPES = {"bert-tiny-dynamo": {"input_ids": (1, 8), "attention_mask": (1, 8)}}
 
