@@ -8,6 +8,8 @@
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
 # has whole rows.  The bench's peers include, for the zoo's decoders, onnxruntime-genai's model builder's graph (-p fp16
 # for the -fp16 entries, -e cuda), the builder run from the kit's copy of its source (RLFLOW_GENAI_BUILDER).
+# GPU_COSTCHECK_ZOO names other models for the costcheck step (built when it starts), so that one lease can time a few
+# models and fill the CUDA cost table on others.
 # GPU_CUDA_GRAPH=1 makes it `rlflow optimize --cuda-graph` (the search and its verdict measured with
 # CUDA graph capture), written as STEM.rlflow-cg.onnx and optimize/STEM-cg.json, and the bench `--cuda-graph`
 # (into bench-cg/).  Rehearsal on a machine without a GPU (see docs/results/gpu/rehearsal.md):
@@ -54,8 +56,12 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
         step "CUDA graph capture skipped (provider $PROVIDER)"
       fi ;;
     costcheck)
+      COSTZOO=${GPU_COSTCHECK_ZOO:-$ZOO}
+      if [[ -n ${GPU_COSTCHECK_ZOO:-} ]]; then
+        "$PY" -m rlflow.cli zoo build $COSTZOO --out "$KIT/models" 2>&1 | tee -a "$R/zoo-build.txt"
+      fi
       step "cost table: random rewrite sequences, estimates against end-to-end measurement"
-      "$PY" -m rlflow.cli costmodel check $MODELS --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} \
+      "$PY" -m rlflow.cli costmodel check $(for m in $COSTZOO; do echo "$KIT/models/$m.onnx"; done) --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} \
         --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" ;;
     optimize)
       mkdir -p "$R/optimize"
