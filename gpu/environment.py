@@ -28,6 +28,8 @@ info = {
     "cuda_runtime_torch": torch.version.cuda, "cudnn_torch": torch.backends.cudnn.version(),
     "onnxruntime": ort.__version__, "onnxruntime_build": ort.get_build_info() if hasattr(ort, "get_build_info") else None,
     "onnxruntime_providers": ort.get_available_providers(), "torch": torch.__version__, "onnx": version("onnx"),
+    # the zoo's exports depend on these (the deployment section's models are written by transformers' code)
+    "transformers": version("transformers"), "onnxscript": version("onnxscript"),
     "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
     "nvidia_packages": {p: version(p) for p in ("nvidia-cudnn-cu13", "nvidia-cublas", "nvidia-cuda-runtime",
                                                 "nvidia-cufft", "nvidia-curand", "nvidia-cuda-nvrtc")},

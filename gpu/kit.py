@@ -57,13 +57,14 @@ CALL_LIMIT = 64 * 2**20
 MARGIN = 3 * 2**20
 """Room left in every call for files that change between preparing the kit and the calls."""
 
-LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=20 '
-              'GPU_ZOO="smollm2-135m-decode-p128-dynamo-fp16 qwen3-0.6b-l8-decode-p128-dynamo-fp16"')
-"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's first priority: the
-decode step at past 128 of both decoders (dynamo, fp16, captured), greedy and the peers with the genai builder's
-graph beside (`bench --peers`).  Next, if device time is left: the same without GPU_CUDA_GRAPH, then the fp32
-entries (drop `-fp16`), then the prefill steps.  (The encoders' plan, `GPU_STEPS="optimize bench"` on four
-transformers, took 9.7 minutes on an H200: docs/results/gpu/h200-1126-cg/.)"""
+LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5 '
+              'GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo-fp16 smollm2-135m-decode-p128-dynamo-fp16"')
+"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's first priority, again:
+the decode step at past 128 of both decoders (dynamo, fp16, captured), greedy and the peers with the genai builder's
+graph beside (`bench --peers`); the first try (docs/results/gpu/h200-1127-decoders/) measured exports that ignored
+their cache.  There the zoo build took 2.3 minutes and the bench 7.2 with 20 s of search (SmolLM2's greedy ran out of
+time): 30 s and 5 rounds here.  Next, if device time is left: issue #49's CUDA cost table on the deployment section
+(`GPU_STEPS=costcheck GPU_COSTCHECK_ZOO="..."`), then the same without GPU_CUDA_GRAPH, then the fp32 entries."""
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"

@@ -49,9 +49,11 @@ case "${1:-}" in
   collect)
     wait_s=$(wait_arg "${2:-}" "${3:-}")
     end=$((SECONDS + wait_s))
-    mkdir -p "$KIT/cache"
     bundle() {  # refreshed every minute: a call cut short at its limit still returns what $OUT holds
-      tar -czf "$OUT/results.tmp.tar.gz" -C "$KIT" results cache && mv "$OUT/results.tmp.tar.gz" "$OUT/results.tar.gz"
+      # the cost tables only: the rest of the cache (the builder's graphs, peers' files) is models, too large to return
+      mkdir -p "$KIT/cache/costmodel"
+      tar -czf "$OUT/results.tmp.tar.gz" -C "$KIT" results cache/costmodel \
+        && mv "$OUT/results.tmp.tar.gz" "$OUT/results.tar.gz"
       cp "$RESULTS/log.txt" "$OUT/log.txt" 2>/dev/null || true
     }
     next=0

@@ -221,3 +221,19 @@ def test_every_fusion_leaves_no_norm_rotary_or_attention_unfused(tiny, name):
     assert ops.get("SimplifiedLayerNormalization", 0) + ops.get("SkipSimplifiedLayerNormalization", 0) == norms
     assert ops.get("RotaryEmbedding") == 4 and ops.get("GroupQueryAttention", 0) + ops.get("MultiHeadAttention", 0) == 2
     assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok
+
+
+def test_a_decode_step_that_ignores_its_cache_is_refused(monkeypatch, tmp_path):
+    """transformers before 5.24 took the cache as `past_key_values` and ignored `cache` in its **kwargs: the export
+    then never read its cache (seen on the GPU machine's transformers 5.17), and its own reference agreed with it."""
+    pytest.importorskip("transformers")
+    from rlflow.errors import RlflowError
+
+    monkeypatch.setattr(decoders, "_cache_keyword", lambda model: "a_name_the_model_ignores")
+    decoders._exported.cache_clear()
+    try:
+        with pytest.raises(RlflowError, match="returned a cache of 1 tokens for 16 given and 1 new"):
+            zoo.build("llama-tiny-decode-p16-ts", tmp_path)
+    finally:
+        decoders._exported.cache_clear()
+    assert not list(tmp_path.glob("*.onnx"))

@@ -26,6 +26,7 @@ the GPU (GPU entries), and checked against PyTorch's float16 on the CPU within a
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import warnings
 
@@ -118,9 +119,17 @@ def _flat(out) -> list:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+def _cache_keyword(model) -> str:
+    """The name the model's forward takes its cache by: transformers 5.24 renamed ``past_key_values`` to ``cache``, and
+    an earlier 5.x takes an unknown name into ``**kwargs`` and ignores it (a decode step that never reads its cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _wrap(model, kind: str):
     """The module the exporters see: plain tensors in, a tuple of tensors out."""
     import torch
+
+    keyword = _cache_keyword(model)
 
     class Prefill(torch.nn.Module):
         def __init__(self):
@@ -144,7 +153,7 @@ def _wrap(model, kind: str):
             for layer in range(len(past) // 2):
                 cache.update(past[2 * layer], past[2 * layer + 1], layer)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=True, return_dict=True)
+                             use_cache=True, return_dict=True, **{keyword: cache})
             return (out.logits, *_flat(out))
 
     return (DecodeStep if kind == "decode" else Prefill)().eval()
@@ -252,6 +261,12 @@ def export(entry):
     inputs = inputs_at(arch, kind, dtype, batch=1, length=length, seed=zoo.SEED + 1)
     with torch_threads(1), torch.no_grad():
         expected = [t.float().numpy() if dtype == "float16" else t.numpy() for t in wrapper(*inputs.values())]
+    cached = expected[1].shape[2]
+    if cached != (length + 1 if kind == "decode" else length):
+        from rlflow.errors import RlflowError
+
+        raise RlflowError(f"zoo model '{entry.name}': transformers {transformers.__version__} returned a cache of "
+                          f"{cached} tokens for {length} given and 1 new: the step would not use its cache")
     return zoo.Export(
         proto=onnx.load_from_string(data), feeds={k: v.numpy() for k, v in inputs.items()}, expected=expected,
         exporter=EXPORTERS[exporter][1], opset=EXPORTERS[exporter][0],
