@@ -16,6 +16,7 @@ import functools
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import TensorProto
 
 from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
@@ -162,19 +163,20 @@ def _angles(graph: Graph, emb: gs.Tensor):
     if node is None or node.op != ("Mul" if axis == 2 else "MatMul"):
         return reason
     found = []
-    for side in (0, 1):  # inv_freq: a constant, maybe through an Unsqueeze, a no-op Cast or an Expand to the batch
+    for side in (0, 1):  # inv_freq: a constant, maybe through an Unsqueeze, a Cast to float32 or an Expand
         reader, tensor = node, node.inputs[side]
-        while Graph.constant(tensor) is None and (p := standard_producer(tensor)) is not None and p.op in (
-                "Expand", "Cast", "Unsqueeze"):
+        while Graph.constant(tensor) is None and (p := standard_producer(tensor)) is not None and (
+                p.op in ("Expand", "Unsqueeze") or (p.op == "Cast" and p.attrs.get("to") == TensorProto.FLOAT)):
             reader, tensor = p, p.inputs[0]
         found += [(side, reader, tensor)] if Graph.constant(tensor) is not None else []
     if len(found) != 1 or (axis == 1 and found[0][0] != 0):
         return "inv_freq is not a constant"
     side, inv_reader, inv_freq = found[0]
     inv = Graph.constant(inv_freq)
-    if inv.dtype != np.float32 or inv.size != shape[2] or max(inv.shape, default=1) != shape[2] or (
+    # float16: `model.half()` converted the buffer, and the export casts it up before the product, exactly
+    if inv.dtype not in (np.float32, np.float16) or inv.size != shape[2] or max(inv.shape, default=1) != shape[2] or (
             axis == 2 and inv.shape[-1] != shape[2]):
-        return "the angles are not float32 positions times a float32 inv_freq over the last axis"
+        return "the angles are not float32 positions times a float32 (or float16) inv_freq over the last axis"
     tensor, reader, unsqueezed = node.inputs[1 - side], None, False
     node = standard_producer(tensor)
     while not unsqueezed and node is not None and node.op in ("Cast", "Unsqueeze"):

@@ -35,11 +35,12 @@ def small_tables(request, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ synthetic patterns
 def rope(style="dynamo", half=False, scale=None, positions="input", partial=None, lookups=False, inv_input=False,
-         shared=False, odd_axis=False, opset=18, heads=2, size=8):
+         shared=False, odd_axis=False, opset=18, heads=2, size=8, inv_half=False):
     """`x * cos + rotate_half(x) * sin` on x [b, heads, s, size] as transformers writes it: the Slice bounds constant
     (`dynamo`) or from `Shape(x)` (`ts`, which also scales cos and sin; `matmul`: transformers 4's angles); `half` casts cos and sin to float16 for a
     float16 x; `positions` an input [b, s] or a Range [1, s]; `partial`: rotate the first `partial` of the head
-    (GPT-NeoX); `lookups`: cos and sin gathered from constant tables (rotary-unfuse's form)."""
+    (GPT-NeoX); `lookups`: cos and sin gathered from constant tables (rotary-unfuse's form); `inv_half`: inv_freq
+    stored in float16 and cast up before the product (`model.half()` converts the buffer: transformers 5.17's export)."""
     rot = partial or size
     h, consts, nodes = rot // 2, {}, []
     elem = F16 if half else TensorProto.FLOAT
@@ -63,12 +64,19 @@ def rope(style="dynamo", half=False, scale=None, positions="input", partial=None
         if style == "matmul":  # transformers 4: (inv_freq[None, :, None].expand(b, -1, 1) @ position_ids[:, None, :]).T
             consts.update(inv=consts["inv"].reshape(1, h, 1), ones=ints(1, 1), ax1_=ints(1))
             nodes += [node("Shape", ["pos"], "ps", end=1), node("Concat", ["ps", "ones"], "ishape", axis=0),
-                      node("Expand", ["inv", "ishape"], "ie"), node("Unsqueeze", ["pos", "ax1_"], "pu"),
-                      node("Cast", ["pu"], "pf", to=TensorProto.FLOAT), node("MatMul", ["ie", "pf"], "ft"),
+                      node("Expand", ["inv", "ishape"], "ie")]
+            if inv_half:
+                nodes.append(node("Cast", ["ie"], "ie32", to=TensorProto.FLOAT))
+            nodes += [node("Unsqueeze", ["pos", "ax1_"], "pu"), node("Cast", ["pu"], "pf", to=TensorProto.FLOAT),
+                      node("MatMul", ["ie32" if inv_half else "ie", "pf"], "ft"),
                       node("Transpose", ["ft"], "f", perm=[0, 2, 1])]
         else:
+            if inv_half:
+                nodes.append(node("Cast", ["inv"], "inv32", to=TensorProto.FLOAT))
             nodes += [node("Unsqueeze", ["pos", "ax2"], "pu"), node("Cast", ["pu"], "pf", to=TensorProto.FLOAT),
-                      node("Mul", ["pf", "inv"], "f")]
+                      node("Mul", ["pf", "inv32" if inv_half else "inv"], "f")]
+        if inv_half:
+            consts["inv"] = consts["inv"].astype(np.float16)
         nodes += [node("Concat", ["f", "f"], "emb", axis=-1), node("Cos", ["emb"], "c3"), node("Sin", ["emb"], "s3")]
         if inv_input:
             inputs["inv"] = ([h], TensorProto.FLOAT)
@@ -146,7 +154,8 @@ def test_refuses_with_reason(name):
 @pytest.mark.parametrize("kwargs", [
     dict(), dict(style="ts"), dict(half=True), dict(half=True, style="ts"), dict(scale=0.7), dict(positions="range"),
     dict(partial=4), dict(partial=4, style="ts"), dict(lookups=True), dict(lookups=True, half=True), dict(heads=1),
-    dict(style="matmul"), dict(style="matmul", half=True),
+    dict(style="matmul"), dict(style="matmul", half=True), dict(style="matmul", half=True, inv_half=True),
+    dict(half=True, inv_half=True),
 ], ids=str)
 def test_rotary_variants(kwargs):
     heads, with_ids = kwargs.get("heads", 2), kwargs.get("positions", "input") == "input"
