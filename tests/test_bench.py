@@ -32,6 +32,12 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["threads"] == 1 and results["config"]["time_limit"] == 2
     assert results["config"]["agent"] == str(DEFAULT_AGENT)  # held out below: from the agent's own default.json
+    import hashlib
+
+    assert results["agent"] == {"path": "rlflow/checkpoints/default.pt",
+                                "sha256": hashlib.sha256(DEFAULT_AGENT.read_bytes()).hexdigest()}
+    assert f"Method agent: `rlflow/checkpoints/default.pt` (SHA-256 {results['agent']['sha256'][:16]})" in (
+        out / "results.md").read_text()
     assert results["peak"]["gflops"] > 0 and results["peak"]["gbs"] > 0 and results["environment"]["onnxruntime"]
     assert sorted(results["cost_table_warmup_seconds"]) == ["nasrnn", "resnet-18"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}

@@ -2,6 +2,8 @@
 with one clear line when they were trained on another rule registry or observation version."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -18,6 +20,29 @@ def save_checkpoint_atomic(payload: dict, path: str | os.PathLike) -> Path:
     torch.save(payload, tmp)
     os.replace(tmp, path)
     return path
+
+
+def checkpoint_identity(path: str | os.PathLike) -> dict:
+    """Which checkpoint acted, for a results file: its path (package-relative for a shipped agent, so that results
+    compare across machines) and the SHA-256 of its bytes (the commit order alone cannot tell two agents apart)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return {"path": _shown(path), "sha256": _digest(str(path), stat.st_size, stat.st_mtime_ns)}
+
+
+def _shown(path: Path) -> str:
+    package = Path(__file__).resolve().parent.parent
+    return f"rlflow/{path.relative_to(package)}" if path.is_relative_to(package) else str(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file, once per (path, size, modification time): a bench plays the agent on every model."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_checkpoint(path: str | os.PathLike):

@@ -117,7 +117,8 @@ def markdown_table(results: dict) -> str:
         + (f", streaming bandwidth {peak['gbs']:.1f} GB/s. " if peak.get("gbs") else ". ") +
         f"Before the methods run on a model, the cost table is filled for its graph (outside every method's time; "
         f"{sum(s for s in results.get('cost_table_warmup_seconds', {}).values() if s is not None):.0f} s in all)."
-        + (f" Method agent: `{cfg['agent']}`." if cfg.get("agent") else ""),
+        + (f" Method agent: `{agent['path']}` (SHA-256 {agent['sha256'][:16]})." if (agent := results.get("agent"))
+           else ""),
         "",
         "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "
         "bootstrap interval; **bold** where the interval lies above 1. A rewritten output is measured afresh, apart "

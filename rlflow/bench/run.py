@@ -231,9 +231,20 @@ def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started
              warmups: dict[str, float | None], complete: bool) -> dict:
     """What results.json holds: the settings, the machine, every row so far and their per-method summary."""
     records = [asdict(r) for r in rows]
-    return {"config": asdict(config), "settings": settings.as_dict(), "environment": environment(settings),
+    return {"config": asdict(config), "agent": _acting_agent(config), "settings": settings.as_dict(),
+            "environment": environment(settings),
             "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
             "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records}
+
+
+def _acting_agent(config: BenchConfig) -> dict | None:
+    """The checkpoint method agent played (path and SHA-256), or None when the bench did not run it."""
+    if "agent" not in config.methods:
+        return None
+    from rlflow.agents.checkpoint import checkpoint_identity
+    from rlflow.search.agent import DEFAULT_AGENT
+
+    return checkpoint_identity(config.agent or DEFAULT_AGENT)
 
 
 def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:

@@ -86,9 +86,10 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,
                 "registry_version": REGISTRY_VERSION}
     if method == "agent":
+        from rlflow.agents.checkpoint import checkpoint_identity
         from rlflow.search.agent import DEFAULT_AGENT
 
-        recorded["agent"] = str(agent or DEFAULT_AGENT)
+        recorded["agent"] = checkpoint_identity(agent or DEFAULT_AGENT)
         recorded["finetune"] = adapted.as_dict() if adapted else None
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,

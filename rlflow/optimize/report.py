@@ -72,10 +72,15 @@ def format_report(result: Result) -> str:
     capture = ", CUDA graph capture" if s.get("cuda_graph") else ""
     lines.append(f"  settings    {s['provider']}{capture}, {s['threads']} thread(s), "
                  f"graph optimisation '{s['opt_level']}', "
-                 f"method {s['method']}{_why(s.get('method_reason'))}, operators {s.get('ops', 'all')}, "
+                 f"method {s['method']}{_why(s.get('method_reason'))}{_agent(s.get('agent'))}, "
+                 f"operators {s.get('ops', 'all')}, "
                  f"seed {s['seed']}, "
                  f"input shapes {_shapes_text(s['input_shapes'])}")
     return "\n".join(lines)
+
+
+def _agent(identity: dict | None) -> str:
+    return f" ({identity['path']}, SHA-256 {identity['sha256'][:12]})" if identity else ""
 
 
 def _by_rule(rewrites: list[str]) -> str:

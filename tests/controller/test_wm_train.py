@@ -267,6 +267,11 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
     tuned = result.settings["finetune"]
     assert tuned["environment"] == "dream" and tuned["steps"] == 2048
     assert tuned["updates"] == 2048 // (config.dream_envs * config.dream_rollout)  # the run's dream settings
+    import hashlib
+
+    identity = result.settings["agent"]  # which checkpoint acted: its path and its bytes' hash
+    assert identity == {"path": str(Path(shipped).resolve()), "sha256": hashlib.sha256(Path(shipped).read_bytes()).hexdigest()}
+    assert f"SHA-256 {identity['sha256'][:12]}" in format_report(result)
     assert "2048 dream steps" in format_report(result) and result.outcome in (
         "rewritten", "gate rejected", "not verified", "out of time", "nothing found")
     assert all(torch.equal(v, load_agent(shipped).agent.policy.state_dict()[k]) for k, v in weights.items())
