@@ -88,6 +88,26 @@ def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else
     assert default_method("CPUExecutionProvider", cuda)[0] == "greedy"
 
 
+def test_a_shipped_cuda_agent_is_the_default_on_cuda_only(tmp_path, monkeypatch):
+    """`make agent-cuda` ships rlflow/checkpoints/cuda.pt: installed, it is what method agent plays on CUDA (and what
+    the default method picks there); the CPU keeps default.pt."""
+    import shutil
+
+    from rlflow.optimize.options import default_method
+    from rlflow.search import agent as module
+
+    assert module.shipped_agent("CPUExecutionProvider") == module.DEFAULT_AGENT
+    cuda = tmp_path / "cuda.pt"
+    monkeypatch.setattr(module, "CUDA_AGENT", cuda)
+    assert module.shipped_agent("CUDAExecutionProvider") == module.DEFAULT_AGENT  # none installed
+    shutil.copy(module.DEFAULT_AGENT.with_name("ppo.pt"), cuda)
+    cuda.with_suffix(".json").write_text(json.dumps({"provider": "cuda"}))
+    assert module.shipped_agent("CUDAExecutionProvider") == cuda
+    assert module.shipped_agent("CPUExecutionProvider") == module.DEFAULT_AGENT
+    assert default_method("CUDAExecutionProvider") == ("agent", None)
+    assert default_method("CPUExecutionProvider") == ("agent", None)
+
+
 def test_a_default_method_other_than_the_agent_is_reported_with_its_reason(tmp_path, matmul_model, monkeypatch):
     module = importlib.import_module("rlflow.optimize.pipeline")  # `rlflow.optimize.pipeline` the attribute is the function
     monkeypatch.setattr(module, "default_method", lambda provider, agent=None: ("greedy", "a stated reason"))

@@ -153,7 +153,8 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
     """
     peers = PEERS if config.peers else ()
     # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
-    agent_meta = (Path(config.agent).parent, Path(config.agent).stem) if config.agent else ()
+    agent = _agent_path(config, settings)
+    agent_meta = (agent.parent, agent.stem)
     node = platform.node()
     try:
         graph = _load_profiled(model, [parse_profile(p) for p in config.profiles])
@@ -231,20 +232,26 @@ def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started
              warmups: dict[str, float | None], complete: bool) -> dict:
     """What results.json holds: the settings, the machine, every row so far and their per-method summary."""
     records = [asdict(r) for r in rows]
-    return {"config": asdict(config), "agent": _acting_agent(config), "settings": settings.as_dict(),
+    return {"config": asdict(config), "agent": _acting_agent(config, settings), "settings": settings.as_dict(),
             "environment": environment(settings),
             "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
             "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records}
 
 
-def _acting_agent(config: BenchConfig) -> dict | None:
+def _agent_path(config: BenchConfig, settings: SessionSettings) -> Path:
+    """The checkpoint method agent plays: `--agent`, else the one shipped for the bench's provider."""
+    from rlflow.search.agent import shipped_agent
+
+    return Path(config.agent) if config.agent else shipped_agent(settings.provider)
+
+
+def _acting_agent(config: BenchConfig, settings: SessionSettings) -> dict | None:
     """The checkpoint method agent played (path and SHA-256), or None when the bench did not run it."""
     if "agent" not in config.methods:
         return None
     from rlflow.agents.checkpoint import checkpoint_identity
-    from rlflow.search.agent import DEFAULT_AGENT
 
-    return checkpoint_identity(config.agent or DEFAULT_AGENT)
+    return checkpoint_identity(_agent_path(config, settings))
 
 
 def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:

@@ -79,9 +79,9 @@ def default_method(provider: str, agent: str | os.PathLike | None = None) -> tup
     where it was trained for `provider` (an onnxruntime provider name), else greedy search.  An agent acts on what it learnt of
     one provider's costs, so on another provider greedy search, which measures, is the safer default.
     """
-    from rlflow.search.agent import trained_provider
+    from rlflow.search.agent import shipped_agent, trained_provider
 
-    trained = trained_provider(agent)
+    trained = trained_provider(agent if agent is not None else shipped_agent(provider))
     if PROVIDERS.get(trained) == provider:
         return "agent", None
     which = "the given agent" if agent is not None else "the shipped agent"

@@ -61,6 +61,10 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     rules = rules_for(rules, ops, resolved)
     check_capture(resolved, cuda_graph)
     method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune)
+    if method == "agent" and agent is None:
+        from rlflow.search.agent import shipped_agent
+
+        agent = shipped_agent(resolved)
     limited = time_limit is not None
     settings = SessionSettings(provider=resolved, threads=threads, share_weights=shares_weights(graph),
                                cuda_graph=cuda_graph)
@@ -87,9 +91,8 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                 "registry_version": REGISTRY_VERSION}
     if method == "agent":
         from rlflow.agents.checkpoint import checkpoint_identity
-        from rlflow.search.agent import DEFAULT_AGENT
 
-        recorded["agent"] = checkpoint_identity(agent or DEFAULT_AGENT)
+        recorded["agent"] = checkpoint_identity(agent)
         recorded["finetune"] = adapted.as_dict() if adapted else None
     common = dict(op_counts_before=graph.op_counts(), search_seconds=search.seconds,
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,

@@ -49,7 +49,16 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_AGENT = Path(__file__).resolve().parent.parent / "checkpoints" / "default.pt"
-"""The shipped agent (package data): the world-model agent of `make agent` (docs/agents.md)."""
+"""The shipped agent (package data): the world-model agent of `make agent` (docs/agents.md), trained for the CPU."""
+
+CUDA_AGENT = DEFAULT_AGENT.with_name("cuda.pt")
+"""The shipped agent trained against the CUDA cost table (`make agent-cuda`), where one ships."""
+
+
+def shipped_agent(provider: str) -> Path:
+    """The shipped agent `rlflow optimize` plays on `provider` (an onnxruntime provider name): the CUDA one on CUDA where
+    it is installed, else the CPU one (which the default method then declines for CUDA: `default_method`)."""
+    return CUDA_AGENT if provider == "CUDAExecutionProvider" and CUDA_AGENT.is_file() else DEFAULT_AGENT
 
 
 @dataclass

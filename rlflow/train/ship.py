@@ -88,6 +88,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
                            real_steps=payload["real_steps"])
     size = _within_budget(path)
     trained = {architecture(m) for m in config["models"]}
+    provider = config.get("provider", "cpu")
     meta = {
         "checkpoint": path.name,
         "bytes": size,
@@ -96,11 +97,11 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "rules": len(payload["rules"]),
         "trained_on": [zoo_name(m) for m in config["models"]],
         "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
-        "provider": config.get("provider", "cpu"),
+        "provider": provider,
         "real_steps": payload["real_steps"],
         "train_seconds": run.get("wall_seconds"),
         "final_mean_return": run.get("final_reward_worldmodel"),
-        "reproduce": f"make agent  # {run.get('command')}",
+        "reproduce": f"make {'agent-cuda' if provider == 'cuda' else 'agent'}  # {run.get('command')}",
     }
     write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
     return meta
