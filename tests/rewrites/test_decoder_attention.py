@@ -327,6 +327,12 @@ def monkeypatch_module():
         yield patch
 
 
+def transformers_version() -> tuple[int, int]:
+    import transformers
+
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+
 def _step(path: str, opset: int = 17) -> Graph:
     g = load(path)
     if opset == 23:
@@ -342,11 +348,16 @@ def test_decode_steps_fuse_with_their_cache_and_keep_numbers(steps, name, rule_n
     same at other batches and past lengths, with random padding and with a fully masked row.  (MultiHeadAttention
     has no keys of every head where the query is grouped by KV head: refused.)"""
     g = _step(steps[name], 23 if rule_name == "attention-standard-fusion" else 17)
-    assert not rule("decoder-attention-fusion").find(g)
+    sizes = [_step_sizes(2, 5), _step_sizes(1, 16), _step_sizes(2, 40)]
+    if rule("decoder-attention-fusion").find(g):
+        # transformers 5.24's TorchScript export groups the query by KV head, which MultiHeadAttention cannot take
+        # (that refusal: test_refuses_with_reason); 5.17's repeats the KV heads first, which it can, exactly
+        assert transformers_version() < (5, 24)
+        fused_mha, _ = _everywhere(g, "decoder-attention-fusion")
+        assert verify(g.to_model(static=False), fused_mha.to_model(static=False), shapes=sizes).ok
     out, applied = _everywhere(g, rule_name)
     counts = out.op_counts()
     assert applied == 2 and "Softmax" not in counts and counts.get("Concat", 0) < g.op_counts()["Concat"] - 2
-    sizes = [_step_sizes(2, 5), _step_sizes(1, 16), _step_sizes(2, 40)]
     result = verify(g.to_model(static=False), out.to_model(static=False), shapes=sizes)
     assert result.ok, result.message
     _masked_rows_agree(g, out, sizes)
