@@ -262,6 +262,8 @@ _passthrough(cli, "wallclock", "rlflow.bench.wallclock",
              "How long `rlflow optimize` takes with every default: a fresh process per model, wall clock.")
 _passthrough(cli, "bench-rules", "rlflow.bench.rule_speed",
              "Speed of the rule library itself: matching every rule, and one apply, on large graphs.")
+_passthrough(cli, "bench-estimate", "rlflow.bench.estimated",
+             "Each method's graph scored by the cost model of a provider this machine lacks (CUDA without a GPU).")
 _passthrough(cli, "bench-builder", "rlflow.bench.builder_reference",
              "onnxruntime-genai's model builder's graph of a zoo decoder step (same weights) against the export.")
 _passthrough(zoo, "build-large", "rlflow.zoo.large_models",

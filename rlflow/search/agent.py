@@ -40,6 +40,7 @@ from rlflow.search.candidates import (
     coverage,
     measurement_reserve,
     measuring_until,
+    select_estimated,
     select_measured,
 )
 from rlflow.search.frozen_heap import frozen_heap
@@ -78,6 +79,8 @@ class AgentConfig:
         patience: rollouts in a row that leave the `top_k` graphs to measure unchanged end the rollouts early (0:
             play all `rollouts` or until the limit); the agent's point is to be quick, and a rollout that changes
             nothing only costs time.
+        measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
+            (scoring for a provider this machine lacks: `rlflow bench-estimate`).
     """
 
     agent: str | None = None
@@ -89,6 +92,7 @@ class AgentConfig:
     rounds: int = 15
     seed: int = 0
     patience: int = 3
+    measure: bool = True
 
 
 def load_agent(path: str | os.PathLike | None = None):
@@ -194,7 +198,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     start = time.monotonic()
     pace = Pace()  # the input probed first: the measurement's share is then known, and it need not probe again
     reserve = max((1 - ROLLOUT_SHARE) * config.time_limit,
-                  measurement_reserve(graph, settings, config.time_limit, pace, config.seed))
+                  measurement_reserve(graph, settings, config.time_limit, pace, config.seed)) if config.measure else 0.0
     search_deadline = start + config.time_limit - reserve
     if time.monotonic() >= search_deadline:  # a large model: measuring one candidate takes all the limit or more
         return SearchResult(graph, [], 0, time.monotonic() - start,
@@ -243,6 +247,9 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     if stop == "time limit":
         late.append(f"agent: {len(endings)} of {config.rollouts} rollouts played ({steps} rewrites) before the "
                     f"limit{'; the last one cut short' if time.monotonic() > search_deadline and endings else ''}")
+    if not config.measure:
+        return select_estimated(graph, list(visited.values()), original_cost, start=start, stop_reason=stop,
+                                estimated=len(visited))
     pool = _pool(visited, endings, original_cost, original, config.top_k)
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,

@@ -313,6 +313,21 @@ def select_measured(original: Graph, pool: Sequence[Candidate], settings: Sessio
                         candidates_dropped=refused)
 
 
+def select_estimated(original: Graph, scored: Sequence[tuple[float, Candidate]], original_cost: float, *,
+                     start: float, stop_reason: str, estimated: int) -> SearchResult:
+    """The end of a cost-model search that measures nothing (`measure=False`: a provider this machine lacks, scored
+    by its shipped table and estimate): the graph the cost model prices lowest, where it is below the original."""
+    cost, candidate = min(scored, key=lambda pair: pair[0], default=(original_cost, None))
+    if candidate is None or cost >= original_cost:
+        return SearchResult(original, [], 0, time.monotonic() - start,
+                            f"{stop_reason}; no graph estimated faster (nothing measured)",
+                            candidates_estimated=estimated)
+    steps = [{"rule": m.rule, "location": m.root} for m in candidate.applied]
+    return SearchResult(candidate.graph, list(candidate.applied), 0, time.monotonic() - start,
+                        f"{stop_reason}; estimated {original_cost / cost:.3f}x by the cost model (nothing measured)",
+                        steps, estimated)
+
+
 def measuring_until(cost_model, deadline: float | None):
     """`cost_model.measuring_until(deadline)`, or nothing for a cost model without one (any object with `graph_cost`
     and `save` serves a search)."""

@@ -31,6 +31,7 @@ from rlflow.search.candidates import (
     coverage,
     measurement_reserve,
     measuring_until,
+    select_estimated,
     select_measured,
 )
 from rlflow.search.frozen_heap import frozen_heap
@@ -49,6 +50,8 @@ class TasoConfig:
         top_k: best-estimated graphs measured end to end at the end.
         rounds: interleaved rounds of those final measurements.
         seed: inputs and round order.
+        measure: False ends on the graph the cost model prices lowest, measuring nothing (scoring for a provider this
+            machine lacks: `rlflow bench-estimate`).
     """
 
     alpha: float = 1.05
@@ -58,6 +61,7 @@ class TasoConfig:
     top_k: int = 6
     rounds: int = 15
     seed: int = 0
+    measure: bool = True
 
 
 def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = None, rules: Sequence[Rule] = RULES,
@@ -69,8 +73,8 @@ def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = No
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     start = time.monotonic()
     pace = Pace()
-    search_deadline = start + config.time_limit - measurement_reserve(graph, settings, config.time_limit, pace,
-                                                                      config.seed)
+    reserve = measurement_reserve(graph, settings, config.time_limit, pace, config.seed) if config.measure else 0.0
+    search_deadline = start + config.time_limit - reserve
     # a cold table must not take the whole limit; the heap held before the search out of the collector's rescans
     with measuring_until(cost_model, search_deadline), frozen_heap():
         root = Candidate(graph, (), graph.fingerprint())
@@ -103,9 +107,13 @@ def taso(graph: Graph, settings: SessionSettings, config: TasoConfig | None = No
                         heapq.heappush(queue, entry)
                     pool = heapq.nsmallest(config.top_k, pool + [entry])
     cost_model.save()
-    result = select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
-                             deadline=start + config.time_limit, start=start,
-                             stop_reason=f"{stop} after {expanded} expanded", estimated=estimated, pace=pace)
+    if config.measure:
+        result = select_measured(graph, [c for _, _, c in pool], settings, rounds=config.rounds, seed=config.seed,
+                                 deadline=start + config.time_limit, start=start,
+                                 stop_reason=f"{stop} after {expanded} expanded", estimated=estimated, pace=pace)
+    else:
+        result = select_estimated(graph, [(cost, c) for cost, _, c in pool], cost_model.graph_cost(graph),
+                                  start=start, stop_reason=f"{stop} after {expanded} expanded", estimated=estimated)
     result.cost_table = coverage(cost_model)
     late = cost_table_lines(result.cost_table)
     if stop == "time limit":
