@@ -17,7 +17,8 @@ from rlflow.graph.input_shapes import format_input_shapes, parse_input_shapes
 
 DEPLOY = zoo.names(include_tiny=False, family="deploy")  # the CPU's full-size models (the decoders' too)
 ARCHS = ["bert-l2-h128", "bert-l4-h256", "minilm-l12-h384", "distilbert-base", "roberta-base", "deit-small",
-         "deit-tiny", "gpt2-prefill", "gpt2-decode", "whisper-tiny-encoder"]
+         "deit-tiny", "gpt2-prefill", "gpt2-decode", "whisper-tiny-encoder", "electra-small", "albert-base",
+         "mpnet-base"]
 ENCODERS = [n for n in DEPLOY if zoo.get(n).config["architecture"] in ARCHS]  # rlflow.zoo.deploy's
 SMALLEST = ["bert-l2-h128-s16-ts", "bert-l2-h128-s16-dynamo"]
 
@@ -27,7 +28,7 @@ def test_names_say_the_architecture_shape_and_exporter():
               "gpt2-decode": ["kv128"]}
     expected = {f"{arch}-{shape}-{exporter}" for arch in ARCHS for shape in shapes.get(arch, ["s16", "s128"])
                 for exporter in ("ts", "dynamo")}
-    assert set(ENCODERS) == expected and len(ENCODERS) == 30 and DEPLOY[:30] == ENCODERS
+    assert set(ENCODERS) == expected and len(ENCODERS) == 42 and DEPLOY[:42] == ENCODERS
     assert {"gpt2-decode-kv128-ts", "bert-l2-h128-s16-dynamo", "whisper-tiny-encoder-b1-ts"} <= set(DEPLOY)
     # consecutive names share one export: shapes vary fastest
     assert DEPLOY[:4] == ["bert-l2-h128-s16-ts", "bert-l2-h128-s128-ts", "bert-l2-h128-s16-dynamo",

@@ -102,4 +102,21 @@ ARCHITECTURES = (
                       max_source_positions=1500, vocab_size=51865), "audio",
                  {"b1": {"input_features": (1, 80, 3000)}}, ("last_hidden_state",),
                  {"model_type": "bart", "num_heads": 6, "hidden_size": 384}, "Whisper-tiny encoder, 30 s of audio"),
+    # three families no agent trains on, held out whole (issue #49): ELECTRA's factorised embedding, ALBERT's shared
+    # layers, MPNet's relative position bias
+    Architecture("electra-small", "ElectraModel",
+                 _bert(12, 256, 4, embedding_size=128), "text", _text(),
+                 ("last_hidden_state",), {"model_type": "bert", "num_heads": 4, "hidden_size": 256},
+                 "ELECTRA-small discriminator (google/electra-small-discriminator config)"),
+    Architecture("albert-base", "AlbertModel",
+                 dict(vocab_size=30000, embedding_size=128, hidden_size=768, num_hidden_layers=12,
+                      num_attention_heads=12, intermediate_size=3072), "text", _text(),
+                 ("last_hidden_state", "pooler_output"), {"model_type": "bert", "num_heads": 12, "hidden_size": 768},
+                 "ALBERT-base v2 (albert-base-v2 config: one layer's weights shared by all 12)"),
+    Architecture("mpnet-base", "MPNetModel",
+                 dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      intermediate_size=3072, max_position_embeddings=514, relative_attention_num_buckets=32,
+                      pad_token_id=1), "text", _text(),
+                 ("last_hidden_state", "pooler_output"), {"model_type": "bert", "num_heads": 12, "hidden_size": 768},
+                 "MPNet-base (microsoft/mpnet-base config; sentence-transformers' all-mpnet-base-v2)"),
 )
