@@ -48,8 +48,19 @@ def test_each_method_ends_on_the_graph_the_estimate_prices_lowest(tmp_path, caps
     assert "results in" in capsys.readouterr().out
 
 
+def test_methods_can_be_chosen(tmp_path):
+    """TASO-style search and fuse-everything do not depend on the agent: a run per agent seed needs only the agent."""
+    out = tmp_path / "estimate"
+    assert main(["bench-estimate", str(FIXTURE), "--methods", "fuse-everything", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["rows"][0]["methods"]) == ["fuse-everything"] == list(results["summary"])
+    assert "fuse-everything (est. speedup, s)" in (out / "results.md").read_text()
+
+
 def test_bad_input_gets_one_line_and_no_results(tmp_path, capsys):
     out = tmp_path / "estimate"
+    assert main(["bench-estimate", str(FIXTURE), "--methods", "agent,greedy", "--out", str(out)]) != 0
+    assert "unknown methods greedy" in capsys.readouterr().err and not out.exists()
     assert main(["bench-estimate", str(tmp_path / "absent.onnx"), "--out", str(out)]) != 0
     assert "no such model file" in capsys.readouterr().err and not out.exists()
     assert main(["bench-estimate", str(FIXTURE), "--provider", "cpu", "--out", str(out)]) != 0

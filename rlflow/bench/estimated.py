@@ -26,8 +26,10 @@ from rlflow.files import write_text_atomic
 METHODS = ("agent", "taso", "fuse-everything")
 
 
-def estimate_model(path: Path, cost_model, rules, agent: Path, time_limit: float, seed: int) -> dict:
-    """One model: the input's estimate, each method's estimated speedup and time, and the table's coverage."""
+def estimate_model(path: Path, cost_model, rules, agent: Path, time_limit: float, seed: int,
+                   methods: tuple[str, ...] = METHODS) -> dict:
+    """One model: the input's estimate, each method's (of `methods`) estimated speedup and time, and the table's
+    coverage."""
     from rlflow.graph.core import load
     from rlflow.search.agent import AgentConfig, agent_search
     from rlflow.search.candidates import Candidate, all_fusions
@@ -37,22 +39,24 @@ def estimate_model(path: Path, cost_model, rules, agent: Path, time_limit: float
     graph = load(path)
     settings = cost_model.settings
     base = cost_model.graph_cost(graph)
-    methods = {}
-    start = time.monotonic()
-    fused = all_fusions(Candidate(graph, (), graph.fingerprint()), rules)
-    methods["fuse-everything"] = _row(base, cost_model.graph_cost(fused.graph) if fused else base,
-                                      len(fused.applied) if fused else 0, time.monotonic() - start,
-                                      "every fusion wherever it matches" if fused else "no fusion matches")
+    rows = {}
+    if "fuse-everything" in methods:
+        start = time.monotonic()
+        fused = all_fusions(Candidate(graph, (), graph.fingerprint()), rules)
+        rows["fuse-everything"] = _row(base, cost_model.graph_cost(fused.graph) if fused else base,
+                                       len(fused.applied) if fused else 0, time.monotonic() - start,
+                                       "every fusion wherever it matches" if fused else "no fusion matches")
     for name, search, config in (
             ("agent", agent_search, AgentConfig(agent=str(agent), time_limit=time_limit, seed=seed, measure=False)),
             ("taso", taso, TasoConfig(time_limit=time_limit, seed=seed, measure=False))):
-        result = search(graph, settings, config, rules, cost_model=cost_model)
-        methods[name] = _row(base, cost_model.graph_cost(result.graph), len(result.applied), result.seconds,
-                             result.stop_reason)
-        table = result.cost_table or {}
-        methods[name]["groups"] = {k: table.get(k) for k in ("groups", "table", "estimated")}
+        if name in methods:
+            result = search(graph, settings, config, rules, cost_model=cost_model)
+            rows[name] = _row(base, cost_model.graph_cost(result.graph), len(result.applied), result.seconds,
+                              result.stop_reason)
+            table = result.cost_table or {}
+            rows[name]["groups"] = {k: table.get(k) for k in ("groups", "table", "estimated")}
     return {"model": path.stem, "heldout": is_held_out(path.stem, agent.parent, agent.stem), "nodes": len(graph),
-            "input_ms_estimated": base, "methods": methods}
+            "input_ms_estimated": base, "methods": rows}
 
 
 def _row(base: float, cost: float, rewrites: int, seconds: float, why: str) -> dict:
@@ -62,7 +66,7 @@ def _row(base: float, cost: float, rewrites: int, seconds: float, why: str) -> d
 def summarize(rows: list[dict]) -> dict:
     """Per method: geometric-mean estimated speedup and mean time, over all models and over the held-out ones."""
     out = {}
-    for method in METHODS:
+    for method in [m for m in METHODS if rows and m in rows[0]["methods"]]:
         for part, chosen in (("all", rows), ("heldout", [r for r in rows if r["heldout"]])):
             if chosen:
                 speedups = [r["methods"][method]["estimated_speedup"] for r in chosen]
@@ -85,12 +89,14 @@ def markdown(results: dict) -> str:
                   f"{error['entries']} groups): median factor {error['median_factor']:.2f}, "
                   f"{100 * error['within_2x']:.0f}% within 2x, Spearman {error['spearman']:.2f}. A group the table "
                   "holds costs what the device measured; the others are estimated.", ""]
-    lines += ["| model | held out | groups TASO priced (table / estimated) | input ms (est.) | "
-              + " | ".join(f"{m} (est. speedup, s)" for m in METHODS) + " |",
-              "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in METHODS) + " |"]
+    methods = [m for m in METHODS if m in results["methods"]]
+    searched = next((m for m in ("taso", "agent") if m in methods), None)
+    lines += [f"| model | held out | groups {searched or 'a search'} priced (table / estimated) | input ms (est.) | "
+              + " | ".join(f"{m} (est. speedup, s)" for m in methods) + " |",
+              "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in methods) + " |"]
     for r in results["rows"]:
-        groups = r["methods"]["taso"]["groups"]
-        cells = [f"{r['methods'][m]['estimated_speedup']:.3f} ({r['methods'][m]['seconds']:.1f})" for m in METHODS]
+        groups = r["methods"][searched]["groups"] if searched else {}
+        cells = [f"{r['methods'][m]['estimated_speedup']:.3f} ({r['methods'][m]['seconds']:.1f})" for m in methods]
         lines.append(f"| {r['model']} | {'yes' if r['heldout'] else ''} | {groups.get('table')} / "
                      f"{groups.get('estimated')} | {r['input_ms_estimated']:.3f} | " + " | ".join(cells) + " |")
     lines += ["", "| method | models | geomean (est.) | held out: models | geomean (est.) | mean s |",
@@ -117,9 +123,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--provider", default="cuda", help="cuda (the shipped table and estimate) or cpu")
     parser.add_argument("--agent", type=Path, default=None, help="the agent (default: the one shipped for the provider)")
     parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per search")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated, of {', '.join(METHODS)} (the last two do not depend on the agent)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-estimate"), help="folder for results.json and .md")
     args = parser.parse_args(argv)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown or not methods:
+        raise InputError(f"unknown methods {', '.join(unknown) or '(none given)'}: choose from {', '.join(METHODS)}")
     missing = [str(p) for p in args.models if not p.is_file()]
     if missing:
         raise InputError(f"no such model file: {', '.join(missing)}")
@@ -133,14 +145,15 @@ def main(argv=None) -> dict:
     estimate = json.loads(Path(SHIPPED[args.provider.lower()][1]).read_text())
     results = {"provider": provider, "cost_model": f"{cost_model.path.name} and {cost_model.estimate.source}",
                "estimate": {"held_out": estimate.get("held_out"), "in_sample": estimate.get("in_sample")},
-               "agent": checkpoint_identity(agent), "time_limit": args.time_limit, "seed": args.seed, "rows": []}
+               "agent": checkpoint_identity(agent), "methods": list(methods), "time_limit": args.time_limit,
+               "seed": args.seed, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for path in args.models:
-        row = estimate_model(path, cost_model, rules, agent, args.time_limit, args.seed)
+        row = estimate_model(path, cost_model, rules, agent, args.time_limit, args.seed, methods)
         results["rows"].append(row)
         results["summary"] = summarize(results["rows"])
         print(f"{row['model']:<34} " + "  ".join(f"{m} {row['methods'][m]['estimated_speedup']:.3f}"
-                                                 for m in METHODS), flush=True)
+                                                 for m in METHODS if m in methods), flush=True)
         write_text_atomic(args.out / "results.json", json.dumps(results, indent=1) + "\n")
         write_text_atomic(args.out / "results.md", markdown(results))
     print(f"results in {args.out}/: results.json, results.md")
