@@ -64,7 +64,12 @@ the decode step at past 128 of both decoders (dynamo, fp16, captured), greedy an
 graph beside (`bench --peers`); the first try (docs/results/gpu/h200-1127-decoders/) measured exports that ignored
 their cache.  There the zoo build took 2.3 minutes and the bench 7.2 with 20 s of search (SmolLM2's greedy ran out of
 time): 30 s and 5 rounds here.  Next, if device time is left: issue #49's CUDA cost table on the deployment section
-(`GPU_STEPS=costcheck GPU_COSTCHECK_ZOO="..."`), then the same without GPU_CUDA_GRAPH, then the fp32 entries."""
+(`GPU_STEPS=costcheck GPU_COSTCHECK_ZOO="..."`), then the same without GPU_CUDA_GRAPH, then the fp32 entries.
+
+Issue #49's part, once a CUDA agent ships (`make agent-cuda`): three held-out models, captured, the agent and greedy
+at their defaults beside the peers, each method's wall time (`GPU_TIME_LIMIT=default`):
+`GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=default
+GPU_ZOO="bert-l4-h256-s16-ts electra-small-s16-dynamo albert-base-s16-ts"`."""
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"

@@ -3,7 +3,8 @@
 # `gpu/remote.sh collect` bundles whatever is there.  Order: what the acceptance needs first.
 # Settings (environment): GPU_STEPS (which steps, in order: bench cuda-graph costcheck [default], optimize),
 # GPU_PROVIDER (cuda; with another, e.g. cpu, the CUDA graph steps are skipped, so that the script can be rehearsed
-# without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT, GPU_ROUNDS, GPU_SEQUENCES.
+# without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT (seconds, or `default`: each method's
+# own default, as a user runs it), GPU_ROUNDS, GPU_SEQUENCES.
 # The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
 # has whole rows.  The bench's peers include, for the zoo's decoders, onnxruntime-genai's model builder's graph (-p fp16
@@ -39,14 +40,16 @@ step "zoo build with the machine's own torch"
 "$PY" -m rlflow.cli zoo build $ZOO --out "$KIT/models" 2>&1 | tee "$R/zoo-build.txt"
 
 if [[ $PROVIDER == cuda ]]; then binding=", CUDA with IOBinding"; else binding=", provider $PROVIDER"; fi
+LIMIT=${GPU_TIME_LIMIT:-10}; limit=(--time-limit "$LIMIT")
+if [[ $LIMIT == default ]]; then limit=(); fi
 capture=(); cg=""  # GPU_CUDA_GRAPH: the bench and optimize steps measure with CUDA graph capture
 if [[ -n ${GPU_CUDA_GRAPH:-} && $PROVIDER == cuda ]]; then capture=(--cuda-graph); cg="-cg"; fi
 for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
   case $STEP in
     bench)
-      step "bench: ${GPU_METHODS:-greedy,taso}, ${GPU_TIME_LIMIT:-10} s each, and the peers$binding"
+      step "bench: ${GPU_METHODS:-greedy,taso}, time limit $LIMIT, and the peers$binding"
       "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \
-        --threads 1 --time-limit ${GPU_TIME_LIMIT:-10} --rounds ${GPU_ROUNDS:-10} "${capture[@]}" \
+        --threads 1 "${limit[@]}" --rounds ${GPU_ROUNDS:-10} "${capture[@]}" \
         --out "$R/bench$cg" ;;
     cuda-graph)
       if [[ $PROVIDER == cuda ]]; then
@@ -66,9 +69,9 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
     optimize)
       mkdir -p "$R/optimize"
       for m in $ZOO; do
-        step "optimize $m: greedy, ${GPU_TIME_LIMIT:-10} s$binding ${capture[*]}"
+        step "optimize $m: greedy, time limit $LIMIT$binding ${capture[*]}"
         "$PY" -m rlflow.cli optimize "$KIT/models/$m.onnx" --method greedy --provider "$PROVIDER" --threads 1 \
-          --time-limit ${GPU_TIME_LIMIT:-10} "${capture[@]}" -o "$KIT/models/$m.rlflow$cg.onnx" \
+          "${limit[@]}" "${capture[@]}" -o "$KIT/models/$m.rlflow$cg.onnx" \
           --json "$R/optimize/$m$cg.json"
         if [[ $PROVIDER == cuda ]]; then
           step "$m and its rewrite, plain and captured"
