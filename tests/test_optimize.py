@@ -67,15 +67,19 @@ def test_library_call_and_report(tmp_path, matmul_model):
     assert verify(matmul_model, onnx.load(str(out)), shapes=[{"x": (4, 8)}]).ok
 
 
-def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else_greedy(tmp_path):
-    """The shipped agent learnt on the CPU; on CUDA the default is greedy search (docs/results/gpu/h200-1126)."""
+def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else_greedy(tmp_path, monkeypatch):
+    """Each shipped agent is the default where it learnt: default.pt on the CPU, cuda.pt on CUDA; an agent of the
+    other provider leaves greedy search the default."""
     import shutil
 
     from rlflow.optimize.options import default_method
-    from rlflow.search.agent import DEFAULT_AGENT, trained_provider
+    from rlflow.search import agent as module
+    from rlflow.search.agent import CUDA_AGENT, DEFAULT_AGENT, trained_provider
 
-    assert trained_provider() == "cpu"
+    assert trained_provider() == "cpu" and trained_provider(CUDA_AGENT) == "cuda"
     assert default_method("CPUExecutionProvider") == ("agent", None)
+    assert default_method("CUDAExecutionProvider") == ("agent", None)
+    monkeypatch.setattr(module, "CUDA_AGENT", tmp_path / "absent.pt")  # an installation without the CUDA agent
     assert default_method("CUDAExecutionProvider") == (
         "greedy", "the shipped agent is trained for cpu, not CUDAExecutionProvider; --method agent runs it anyway")
     bare = tmp_path / "bare.pt"  # no provenance file beside it: the checkpoint's own training config answers
@@ -330,3 +334,20 @@ def test_a_default_time_limit_leaves_room_for_enough_candidates():
     assert candidate > 6
     assert _default_time_limit("greedy", [slow, slow]) == pytest.approx(SEARCH_CANDIDATES["greedy"] * 2 * candidate)
     assert _default_time_limit("agent", [slow]) == pytest.approx(2 * candidate) and 2 * candidate > 10
+
+
+@pytest.mark.parametrize("shipped", ["default.pt", "cuda.pt"])
+def test_both_shipped_agents_load_under_this_registry_and_play_a_small_model(shipped):
+    """Each shipped checkpoint loads (its registry is this one or one it extends) and plays a tiny BERT export to a
+    verified result; the report names the checkpoint and its hash."""
+    from pathlib import Path
+
+    from rlflow.search.agent import DEFAULT_AGENT
+
+    agent = DEFAULT_AGENT.with_name(shipped)
+    bert = Path(__file__).parent / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"
+    result = rlflow.optimize(str(bert), method="agent", agent=agent, time_limit=8, rounds=3,
+                             input_shapes={"input_ids": (1, 16), "attention_mask": (1, 16)})
+    assert result.settings["agent"]["path"] == f"rlflow/checkpoints/{shipped}"
+    assert result.outcome in ("rewritten", "gate rejected", "not verified", "out of time", "nothing found")
+    assert result.verification is None or result.verification.ok
