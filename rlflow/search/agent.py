@@ -248,8 +248,10 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         late.append(f"agent: {len(endings)} of {config.rollouts} rollouts played ({steps} rewrites) before the "
                     f"limit{'; the last one cut short' if time.monotonic() > search_deadline and endings else ''}")
     if not config.measure:
-        return select_estimated(graph, list(visited.values()), original_cost, start=start, stop_reason=stop,
-                                estimated=len(visited))
+        result = select_estimated(graph, list(visited.values()), original_cost, start=start, stop_reason=stop,
+                                  estimated=len(visited))
+        result.not_reached, result.cost_table = late, table
+        return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
