@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -159,6 +158,3 @@ def main(argv=None) -> dict:
     print(f"results in {args.out}/: results.json, results.md")
     return results
 
-
-if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
