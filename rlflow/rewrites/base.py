@@ -164,6 +164,10 @@ class Rule:
         """A Match over `nodes` (root first) with plain parameters."""
         return Match(self.name, tuple(n.name for n in nodes), tuple(sorted(params.items())))
 
+    def matched(self, node: gs.Node, found: str | tuple[Sequence[gs.Node], dict]) -> Match | NoMatch:
+        """`check`'s answer at `node` from a pattern that returns a reason, or the nodes (root first) and parameters."""
+        return self.no(node, found) if isinstance(found, str) else self.match(found[0], **found[1])
+
     @staticmethod
     def locate(nodes: Sequence[gs.Node], tensor: gs.Tensor | None) -> tuple[int, int] | None:
         """Where `tensor` is first read among `nodes` (the match's, in order) as (node, input), for `Match.input`;

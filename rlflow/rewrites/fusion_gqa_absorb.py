@@ -179,10 +179,7 @@ class GroupQueryAttentionRotary(Rule):
                            cos=self.locate(nodes, q_rot.inputs[2]), sin=self.locate(nodes, q_rot.inputs[3]))
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        found = self._pattern(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        return self.match(found[0], **found[1])
+        return self.matched(node, self._pattern(graph, node))
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
@@ -284,10 +281,7 @@ class GroupQueryAttentionPackQkv(Rule):
                            sizes=tuple(len(f[1]) for f in found), shapes=len(shapes))
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        found = self._pattern(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        return self.match(found[0], **found[1])
+        return self.matched(node, self._pattern(graph, node))
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, at, weights, biases = nodes[match.root], 1, [], []

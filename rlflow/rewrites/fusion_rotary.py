@@ -265,11 +265,7 @@ class RotaryFusion(Rule):
     domain = MS
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        found = self._pattern(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        nodes, params = found
-        return self.match(nodes, **params)
+        return self.matched(node, self._pattern(graph, node))
 
     def _pattern(self, graph: Graph, add: gs.Node):
         """(nodes, params) of the rotation `add` completes, or a reason."""
