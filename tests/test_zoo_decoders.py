@@ -229,7 +229,7 @@ def test_a_decode_step_that_ignores_its_cache_is_refused(monkeypatch, tmp_path):
     pytest.importorskip("transformers")
     from rlflow.errors import RlflowError
 
-    monkeypatch.setattr(decoders, "_cache_keyword", lambda model: "a_name_the_model_ignores")
+    monkeypatch.setattr(decoders.deploy, "cache_keyword", lambda model: "a_name_the_model_ignores")
     decoders._exported.cache_clear()
     try:
         with pytest.raises(RlflowError, match="returned a cache of 1 tokens for 16 given and 1 new"):

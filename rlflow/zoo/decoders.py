@@ -26,12 +26,12 @@ the GPU (GPU entries), and checked against PyTorch's float16 on the CPU within a
 from __future__ import annotations
 
 import functools
-import inspect
 import io
 import warnings
 
 from rlflow.graph.input_shapes import DEPLOYED_SHAPES_KEY, format_input_shapes
 from rlflow.torch_threads import torch_threads
+from rlflow.zoo import deploy
 from rlflow.zoo.decoder_architectures import DECODERS, DecoderArchitecture
 from rlflow.zoo.deploy import EXPORTERS, FAMILY
 
@@ -113,23 +113,11 @@ def _model(arch: DecoderArchitecture, dtype: str):
     return model.half() if dtype == "float16" else model
 
 
-def _flat(out) -> list:
-    """The output's cache as flat tensors: layer 0's keys, its values, layer 1's keys, ..."""
-    cache = out.get("cache", None) or out.get("past_key_values")  # transformers 5.x renamed it
-    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
-
-
-def _cache_keyword(model) -> str:
-    """The name the model's forward takes its cache by: transformers 5.24 renamed ``past_key_values`` to ``cache``, and
-    an earlier 5.x takes an unknown name into ``**kwargs`` and ignores it (a decode step that never reads its cache)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _wrap(model, kind: str):
     """The module the exporters see: plain tensors in, a tuple of tensors out."""
     import torch
 
-    keyword = _cache_keyword(model)
+    keyword = deploy.cache_keyword(model)
 
     class Prefill(torch.nn.Module):
         def __init__(self):
@@ -139,7 +127,7 @@ def _wrap(model, kind: str):
         def forward(self, input_ids, attention_mask, position_ids):
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=True, return_dict=True)
-            return (out.logits, *_flat(out))
+            return (out.logits, *deploy.flat_cache(out))
 
     class DecodeStep(torch.nn.Module):
         def __init__(self):
@@ -154,7 +142,7 @@ def _wrap(model, kind: str):
                 cache.update(past[2 * layer], past[2 * layer + 1], layer)
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=True, return_dict=True, **{keyword: cache})
-            return (out.logits, *_flat(out))
+            return (out.logits, *deploy.flat_cache(out))
 
     return (DecodeStep if kind == "decode" else Prefill)().eval()
 
@@ -261,12 +249,8 @@ def export(entry):
     inputs = inputs_at(arch, kind, dtype, batch=1, length=length, seed=zoo.SEED + 1)
     with torch_threads(1), torch.no_grad():
         expected = [t.float().numpy() if dtype == "float16" else t.numpy() for t in wrapper(*inputs.values())]
-    cached = expected[1].shape[2]
-    if cached != (length + 1 if kind == "decode" else length):
-        from rlflow.errors import RlflowError
-
-        raise RlflowError(f"zoo model '{entry.name}': transformers {transformers.__version__} returned a cache of "
-                          f"{cached} tokens for {length} given and 1 new: the step would not use its cache")
+    if kind == "decode":
+        deploy.check_cache(entry.name, expected[1].shape[2], length + 1)
     return zoo.Export(
         proto=onnx.load_from_string(data), feeds={k: v.numpy() for k, v in inputs.items()}, expected=expected,
         exporter=EXPORTERS[exporter][1], opset=EXPORTERS[exporter][0],

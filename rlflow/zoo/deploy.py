@@ -15,10 +15,12 @@ which its build is checked against PyTorch.  ``transformers`` (the ``deploy`` ex
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 import warnings
 
 from rlflow.graph.input_shapes import DEPLOYED_SHAPES_KEY, format_input_shapes
+from rlflow.torch_threads import torch_threads
 from rlflow.zoo.deploy_architectures import ARCHITECTURES, Architecture
 
 FAMILY = "deploy"
@@ -89,7 +91,7 @@ def _wrap(model, arch: Architecture):
         def forward(self, *inputs):
             if arch.kind == "prefill":
                 out = self.model(**dict(zip(input_names, inputs)), use_cache=True, return_dict=True)
-                return (out.logits, *_flat_cache(out))
+                return (out.logits, *flat_cache(out))
             out = self.model(**dict(zip(input_names, inputs)), return_dict=True)
             return tuple(out[k] for k in arch.outputs)
 
@@ -104,16 +106,40 @@ def _wrap(model, arch: Architecture):
             cache = DynamicCache(config=self.model.config)
             for layer in range(len(past) // 2):
                 cache.update(past[2 * layer], past[2 * layer + 1], layer)
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True,
-                             return_dict=True)
-            return (out.logits, *_flat_cache(out))
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, return_dict=True,
+                             **{keyword: cache})
+            return (out.logits, *flat_cache(out))
 
+    keyword = cache_keyword(model)
     return (Decoder if arch.kind == "decode" else Encoder)().eval()
 
 
-def _flat_cache(out) -> list:
-    cache = out.get("cache", None) or out.get("past_key_values")
+def cache_keyword(model) -> str:
+    """The name the model's forward takes its cache by: transformers 5.24 renamed ``past_key_values`` to ``cache``, and
+    an earlier 5.x takes an unknown name into ``**kwargs`` and ignores it (a decode step that never reads its cache)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def flat_cache(out) -> list:
+    """The output's cache as flat tensors: layer 0's keys, its values, layer 1's keys, ..."""
+    cache = out.get("cache", None) or out.get("past_key_values")  # transformers 5.x renamed it
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def check_cache(name: str, cached: int, expected: int) -> None:
+    """Refuses a step whose reference returned a cache of `cached` tokens where `expected` were due: its model ignored
+    the cache it was given, and the export would agree with it.
+
+    Raises:
+        RlflowError: they differ.
+    """
+    if cached != expected:
+        import transformers
+
+        from rlflow.errors import RlflowError
+
+        raise RlflowError(f"zoo model '{name}': transformers {transformers.__version__} returned a cache of {cached} "
+                          f"tokens for {expected - 1} given and 1 new: the step would not use its cache")
 
 
 def _trace_inputs(arch: Architecture) -> dict:
@@ -268,13 +294,10 @@ def export(entry):
     data, wrapper = _exported(arch.key, exporter)
     gen = torch.Generator().manual_seed(zoo.SEED + 1)
     inputs = {name: _tensor(name, shape, arch, gen) for name, shape in entry.input_shapes.items()}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            expected = [t.numpy() for t in wrapper(*inputs.values())]
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1), torch.no_grad():
+        expected = [t.numpy() for t in wrapper(*inputs.values())]
+    if arch.kind == "decode":
+        check_cache(entry.name, expected[1].shape[2], entry.input_shapes["attention_mask"][1])
     return zoo.Export(
         proto=onnx.load_from_string(data), feeds={k: v.numpy() for k, v in inputs.items()}, expected=expected,
         exporter=EXPORTERS[exporter][1], opset=EXPORTERS[exporter][0],
