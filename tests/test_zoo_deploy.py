@@ -19,7 +19,8 @@ DEPLOY = zoo.names(include_tiny=False, family="deploy")  # the CPU's full-size m
 ARCHS = ["bert-l2-h128", "bert-l4-h256", "minilm-l12-h384", "distilbert-base", "roberta-base", "deit-small",
          "deit-tiny", "gpt2-prefill", "gpt2-decode", "whisper-tiny-encoder", "electra-small", "albert-base",
          "mpnet-base"]
-ENCODERS = [n for n in DEPLOY if zoo.get(n).config["architecture"] in ARCHS]  # rlflow.zoo.deploy's
+ENCODERS = [n for n in DEPLOY if zoo.get(n).config["architecture"] in ARCHS
+            and "style" not in zoo.get(n).config]  # rlflow.zoo.deploy's (the export-style variants are apart)
 SMALLEST = ["bert-l2-h128-s16-ts", "bert-l2-h128-s16-dynamo"]
 
 

@@ -8,7 +8,8 @@ and published size figures, and builds them.  torch is imported only when a mode
 Every full-size model has a ``-tiny`` variant (fewer layers, narrower, smaller input) that builds in about a
 second, for tests; ``demo-block`` is a two-layer transformer encoder for ``make demo``.
 
-The deployment section (family ``deploy``, `rlflow.zoo.deploy`, its decoders `rlflow.zoo.decoders`) adds Hugging Face
+The deployment section (family ``deploy``, `rlflow.zoo.deploy`, its decoders `rlflow.zoo.decoders`, its encoders'
+export-style variants `rlflow.zoo.deploy_styles`) adds Hugging Face
 ``transformers`` models exported as users export them; `names` leaves it out unless asked for by family, and its
 GPU entries (``ZooEntry.gpu``: float16, or too large for the CPU bench) unless asked for too.
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 from rlflow.torch_threads import torch_threads
 from rlflow.zoo import decoders as zoo_decoders
 from rlflow.zoo import deploy as zoo_deploy
+from rlflow.zoo import deploy_styles as zoo_deploy_styles
 from rlflow.zoo.base import _PACKAGE, MODELS_DIR, SEED, Export
 from rlflow.zoo.base import models_package as _models
 from rlflow.zoo.catalog import ZooEntry, literature_entries
@@ -52,7 +54,8 @@ class BuildResult:
 
 
 _REGISTRY: dict[str, ZooEntry] = {e.name: e for e in [*literature_entries(), *zoo_deploy.entries(ZooEntry),
-                                                         *zoo_decoders.entries(ZooEntry)]}
+                                                         *zoo_decoders.entries(ZooEntry),
+                                                         *zoo_deploy_styles.entries(ZooEntry)]}
 
 
 def names(include_tiny: bool = True, family: str | None = None, include_gpu: bool = False) -> list[str]:
@@ -98,6 +101,8 @@ def definition_hash(name: str) -> str:
     sources = _sources("common") + [Path(zoo_deploy.__file__)] if entry.family == DEPLOY else _sources(entry.module)
     if zoo_decoders.owns(entry):  # the decoders' export code: the encoders' builds do not depend on it
         sources.append(Path(zoo_decoders.__file__))
+    if zoo_deploy_styles.owns(entry):  # the export-style variants' code: the section's own builds do not depend on it
+        sources.append(Path(zoo_deploy_styles.__file__))
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     recipe = dict(name=entry.name, module=entry.module, config=entry.config, inputs=entry.input_shapes,
@@ -160,6 +165,8 @@ def build(name: str, out_dir, *, force: bool = False) -> BuildResult:
                            meta["flops"], meta["nodes"])
     if zoo_decoders.owns(entry):
         exported = zoo_decoders.export(entry)
+    elif zoo_deploy_styles.owns(entry):
+        exported = zoo_deploy_styles.export(entry)
     else:
         exported = zoo_deploy.export(entry) if entry.family == DEPLOY else _export_zoo_model(entry)
     return _write(entry, exported, out_dir, start)
