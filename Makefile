@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test lint fuzz bench agent agent-cuda ppo-agent ppo-agent-cuda genai-builder clean
+.PHONY: install demo test lint fuzz bench agent agent-wide agent-cuda ppo-agent ppo-agent-cuda genai-builder clean
 
 install: $(STAMP)
 
@@ -76,6 +76,20 @@ agent: $(STAMP)
 		--out $(AGENT_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent/run --ppo-results $(PPO_RESULTS)/ppo.json
 	$(BIN)/rlflow ship --checkpoint build/agent/run/worldmodel.pt \
 		--results $(AGENT_RESULTS)/seed$(AGENT_SEED)/worldmodel.json
+
+# The CPU agent on a wider set of exports (issue #49, generalisation): the same recipe on sixteen exports of eight
+# architectures (BERT L2/H128, L4/H256 and MiniLM L12/H384, DistilBERT, RoBERTa, DeiT-tiny and -small, Whisper-tiny's
+# encoder), each written two ways from the export styles of rlflow/zoo/deploy_styles.py: both exporters, opsets 17
+# and 18 from each, static and dynamic axes, with and without the pooler, a classification head.  Held out: ELECTRA,
+# ALBERT and MPNet whole, and two styles never trained on (static shapes without the pooler, TorchScript at opset 14),
+# also on the trained BERT widths.  The later --models replaces AGENT_OPTIONS' (argparse keeps the last); one run dir
+# per seed, so that seeds can run side by side.  Not shipped: docs/results/agent-wide/ has the figures and the bench.
+AGENT_WIDE_MODELS := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo-static,bert-l4-h256-s16-dynamo,bert-l4-h256-s16-ts-cls,bert-l4-h256-s16-ts-static,minilm-l12-h384-s16-ts-nopool,minilm-l12-h384-s16-dynamo-o17,distilbert-base-s16-ts-o18,distilbert-base-s16-dynamo-cls,roberta-base-s16-dynamo-nopool,roberta-base-s16-ts-static,deit-tiny-b1-ts,deit-tiny-b1-dynamo-static,deit-small-b1-dynamo-o17,whisper-tiny-encoder-b1-ts-static,whisper-tiny-encoder-b1-dynamo
+AGENT_WIDE_HOLDOUT := electra-small-s16-ts,electra-small-s16-dynamo-static,electra-small-s16-ts-o14,albert-base-s16-dynamo,albert-base-s16-ts-static-nopool,albert-base-s16-ts-o14,mpnet-base-s16-ts,mpnet-base-s16-dynamo-static-nopool,bert-l2-h128-s16-ts-static-nopool,bert-l4-h256-s16-dynamo-static-nopool,minilm-l12-h384-s16-ts-static-nopool,bert-l4-h256-s16-ts-o14
+AGENT_WIDE_RESULTS := docs/results/agent-wide
+agent-wide: $(STAMP)
+	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --models $(AGENT_WIDE_MODELS) --seed $(AGENT_SEED) \
+		--out $(AGENT_WIDE_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent-wide/run$(AGENT_SEED)
 
 # The CUDA agent (rlflow/checkpoints/cuda.pt: once shipped, what `rlflow optimize --provider cuda` plays; issue #49):
 # the same recipe trained against the shipped H100 cost table and the estimate fitted to it, so nothing is measured and
