@@ -127,19 +127,24 @@ def rules(model, input_shapes) -> None:
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Run each model as one task on a Ray cluster: at ADDRESS (auto, ray://host:10001), or without one "
                    "on a cluster started here; every node needs --resources '{\"rlflow_measurement\": 1}'.")
+@click.option("--shared-path", is_flag=True,
+              help="With --ray: every node reads the models and --agent at their paths (a shared filesystem), so "
+                   "nothing is shipped through Ray's object store.")
 @click.option("--cuda-graph", is_flag=True,
               help="CUDA only: every measurement, rlflow's and the peers', runs the models as captured CUDA graphs "
                    "(as `rlflow optimize --cuda-graph`).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
 def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, ray_address,
-          cuda_graph, out) -> None:
+          shared_path, cuda_graph, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench.run import BenchConfig, find_models, run_bench
 
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
                          agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address,
-                         cuda_graph=cuda_graph)
+                         shared_path=shared_path, cuda_graph=cuda_graph)
+    if shared_path and ray_address is None:
+        raise click.UsageError("--shared-path is for --ray: without a cluster every model is read here")
     if ray_address is not None:
         from rlflow.bench.cluster import run_on_ray
 

@@ -100,3 +100,15 @@ def matmul_model() -> onnx.ModelProto:
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
         [w, b])
+
+
+@pytest.fixture
+def mlp_and_cnn(tmp_path, matmul_model, cnn_opset9_ir3_path) -> list:
+    """Two small models in a folder of their own: mlp.onnx and cnn.onnx (what the cluster tests bench)."""
+    import shutil
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    save(matmul_model, folder / "mlp.onnx")
+    shutil.copy(cnn_opset9_ir3_path, folder / "cnn.onnx")
+    return sorted(folder.glob("*.onnx"))

@@ -20,6 +20,7 @@ LAYERS = (
     ("rlflow.agents",),
     ("rlflow.worldmodel",),
     ("rlflow.env",),
+    ("rlflow.cluster",),
     ("rlflow.measure",),
     ("rlflow.rewrites",),
     ("rlflow.zoo",),
@@ -28,7 +29,8 @@ LAYERS = (
 )
 """The declared order, top to bottom: a module may import its own layer and the layers below it, never one above.
 The trainers sit above what they train and below `rlflow.optimize` (its `--finetune` trains before it searches) and
-the bench (which reads what a shipped agent trained on).  `rlflow/__init__.py`, the library's front door, may
+the bench (which reads what a shipped agent trained on).  `rlflow.cluster` (what travels between Ray nodes) serves
+the bench and the trainers and needs only measurement and graphs.  `rlflow/__init__.py`, the library's front door, may
 import anything."""
 
 MAX_LINES = 400

@@ -1,19 +1,23 @@
 """`rlflow bench --ray`: each model is one task on a Ray cluster, with all its methods and peers.
 
-Timings must never share a machine's cores, so a task asks for the custom resource MEASUREMENT_SLOT, of which each
-node offers one (`ray start ... --resources '{"rlflow_measurement": 1}'`; a local cluster started here gets it).  The
-model is the natural cell: its cost table is filled before its methods run, on the node that measures them.  A task
-whose worker dies is retried once (Ray places the retry wherever a slot is free); after that its model's rows say it
-failed and why, and the other models are unharmed.  Rows come back as tasks finish, so `run_bench` writes results
-as it goes; Ctrl-C cancels what is left and keeps them.  `run_on_ray` is the entry point; `rlflow.bench.run` never
-imports this module.
+A task holds its node's measurement slot (`rlflow.cluster.connection`), so no two models are timed on one machine at
+once.  The model is the natural cell: its cost table is filled before its methods run, on the node that measures
+them.  Nothing needs a shared disk (`rlflow.cluster.travel`): each model travels as bytes with its task (refused
+before submission when it does not fit the object store, unless `--shared-path`), and so does an `--agent`
+checkpoint; the task writes them into a folder of its own, installs the driver's cost tables of its node's kind,
+and sends back its rows and what it added to its node's tables, which the driver merges into its own cache.  A task
+whose worker or node dies is retried once (Ray places the retry wherever a slot is free); after that its model's rows
+say it failed and why, and the other models are unharmed.  Rows come back as tasks finish, so `run_bench` writes
+results as it goes; Ctrl-C cancels what is left and keeps them.  `run_on_ray` is the entry point; `rlflow.bench.run`
+never imports this module.
 
 Nothing here is imported without `--ray`: one machine needs no cluster.
 """
 from __future__ import annotations
 
 import logging
-import platform
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -21,16 +25,31 @@ from rlflow.bench.machine import measure_peak
 from rlflow.bench.peers import PEERS
 from rlflow.bench.results import Row
 from rlflow.bench.run import BenchConfig, ModelBench, bench_model, run_bench
-from rlflow.errors import RlflowError
+from rlflow.cluster.connection import MEASUREMENT_SLOT, RETRIES, connected, node_label
+from rlflow.cluster.travel import Parcel, TableMerger, check_fits, pack_file, pack_model, ship_tables, store_capacity
 from rlflow.measure.session import SessionSettings
 
 log = logging.getLogger("rlflow")
 
-MEASUREMENT_SLOT = "rlflow_measurement"
-"""The custom resource a node offers once, so that no two models are measured on one machine at a time."""
 
-RETRIES = 1
-"""Times a model's task is retried after its worker died."""
+@dataclass
+class Job:
+    """One model's task: the model as bytes (`parcel`), or its path when every node reads it (`--shared-path`), and
+    the agent checkpoint (an object reference to its `Parcel`, put once for every job)."""
+
+    name: str
+    parcel: Parcel | None = None
+    path: str | None = None
+    agent: object = None
+
+    def materialize(self, folder: Path, config: BenchConfig) -> tuple[Path, BenchConfig]:
+        """The model's path on this node and the config its bench runs with (`agent` pointing at the copy here)."""
+        if self.agent is not None:
+            import ray
+
+            config = replace(config, agent=str(ray.get(self.agent).unpack(folder / "agent")))
+        model = self.parcel.unpack(folder / "model") if self.parcel is not None else Path(self.path)
+        return model, config
 
 
 def run_on_ray(models: Sequence[Path], config: BenchConfig, out_dir, progress: bool = True) -> dict:
@@ -38,62 +57,71 @@ def run_on_ray(models: Sequence[Path], config: BenchConfig, out_dir, progress: b
     return run_bench(models, config, out_dir, progress, schedule=bench_on_ray)
 
 
-def _measure_model(model: str, config: BenchConfig, settings: SessionSettings) -> ModelBench:
-    """The task: the model benched on whatever node holds the slot, against that node's own matmul peak."""
-    return bench_model(Path(model), config, settings, measure_peak(settings))
+def measure_model(job: Job, config: BenchConfig, settings: SessionSettings, tables: dict) -> tuple[ModelBench, dict]:
+    """The task: the model benched in a folder of its own on whatever node holds the slot, against that node's own
+    matmul peak; returns its bench and what it added to the node's cost tables."""
+    import ray
+
+    from rlflow.cluster.travel import tables_home
+
+    node = node_label()
+    with tempfile.TemporaryDirectory(prefix="rlflow-task-") as folder, tables_home(ray, tables) as home:
+        model, config = job.materialize(Path(folder), config)
+        run = bench_model(model, config, settings, measure_peak(settings))
+    for row in run.rows:
+        row.node = node
+    return run, {"node": node, **home}
 
 
 def bench_on_ray(models: Sequence[Path], config: BenchConfig, settings: SessionSettings,
-                 task: Callable[[str, BenchConfig, SessionSettings], ModelBench] = _measure_model,
+                 task: Callable[[Job, BenchConfig, SessionSettings, dict], tuple[ModelBench, dict]] = measure_model,
                  ) -> Iterator[tuple[Path, ModelBench]]:
     """(model, its bench) as each task finishes, on the cluster `config.ray` names (`local`: one started here).
 
-    `task` is what runs per model (tests replace it to kill a worker).
+    `task` is what runs per model (tests replace it to kill a worker or a node).
 
     Raises:
-        RlflowError: Ray is not installed, or the cluster cannot be reached.
+        RlflowError: Ray is not installed, the cluster cannot be reached, no node offers a measurement slot, or a
+            model does not fit the object store.
     """
-    try:
-        import ray
-    except ImportError:
-        raise RlflowError("--ray needs Ray: pip install 'rlflow[ray]'") from None
-    started_here = not ray.is_initialized()
-    if started_here:
-        _connect(ray, config.ray)
-    if not ray.cluster_resources().get(MEASUREMENT_SLOT):
-        raise RlflowError(f"no node of the Ray cluster offers a measurement slot: start each node with "
-                          f"ray start ... --resources '{{\"{MEASUREMENT_SLOT}\": 1}}'")
-    remote = ray.remote(num_cpus=0, resources={MEASUREMENT_SLOT: 1}, max_retries=RETRIES)(task)
-    pending = {remote.remote(str(Path(m).resolve()), config, settings): Path(m) for m in models}
-    try:
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                model = pending.pop(ref)
-                try:
-                    yield model, ray.get(ref)
-                except ray.exceptions.RayError as exc:  # the worker died twice, or the task raised
-                    yield model, _failed(model, config, exc)
-    finally:
-        for ref in pending:  # Ctrl-C, or the caller stopped reading
-            ray.cancel(ref, force=True)
-        if started_here:
-            ray.shutdown()
+    with connected(config.ray) as ray:
+        jobs = _jobs(ray, models, config)
+        merger = TableMerger()
+        tables = ship_tables(ray)
+        remote = ray.remote(num_cpus=0, resources={MEASUREMENT_SLOT: 1}, max_retries=RETRIES,
+                            retry_exceptions=False)(task)
+        pending = {remote.remote(job, config, settings, tables): Path(model) for job, model in zip(jobs, models)}
+        del jobs  # the object store holds the bytes now: the driver's copies go
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    model = pending.pop(ref)
+                    try:
+                        run, home = ray.get(ref)
+                    except ray.exceptions.RayError as exc:  # the worker or its node died twice, or the task raised
+                        yield model, _failed(model, config, exc)
+                        continue
+                    merger.merge(home["node"], home)
+                    run.cost_tables = merger.summary()
+                    yield model, run
+        finally:
+            for ref in pending:  # Ctrl-C, or the caller stopped reading
+                ray.cancel(ref, force=True)
 
 
-def _connect(ray, address: str) -> None:
-    try:
-        if address == "local":
-            ray.init(resources={MEASUREMENT_SLOT: 1}, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
-        else:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
-    except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError and its own types
-        raise RlflowError(f"cannot reach the Ray cluster at '{address}': {str(exc).splitlines()[0][:200]}") from None
+def _jobs(ray, models: Sequence[Path], config: BenchConfig) -> list[Job]:
+    """Each model's job, its bytes put into the object store once (nothing to put with `--shared-path`)."""
+    if config.shared_path:
+        return [Job(Path(m).stem, path=str(Path(m).resolve())) for m in models]
+    parcels = [pack_model(m) for m in models]
+    agent = pack_file(config.agent) if config.agent else None
+    check_fits(parcels + ([agent] if agent else []), store_capacity(ray))
+    agent_ref = ray.put(agent) if agent else None
+    return [Job(Path(m).stem, parcel=parcel, agent=agent_ref) for m, parcel in zip(models, parcels)]
 
 
 def _failed(model: Path, config: BenchConfig, exc: Exception) -> ModelBench:
     reason = f"ray: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
     methods = (*config.methods, *(PEERS if config.peers else ()))
-    return ModelBench([Row(model.stem, method, "failed", reason, node=platform.node()) for method in methods],
-                      loaded=False)
+    return ModelBench([Row(model.stem, method, "failed", reason, node="") for method in methods], loaded=False)

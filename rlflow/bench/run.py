@@ -62,6 +62,7 @@ class BenchConfig:
         ray: for `rlflow.bench.cluster.run_on_ray`, the Ray cluster each model runs on as one task: `local` starts one
             on this machine, anything else is the address of a running cluster (`auto`, `ray://host:10001`); None for
             a run here, without Ray.
+        shared_path: on a cluster, every node reads the models (and `agent`) at their paths: nothing is shipped.
         cuda_graph: CUDA only: every measurement runs the models as captured CUDA graphs (`SessionSettings`).
     """
 
@@ -75,6 +76,7 @@ class BenchConfig:
     agent: str | None = None
     profiles: tuple[str, ...] = ()
     ray: str | None = None
+    shared_path: bool = False
     cuda_graph: bool = False
 
 
@@ -115,6 +117,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     runs_per_model = len(config.methods) + (len(PEERS) if config.peers else 0)
     rows: list[Row] = []
     warmups: dict[str, float | None] = {}
+    tables: dict | None = None
     started = time.monotonic()
     if schedule is not None:
         finished = schedule(models, config, settings)
@@ -126,24 +129,28 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 rows += run.rows
                 if run.loaded:
                     warmups[model.stem] = run.warmup_seconds
+                tables = run.cost_tables or tables
                 bar.update(len(run.rows))
                 bar.set_postfix_str(model.stem)
-                write_results(_results(config, settings, peak, started, rows, warmups, complete=False), Path(out_dir))
+                write_results(_results(config, settings, peak, started, rows, warmups, tables, complete=False),
+                              Path(out_dir))
         except KeyboardInterrupt:
             log.warning("interrupted: the rows of %d models are kept in %s", len({r.model for r in rows}), out_dir)
             raise
-    results = _results(config, settings, peak, started, rows, warmups, complete=True)
+    results = _results(config, settings, peak, started, rows, warmups, tables, complete=True)
     write_results(results, Path(out_dir))
     return results
 
 
 @dataclass
 class ModelBench:
-    """One model's rows, whether it loaded, and the seconds its cost-table warm-up took (None: not done)."""
+    """One model's rows, whether it loaded, the seconds its cost-table warm-up took (None: not done), and on a cluster
+    the cost tables' travel so far (`rlflow.cluster.travel.TableMerger.summary`)."""
 
     rows: list[Row]
     loaded: bool = True
     warmup_seconds: float | None = None
+    cost_tables: dict | None = None
 
 
 def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, peak: dict) -> ModelBench:
@@ -229,13 +236,17 @@ def warm_cost_table(graph: Graph, settings: SessionSettings) -> float | None:
 
 
 def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started: float, rows: list[Row],
-             warmups: dict[str, float | None], complete: bool) -> dict:
-    """What results.json holds: the settings, the machine, every row so far and their per-method summary."""
+             warmups: dict[str, float | None], tables: dict | None, complete: bool) -> dict:
+    """What results.json holds: the settings, the machine, every row so far and their per-method summary (and on a
+    cluster, the cost tables' travel)."""
     records = [asdict(r) for r in rows]
-    return {"config": asdict(config), "agent": _acting_agent(config, settings), "settings": settings.as_dict(),
-            "environment": environment(settings),
-            "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
-            "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records}
+    results = {"config": asdict(config), "agent": _acting_agent(config, settings), "settings": settings.as_dict(),
+               "environment": environment(settings),
+               "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
+               "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records}
+    if tables is not None:
+        results["cost_tables"] = tables
+    return results
 
 
 def _agent_path(config: BenchConfig, settings: SessionSettings) -> Path:

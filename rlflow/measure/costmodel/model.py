@@ -12,8 +12,6 @@ warm-up `graph_cost` is a pure-Python pass over the graph with dictionary look-u
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -28,7 +26,14 @@ import onnx
 from rlflow.graph.core import Graph
 from rlflow.measure.costmodel.group_timing import Gauge, probe_model, reorder_probe, replicas, replicated, time_beyond
 from rlflow.measure.costmodel.groups import Group, isolated_model, optimized_key, partition
-from rlflow.measure.costmodel.table import CACHE_VERSION, TableStorage, default_cache_dir, live, machine_id
+from rlflow.measure.costmodel.table import (
+    CACHE_VERSION,
+    TableStorage,
+    default_cache_dir,
+    live,
+    machine_id,
+    table_file_name,
+)
 from rlflow.measure.session import SessionSettings, inference_session, session_options
 
 log = logging.getLogger("rlflow")
@@ -103,8 +108,7 @@ class CostModel(TableStorage):
             "machine": machine_id(),
             "onnxruntime": ort.__version__,
         }
-        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = self.cache_dir / f"costmodel-{digest}.json"
+        self.path = self.cache_dir / table_file_name(self.key)
         live.add(self)
 
     # ------------------------------------------------------------------------------------------------ public

@@ -5,6 +5,7 @@ machine of a kind the project has measured starts instead of an empty table."""
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
 import platform
@@ -55,6 +56,12 @@ def machine_id() -> str:
     return text
 
 
+def table_file_name(key: dict) -> str:
+    """The file a table of machine kind `key` is kept in: the same name in every cache, on every machine."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return f"costmodel-{digest}.json"
+
+
 def default_cache_dir() -> Path:
     """``$RLFLOW_CACHE/costmodel`` when RLFLOW_CACHE is set, else ``~/.cache/rlflow/costmodel``."""
     from rlflow.files import cache_dir
@@ -72,17 +79,9 @@ class TableStorage:
             if self._table is None or not self._new:
                 return
             on_disk = self._read()
-            for section in ("groups", "costs", "ops"):
+            for section in SECTIONS:
                 on_disk[section].update(self._table[section])
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=self.path.name, suffix=".tmp", dir=self.cache_dir)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(on_disk, f, indent=0, sort_keys=True)
-                os.replace(tmp, self.path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_table(self.path, on_disk)
             self._table = on_disk
             self._new = 0
 
@@ -106,16 +105,36 @@ class TableStorage:
         return self._table
 
     def _read(self) -> dict:
-        empty = {"key": self.key, "groups": {}, "costs": {}, "ops": {}}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
-            data = shipped_table(self.key) or empty
+            data = shipped_table(self.key) or empty_table(self.key)
         if data.get("key") != self.key:
-            return empty
-        for section in ("groups", "costs", "ops"):
+            return empty_table(self.key)
+        for section in SECTIONS:
             data.setdefault(section, {})
         return data
+
+
+SECTIONS = ("groups", "costs", "ops")
+"""A table's parts: group key -> canonical key, canonical key -> cost (ms; the measurements), canonical key -> ops."""
+
+
+def empty_table(key: dict) -> dict:
+    return {"key": key, **{section: {} for section in SECTIONS}}
+
+
+def write_table(path: Path, table: dict) -> None:
+    """Writes `table` to `path` atomically (a uniquely named temporary file beside it, so writers never collide)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def shipped_table(key: dict) -> dict | None:

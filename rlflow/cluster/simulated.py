@@ -1,0 +1,65 @@
+"""A Ray cluster of several nodes on one machine, each node with its own rlflow cache, for trying `--ray` without a
+cluster (`rlflow simulate-cluster`) and for the tests.
+
+Each node's processes see their own `RLFLOW_CACHE` (set when the node starts), so cost tables and zoo builds never
+pass through a shared folder: what a node needs comes through Ray, as on machines without a shared disk.  The head
+node offers no measurement slot, so tasks run on the other nodes only, and the objects the driver puts (on the head)
+survive a node's removal.  The nodes share this machine's cores: timings taken on them are not a cluster's.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from rlflow.cluster.connection import MEASUREMENT_SLOT, import_ray
+
+
+@dataclass
+class SimulatedCluster:
+    """The running cluster: its address, the Ray `Cluster` handle and its measuring nodes (with their caches)."""
+
+    address: str
+    cluster: object
+    nodes: list = field(default_factory=list)
+    caches: list[Path] = field(default_factory=list)
+
+    def node_of(self, node_id: str):
+        """The node handle whose Ray id is `node_id` (to remove it)."""
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def remove(self, node) -> None:
+        self.cluster.remove_node(node)
+        self.nodes.remove(node)
+
+
+@contextlib.contextmanager
+def simulated_cluster(nodes: int, root: str | os.PathLike, cpus_per_node: int = 1) -> Iterator[SimulatedCluster]:
+    """`nodes` measuring nodes (one slot each, cache `root/node<i>`) and a head node without a slot; stopped after."""
+    import_ray()
+    from ray.cluster_utils import Cluster
+
+    root = Path(root)
+    before = os.environ.get("RLFLOW_CACHE")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        caches, handles = [], []
+        for i in range(nodes):
+            caches.append(root / f"node{i}")
+            os.environ["RLFLOW_CACHE"] = str(caches[-1])  # the node's processes inherit it
+            handles.append(cluster.add_node(num_cpus=cpus_per_node, resources={MEASUREMENT_SLOT: 1}))
+        _restore(before)
+        cluster.wait_for_nodes()
+        yield SimulatedCluster(cluster.address, cluster, handles, caches)
+    finally:
+        _restore(before)
+        cluster.shutdown()
+
+
+def _restore(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("RLFLOW_CACHE", None)
+    else:
+        os.environ["RLFLOW_CACHE"] = value
