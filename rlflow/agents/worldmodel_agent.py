@@ -67,7 +67,7 @@ class Agent:
         from rlflow.worldmodel.vae import GraphVAE
 
         spec = spec if isinstance(spec, AgentSpec) else AgentSpec.of(spec)  # a trainer's Config is a spec
-        self.n_rules = n_rules
+        self.spec, self.n_rules = spec, n_rules
         self.vision = GraphVAE(n_rules, spec.hidden, spec.rounds, spec.latent_size)
         self.mdrnn = MDRNN(spec.latent_size, n_rules + 1, n_rules, spec.rnn_hidden, spec.gaussians,
                            spec.reward_ensemble, location_flag=spec.learn_location, markov_reward=spec.markov_reward,

@@ -23,8 +23,23 @@ class SimulatedCluster:
 
     address: str
     cluster: object
+    root: Path
+    cpus_per_node: int = 1
     nodes: list = field(default_factory=list)
     caches: list[Path] = field(default_factory=list)
+
+    def add_node(self):
+        """One more measuring node, with a cache of its own (`root/node<i>`); returns its handle."""
+        self.caches.append(self.root / f"node{len(self.caches)}")
+        before = os.environ.get("RLFLOW_CACHE")
+        os.environ["RLFLOW_CACHE"] = str(self.caches[-1])  # the node's processes inherit it
+        try:
+            node = self.cluster.add_node(num_cpus=self.cpus_per_node, resources={MEASUREMENT_SLOT: 1})
+        finally:
+            _restore(before)
+        self.nodes.append(node)
+        self.cluster.wait_for_nodes()
+        return node
 
     def node_of(self, node_id: str):
         """The node handle whose Ray id is `node_id` (to remove it)."""
@@ -41,20 +56,13 @@ def simulated_cluster(nodes: int, root: str | os.PathLike, cpus_per_node: int = 
     import_ray()
     from ray.cluster_utils import Cluster
 
-    root = Path(root)
-    before = os.environ.get("RLFLOW_CACHE")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:
-        caches, handles = [], []
-        for i in range(nodes):
-            caches.append(root / f"node{i}")
-            os.environ["RLFLOW_CACHE"] = str(caches[-1])  # the node's processes inherit it
-            handles.append(cluster.add_node(num_cpus=cpus_per_node, resources={MEASUREMENT_SLOT: 1}))
-        _restore(before)
-        cluster.wait_for_nodes()
-        yield SimulatedCluster(cluster.address, cluster, handles, caches)
+        simulated = SimulatedCluster(cluster.address, cluster, Path(root), cpus_per_node)
+        for _ in range(nodes):
+            simulated.add_node()
+        yield simulated
     finally:
-        _restore(before)
         cluster.shutdown()
 
 

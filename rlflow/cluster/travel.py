@@ -118,24 +118,38 @@ def ship_tables(ray, cache_dir: str | os.PathLike | None = None) -> ShippedTable
     return {name: (table["key"], ray.put(table)) for name, table in tables.items()}
 
 
-@contextlib.contextmanager
-def tables_home(ray, shipped: ShippedTables, cache_dir: str | os.PathLike | None = None) -> Iterator[dict]:
-    """On a node: installs the shipped tables of this node's kind into its cache, then yields a dict that holds, once
-    the block is done, the task's gain (`added`: file name -> entries added) and `installed` (measurements the node
-    took from the driver)."""
-    from rlflow.measure.costmodel.table import live
-
-    cache_dir = Path(cache_dir or default_cache_dir())
+def install_tables(ray, shipped: ShippedTables, cache_dir: str | os.PathLike | None = None) -> int:
+    """On a node: merges the shipped tables of this node's kind into its cache (before any cost model here reads
+    it); returns the measurements the node did not have."""
     installed = MergeCount()
     for name, (key, ref) in shipped.items():
         if of_this_machine(key):
-            installed += merge_file(cache_dir, name, ray.get(ref))
+            installed += merge_file(cache_dir or default_cache_dir(), name, ray.get(ref))
+    return installed.added
+
+
+@contextlib.contextmanager
+def gains(cache_dir: str | os.PathLike | None = None) -> Iterator[dict]:
+    """On a node: yields a dict that holds, once the block is done, `added` (table file name -> the entries the
+    block's measurements added to this node's cache)."""
+    from rlflow.measure.costmodel.table import live
+
+    cache_dir = Path(cache_dir or default_cache_dir())
     before = snapshot(cache_dir)
-    outcome: dict = {"installed": installed.added}
+    outcome: dict = {}
     yield outcome
     for model in list(live):  # what the task measured, on disk before it is read back
         model.save()
     outcome["added"] = added_since(cache_dir, before)
+
+
+@contextlib.contextmanager
+def tables_home(ray, shipped: ShippedTables, cache_dir: str | os.PathLike | None = None) -> Iterator[dict]:
+    """On a node, around one task: `install_tables`, then `gains`; the dict also holds `installed`."""
+    installed = install_tables(ray, shipped, cache_dir)
+    with gains(cache_dir) as outcome:
+        outcome["installed"] = installed
+        yield outcome
 
 
 class TableMerger:
@@ -176,5 +190,5 @@ class TableMerger:
         return {"cache": str(self.cache_dir), **totals, "per_node": self.per_node}
 
 
-__all__ = ["Parcel", "ShippedTables", "TableMerger", "check_fits", "pack_file", "pack_model", "ship_tables",
-           "store_capacity", "tables_home"]
+__all__ = ["Parcel", "ShippedTables", "TableMerger", "check_fits", "gains", "install_tables", "pack_file", "pack_model",
+           "ship_tables", "store_capacity", "tables_home"]

@@ -8,7 +8,8 @@ import typing
 
 def config_from_args(config_cls, argv: typing.Sequence[str] | None, prog: str, description: str):
     """A `config_cls` instance from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag,
-    `typing.Literal` fields as a choice among their values)."""
+    `typing.Literal` fields as a choice among their values, a field with a `const` in its metadata as an option whose
+    value may be left out)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     defaults = config_cls()
     hints = typing.get_type_hints(config_cls)
@@ -16,7 +17,10 @@ def config_from_args(config_cls, argv: typing.Sequence[str] | None, prog: str, d
         kind = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if kind is bool:
+        if "const" in f.metadata:  # `--flag` alone means the const, `--flag VALUE` the value
+            parser.add_argument(flag, nargs="?", const=f.metadata["const"], default=default,
+                                help=f"default: {default}; alone: {f.metadata['const']}")
+        elif kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         elif typing.get_origin(kind) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(kind), default=default, help=f"default: {default}")

@@ -18,22 +18,6 @@ from rlflow.bench.run import BenchConfig, run_bench
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def two_nodes(tmp_path_factory):
-    from rlflow.cluster.simulated import simulated_cluster
-
-    root = tmp_path_factory.mktemp("cluster")
-    before = os.environ.get("RLFLOW_CACHE")
-    with simulated_cluster(2, root) as cluster:
-        os.environ["RLFLOW_CACHE"] = str(root / "driver")
-        ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-        try:
-            yield cluster
-        finally:
-            ray.shutdown()
-            os.environ["RLFLOW_CACHE"] = before
-
-
 def _kinds(results) -> list[tuple[str, str, str]]:
     return sorted((r["model"], r["method"], r["status"]) for r in results["rows"])
 

@@ -5,7 +5,7 @@ the loop collects, trains and evaluates.
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlflow.agents.worldmodel_agent import AgentSpec
 from rlflow.env.rewrite_env import MAX_EDGES, MAX_NODES
@@ -129,6 +129,8 @@ class Config(AgentSpec):
         provider: the execution provider the agent is trained for.  `cuda` on a machine without CUDA trains against
             the shipped H100 cost table and its fitted estimate (`rlflow.measure.costmodel.gpu_estimate`).
         ppo_results: the model-free baseline's results (`rlflow.train.ppo`) to compare with.
+        ray: play the real episodes on the Ray cluster at this address (`--ray` alone: one started here), one per
+            node of this machine's kind at a time (`rlflow.train.cluster`); None: here.
         resume: continue from `<run_dir>/worldmodel.pt` when it exists.
         report: write worldmodel.json and the plots to `out` at the end.
     """
@@ -178,6 +180,7 @@ class Config(AgentSpec):
     cost_cache: str | None = None
     provider: typing.Literal["cpu", "cuda"] = "cpu"
     ppo_results: str = "docs/results/ppo.json"
+    ray: str | None = field(default=None, metadata={"const": "local"})
     resume: bool = False
     report: bool = True
 

@@ -94,7 +94,7 @@ def main(config: Config) -> dict:
 
     paths = resolve_models(config.models, config.zoo_dir)
     cost_model = cost_model_for(config.provider, cache_dir=config.cost_cache)
-    estimated_only(cost_model, measuring=False)
+    estimated = estimated_only(cost_model, measuring=False)
     env_config = dataclasses.make_dataclass("EnvConfig", [("reward", str, "cost"), ("measure_every", int, 5),
                                                           ("max_episode_steps", int, config.max_episode_steps),
                                                           ("max_nodes", int, config.max_nodes),
@@ -102,6 +102,14 @@ def main(config: Config) -> dict:
                                                           ("max_candidates", int, config.max_candidates),
                                                           ("scope", str, config.scope)])()
     env = make_env(paths, env_config, cost_model)
+    remote = None  # the real episodes on a Ray cluster (rlflow.train.cluster), else here
+    if config.ray is not None:
+        from rlflow.train.cluster import RayEpisodes
+
+        remote = RayEpisodes(config.ray, paths, env_config, config.provider, config.threads, estimated,
+                             config.cost_cache)
+        print(f"real episodes on the Ray cluster '{config.ray}': {len(remote.pool)} nodes of this machine's kind"
+              + (f" ({len(remote.skipped)} of other kinds skipped)" if remote.skipped else ""), flush=True)
     dream_config = DreamPPOConfig(total_steps=config.dream_steps, num_envs=config.dream_envs,
                                   num_steps=config.dream_rollout, learning_rate=config.controller_lr,
                                   gamma=config.controller_gamma,
@@ -113,9 +121,14 @@ def main(config: Config) -> dict:
         it_start = time.monotonic()
         # 1. real experience
         steps = config.random_steps if iteration == 0 else config.collect_steps
+        real_start = time.monotonic()
         with tqdm(total=steps, desc=f"[{iteration}] collect", leave=False, file=sys.stderr) as bar:
-            collected = collect(env, None if iteration == 0 else agent, replay, steps, config, rng,
-                                iteration=iteration, progress=bar)
+            acting = None if iteration == 0 else agent
+            if remote is not None:
+                collected = remote.collect(acting, replay, steps, config, rng, iteration=iteration, progress=bar)
+            else:
+                collected = collect(env, acting, replay, steps, config, rng, iteration=iteration, progress=bar)
+        real_seconds = time.monotonic() - real_start
         real_steps += sum(len(e.actions) for e in collected)
         collect_returns = [e.ret for e in collected]
         train_eps, held_eps = replay.split(False), replay.split(True)
@@ -155,15 +168,20 @@ def main(config: Config) -> dict:
         # 5. real evaluation
         agent.vision.eval()
         agent.mdrnn.eval()
-        evals = evaluate_real(env, agent, replay, config, rng, iteration,
-                              dream_reward_range(train_eps, n_rules))
+        real_start = time.monotonic()
+        if remote is not None:
+            evals = remote.evaluate(agent, replay, config, rng, iteration, dream_reward_range(train_eps, n_rules))
+        else:
+            evals = evaluate_real(env, agent, replay, config, rng, iteration, dream_reward_range(train_eps, n_rules))
+        real_seconds += time.monotonic() - real_start
         real_steps += sum(len(e.actions) for e in evals)
         point = {"iteration": iteration, "real_steps": real_steps,
                  "eval_mean_return": float(np.mean([e.ret for e in evals])),
                  "collect_mean_return": float(np.mean(collect_returns)) if collect_returns else float("nan"),
                  "eval": {e.model: {"return": e.ret, "rules": [RULES[a].name if a < n_rules else "terminate"
                                                                for a in e.actions]} for e in evals},
-                 "dream_return": d_stats["dream_return"], "seconds": time.monotonic() - it_start}
+                 "dream_return": d_stats["dream_return"], "seconds": time.monotonic() - it_start,
+                 "real_seconds": real_seconds}
         points.append(point)
         for key, value in v_losses.items():
             writer.add_scalar(f"losses/vae_{key}", value, real_steps)
@@ -194,6 +212,9 @@ def main(config: Config) -> dict:
     writer.close()
     result = build_result(config, points, history, real_steps, REGISTRY_VERSION, n_rules,
                           time.monotonic() - wall_start)
+    if remote is not None:
+        result["cluster"] = remote.report()
+        remote.close()
     if config.report:
         write_report(result, history, points, out)
     return result

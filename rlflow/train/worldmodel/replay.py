@@ -56,6 +56,7 @@ class Replay:
         self.rule_masks: list[np.ndarray] = []
         self.episodes: list[Episode] = []
         self._index: dict[str, int] = {}
+        self._digests: list[str] = []  # state index -> its digest (what identifies a state across replays)
 
     def add_state(self, obs, rule_mask: np.ndarray) -> int:
         """Stores a real observation (once) and returns its index."""
@@ -72,9 +73,15 @@ class Replay:
         key = digest.hexdigest()
         if key not in self._index:
             self._index[key] = len(self.states)
+            self._digests.append(key)
             self.states.append(state)
             self.rule_masks.append(np.asarray(rule_mask[: self.n_rules], bool).copy())
         return self._index[key]
+
+    def digest(self, index: int) -> str:
+        """The digest of state `index`: the same state has the same digest in every replay (`rlflow.train.cluster`
+        plays episodes into a replay of their own and merges them here)."""
+        return self._digests[index]
 
     def split(self, heldout: bool) -> list[Episode]:
         return [e for e in self.episodes if e.heldout == heldout]
@@ -134,6 +141,7 @@ class Replay:
         replay.states, replay.rule_masks = data["states"], data["rule_masks"]
         replay.episodes = [Episode(**e) for e in data["episodes"]]
         replay._index = data["index"]
+        replay._digests = sorted(replay._index, key=replay._index.get)
         return replay
 
 

@@ -80,6 +80,8 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
             "real_steps_worldmodel": "every real environment step of the run: random and controller collection and "
                                      "the greedy evaluations",
             "real_steps_ppo": "ppo.json train.real_steps (training steps; its random-baseline episodes excluded)",
+            "real_episode_seconds": "wall time of the real episodes (collection and greedy evaluations), here or on "
+                                    "the Ray cluster (`cluster`: per-node episodes, with --ray)",
             "reward_pearson": "predicted vs real reward on the transitions of held-out real episodes",
             "reward_spearman": "rank correlation of the same pairs (ties share their mean rank)",
             "reward_spearman_moved": "the same over the pairs whose real reward is at least "
@@ -111,6 +113,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
         "registry_version": registry_version,
         "rules": n_rules,
         "wall_seconds": seconds,
+        "real_episode_seconds": sum(p.get("real_seconds", 0.0) for p in points),
     }
 
 

@@ -1,0 +1,66 @@
+"""`rlflow train --algo worldmodel --ray`: the real episodes played on a simulated two-node cluster, the report and
+checkpoint as a run here, the nodes' cost-table gains merged into the driver's table, a killed worker's episode the
+only one lost."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+
+def _dies_once(marker: str):
+    """`rlflow.train.cluster.play`, whose worker process is killed the first time (a marker file remembers)."""
+    from rlflow.train import cluster
+
+    def play(*args):
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        return cluster.play(*args)
+
+    return play
+
+
+def test_a_world_model_run_plays_its_real_episodes_on_the_cluster(two_nodes, tiny_model, tmp_path, monkeypatch):
+    import sys
+
+    import ray
+
+    from rlflow.agents.worldmodel_agent import load_checkpoint
+    from rlflow.train import cluster as train_ray
+    from rlflow.train.worldmodel.loop import Config, main
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import the tests package
+    monkeypatch.setattr(train_ray, "play", _dies_once(str(tmp_path / "died")))  # a worker killed mid-episode
+
+    config = Config(models=(tiny_model,), iterations=2, random_steps=40, collect_steps=20, vae_epochs=2,
+                    mdrnn_epochs=3, dream_steps=512, dream_envs=16, dream_rollout=16, max_nodes=128,
+                    max_edges=256, max_candidates=64, out=str(tmp_path / "results"), run_dir=str(tmp_path / "run"),
+                    ppo_results=str(tmp_path / "missing.json"), cost_cache=str(tmp_path / "driver-costs"),
+                    ray=two_nodes.address)
+    result = main(config)
+    cluster = result["cluster"]
+    agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")  # the local run's format
+    episodes = payload["replay"]["episodes"]
+    assert sum(n["episodes"] for n in cluster["nodes"].values()) == len(episodes)
+    assert cluster["lost_episodes"] == 1  # the killed worker's: that episode only
+    assert sum(n["steps"] for n in cluster["nodes"].values()) == result["real_steps_worldmodel"] >= 60
+    assert len(cluster["nodes"]) == 2  # both nodes played
+    assert result["real_episode_seconds"] > 0 and result["reward_pearson"] is not None
+    assert sum(len(e["states"]) for e in episodes) > len(payload["replay"]["states"])  # states stored once
+    tables = cluster["cost_tables"]
+    assert tables["added"] > 0 and tables["known_before"] == 0
+    costs = sum(len(json.loads(p.read_text())["costs"]) for p in Path(config.cost_cache).glob("costmodel-*.json"))
+    assert costs == tables["added"]  # what the nodes measured came home
+    assert json.loads((Path(config.out) / "worldmodel.json").read_text())["cluster"]["nodes"]
+
+
+def test_the_ray_option_alone_means_a_cluster_started_here():
+    from rlflow.train.worldmodel.loop import parse_args
+
+    assert parse_args(["--ray"]).ray == "local"
+    assert parse_args(["--ray", "auto"]).ray == "auto" and parse_args([]).ray is None
