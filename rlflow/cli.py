@@ -271,6 +271,8 @@ _passthrough(cli, "bench-estimate", "rlflow.bench.estimated",
              "Each method's graph scored by the cost model of a provider this machine lacks (CUDA without a GPU).")
 _passthrough(cli, "bench-builder", "rlflow.bench.builder_reference",
              "onnxruntime-genai's model builder's graph of a zoo decoder step (same weights) against the export.")
+_passthrough(cli, "simulate-cluster", "rlflow.cluster.simulated",
+             "A Ray cluster of several nodes on this machine, each with its own cache, for trying --ray.")
 _passthrough(zoo, "build-large", "rlflow.zoo.large_models",
              "Build a model over protobuf's 2 GB limit (its weights in an external-data file).")
 _passthrough(costmodel, "check", "rlflow.measure.costmodel.check",

@@ -1,14 +1,17 @@
-"""`rlflow train --algo worldmodel --ray [ADDRESS]`: the real episodes played on a Ray cluster's nodes; V, M, the
-location scorer and the controller still train where the driver runs.
+"""`rlflow train --ray [ADDRESS]`: the real environment's steps played on a Ray cluster's nodes; the networks still
+train where the driver runs.
 
-Each real episode is one task holding its node's measurement slot, so a node plays one episode at a time, and only
-on nodes of the driver's machine kind: rewards are measured runtimes, and another kind's would be another
-environment (where the rewards are estimated, as for CUDA on machines without it, every node qualifies).  A task
-gets the models as bytes through the object store (unpacked once per worker process), the acting agent's weights
-(put once per iteration) and a seed; it plays the episode into a replay of its own and sends back the episode, its
-states and what it added to its node's cost tables, which the driver merges (`rlflow.cluster.travel`).  States are
-told apart by digest (`Replay.digest`), so the count-based exploration on a node sees the driver's counts.  A task
-whose worker or node dies costs that episode only: a node that is gone leaves the pool, and the next episode goes
+The world-model loop (`RayEpisodes`) plays each real episode as one task; masked PPO (`RayRollouts`) splits each
+update's rollout into one segment per node, each node's environment running its episodes on from one update to the
+next (a segment's last step bootstraps from where its own environment went, so segments never leak into each
+other's advantages).  Every task holds its node's measurement slot, so a node plays one thing at a time, and runs
+only on nodes of the driver's machine kind: rewards are measured runtimes, and another kind's would be another
+environment (where the rewards are estimated, as for CUDA on machines without it, every node qualifies).  A task gets
+the models as bytes through the object store (unpacked once per worker process), the acting policy's weights (put
+once per iteration or update) and a seed, and sends back what it played and what it added to its node's cost
+tables, which the driver merges (`rlflow.cluster.travel`).  The world model's states are told apart by digest
+(`Replay.digest`), so the count-based exploration on a node sees the driver's counts.  A task whose worker or node
+dies costs what it was playing (an episode, a segment): a node that is gone leaves the pool, and the next task goes
 to another.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import logging
 import tempfile
 import time
+import typing
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -146,9 +150,9 @@ def _weights(agent) -> dict | None:
     return {"spec": agent.spec, "n_rules": agent.n_rules, "parts": parts}
 
 
-class RayEpisodes:
-    """The trainer's real episodes on a Ray cluster (`collect` and `evaluate` as `rlflow.train.worldmodel.episodes`
-    plays them here); `report()` gives the per-node counts; `close()` leaves the cluster."""
+class _OnCluster:
+    """What both trainers' players share: the connection, the pool of nodes of the driver's kind, the setup every
+    worker fetches once, tasks run one per node at a time, lost nodes, the cost tables and the per-node report."""
 
     def __init__(self, address: str, paths: list[Path], env_config, provider: str, threads: int, estimated: bool,
                  cost_cache: str | None = None):
@@ -168,7 +172,6 @@ class RayEpisodes:
         self.nodes: dict[str, dict] = {}
         self.lost = 0
         self.address = address
-        self._remote = ray.remote(num_cpus=0, resources={MEASUREMENT_SLOT: 1}, max_retries=0)(play)
 
     def _pool(self, estimated: bool) -> tuple[list[str], list[str]]:
         """The measuring nodes of the driver's kind, and those skipped."""
@@ -186,7 +189,70 @@ class RayEpisodes:
                               f"its rewards would be another machine's; {len(nodes)} nodes offer a measurement slot")
         return pool, [n for n in nodes if n not in pool]
 
-    # ------------------------------------------------------------------------------------------- the trainer's
+    def _run(self, task, jobs: Iterator[dict], weights_box: list | None, done: typing.Callable[[dict], int],
+             steps: int | None = None, nodes: typing.Sequence[str] | None = None) -> None:
+        """Runs `task` on `jobs`, one per pool node at a time (`nodes`: the first job on the first of them, and so
+        on, one job each), until the jobs run out or `done` (called with each result, returning its real steps) has
+        counted `steps`."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray = self.ray
+        remote = ray.remote(num_cpus=0, resources={MEASUREMENT_SLOT: 1}, max_retries=0)(task)
+        free, pending, taken = list(nodes if nodes is not None else self.pool), {}, 0
+        while True:
+            while free and (steps is None or taken < steps):
+                job = next(jobs, None)
+                if job is None:
+                    break
+                node = free.pop(0)
+                strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+                pending[remote.options(scheduling_strategy=strategy).remote(self.key, self.setup_box, weights_box,
+                                                                            job)] = node
+            if not pending:
+                return
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            node = pending.pop(ref)
+            try:
+                played = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                self._lose(node, exc)
+                if node in self.pool and nodes is None:
+                    free.append(node)
+                continue
+            if nodes is None:
+                free.append(node)
+            self.merger.merge(played["node"], played["home"])
+            stats = self.nodes.setdefault(played["node"], {"tasks": 0, "steps": 0, "seconds": 0.0})
+            real = done(played)
+            stats["tasks"] += 1
+            stats["steps"] += real
+            stats["seconds"] += played["seconds"]
+            taken += real
+
+    def _lose(self, node: str, exc: Exception) -> None:
+        self.lost += 1
+        alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+        log.warning("a task was lost on node %s (%s)%s", node[:8], type(exc).__name__,
+                    "" if node in alive else ": the node is gone")
+        if node not in alive:
+            self.pool.remove(node)
+            if not self.pool:
+                raise RlflowError("every node of the machine's kind left the Ray cluster: nothing can be played")
+
+    def report(self) -> dict:
+        """What the trainer's report records of the cluster: per node its tasks (episodes or rollout segments),
+        steps and seconds; tasks lost; nodes skipped; the cost tables' travel."""
+        return {"address": self.address, "nodes": self.nodes, "lost_tasks": self.lost,
+                "skipped_nodes": len(self.skipped), "cost_tables": self.merger.summary()}
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class RayEpisodes(_OnCluster):
+    """The world-model trainer's real episodes on a Ray cluster (`collect` and `evaluate` as
+    `rlflow.train.worldmodel.episodes` plays them here)."""
+
     def collect(self, agent, replay, steps: int, config, rng: np.random.Generator, *, iteration: int,
                 progress=None) -> list:
         """As `rlflow.train.worldmodel.episodes.collect`: episodes, models in turn, until `steps` real steps (the
@@ -222,52 +288,26 @@ class RayEpisodes:
 
     def _play(self, jobs: Iterator[dict], agent, replay, rng, counts: dict | None, steps: int | None,
               progress) -> list:
-        """Runs `jobs` one per pool node at a time, until they run out or `steps` real steps are in."""
-        ray = self.ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        """Plays `jobs` until they run out or `steps` real steps are in; the episodes join `replay` as they come."""
+        episodes = []
 
-        agent_box = [ray.put(_weights(agent))] if agent is not None else None
-        free, pending, episodes, taken = list(self.pool), {}, [], 0
-        while True:
-            while free and (steps is None or taken < steps):
-                job = next(jobs, None)
-                if job is None:
-                    break
-                job.update(seed=int(rng.integers(2**31)), n_rules=replay.n_rules, tried=counts)
-                node = free.pop(0)
-                strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-                ref = self._remote.options(scheduling_strategy=strategy).remote(self.key, self.setup_box, agent_box,
-                                                                                job)
-                pending[ref] = node
-            if not pending:
-                return episodes
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            node = pending.pop(ref)
-            try:
-                played = ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                self._lose(node, exc)
-                if node in self.pool:
-                    free.append(node)
-                continue
-            free.append(node)
+        def stamped(jobs):
+            for job in jobs:
+                yield {**job, "seed": int(rng.integers(2**31)), "n_rules": replay.n_rules, "tried": counts}
+
+        def done(played: dict) -> int:
             episode = self._merge(played, replay, counts)
             episodes.append(episode)
-            taken += len(episode.actions)
             if progress is not None:
                 progress.update(len(episode.actions))
+            return len(episode.actions)
 
-    def _lose(self, node: str, exc: Exception) -> None:
-        self.lost += 1
-        alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
-        log.warning("an episode was lost on node %s (%s)%s", node[:8], type(exc).__name__,
-                    "" if node in alive else ": the node is gone")
-        if node not in alive:
-            self.pool.remove(node)
-            if not self.pool:
-                raise RlflowError("every node of the machine's kind left the Ray cluster: no episode can be played")
+        box = [self.ray.put(_weights(agent))] if agent is not None else None
+        self._run(play, stamped(jobs), box, done, steps)
+        return episodes
 
-    def _merge(self, played: dict, replay, counts: dict | None):
+    @staticmethod
+    def _merge(played: dict, replay, counts: dict | None):
         """The node's episode in the driver's replay: its states added (once) and renumbered."""
         from rlflow.train.worldmodel.replay import Episode
 
@@ -278,20 +318,72 @@ class RayEpisodes:
             for s, a in zip(episode.states, episode.actions):
                 key = (replay.digest(s), a)
                 counts[key] = counts.get(key, 0) + 1
-        self.merger.merge(played["node"], played["home"])
-        stats = self.nodes.setdefault(played["node"], {"episodes": 0, "steps": 0, "seconds": 0.0})
-        stats["episodes"] += 1
-        stats["steps"] += len(episode.actions)
-        stats["seconds"] += played["seconds"]
         return episode
 
-    def report(self) -> dict:
-        """What worldmodel.json records of the cluster: per-node episodes, lost episodes, the cost tables' travel."""
-        return {"address": self.address, "nodes": self.nodes, "lost_episodes": self.lost,
-                "skipped_nodes": len(self.skipped), "cost_tables": self.merger.summary()}
 
-    def close(self) -> None:
-        self._stack.close()
+# ----------------------------------------------------------------------------------------------------- masked PPO
+def _policy(box: list):
+    """The PPO policy whose weights `box` holds (cached per worker until the next update's)."""
+    import ray
+
+    from rlflow.agents.policy import CandidatePolicy
+
+    ref = box[0]
+    if _WORKER.get("policy_ref") != ref.hex():
+        weights = ray.get(ref)
+        policy = CandidatePolicy(*weights["shape"])
+        policy.load_state_dict(weights["state"])
+        _WORKER["policy_ref"], _WORKER["policy"] = ref.hex(), policy
+    return _WORKER["policy"]
 
 
-__all__ = ["RayEpisodes", "play"]
+def play_segment(key: str, setup_box: list, policy_box: list, job: dict) -> dict:
+    """The task: one segment of an update's rollout on this node, its environment's episodes running on from the
+    worker's last segment (a new worker starts its environment afresh)."""
+    import torch
+
+    from rlflow.train.rollout import Stream, play
+
+    start = time.monotonic()
+    env, installed = _environment(key, setup_box)
+    policy = _policy(policy_box)
+    stream = _WORKER.get((key, "stream"))
+    if stream is None:
+        stream = _WORKER[(key, "stream")] = Stream(env).start(job["seed"])
+    torch.manual_seed(job["seed"])
+    with gains() as home:
+        rollout = play(policy, stream, job["steps"], job["gamma"])
+    home["installed"] = installed
+    return {"rollout": rollout, "node": node_label(), "home": home, "seconds": time.monotonic() - start}
+
+
+class RayRollouts(_OnCluster):
+    """Masked PPO's rollouts on a Ray cluster: each update's steps split into one segment per node
+    (`rlflow.train.ppo.Learner.collect`'s `source`)."""
+
+    def __init__(self, address: str, paths: list[Path], config, estimated: bool, seed: int = 0):
+        super().__init__(address, paths, config, config.provider, config.threads, estimated)
+        self.gamma = config.gamma
+
+    def rollouts(self, policy, steps: int, rng: np.random.Generator) -> list:
+        """`steps` real steps as segments, one per node (a lost node's segment is missing from the list)."""
+        nodes = list(self.pool)
+        sizes = [steps // len(nodes) + (i < steps % len(nodes)) for i in range(len(nodes))]
+        jobs = iter([{"steps": size, "gamma": self.gamma, "seed": int(rng.integers(2**31))} for size in sizes])
+        box = [self.ray.put({"shape": (policy.n_rules, policy.hidden, policy.n_rounds),
+                             "state": policy.state_dict()})]
+        segments = []
+
+        def done(played: dict) -> int:
+            rollout = played["rollout"]
+            rollout.next_obs = {k: np.array(v) for k, v in rollout.next_obs.items()}  # writable, as torch wants
+            segments.append(rollout)
+            return len(rollout.actions)
+
+        self._run(play_segment, jobs, box, done, nodes=nodes)
+        if not segments:
+            raise RlflowError("every rollout segment of this update was lost on the Ray cluster")
+        return segments
+
+
+__all__ = ["RayEpisodes", "RayRollouts", "play", "play_segment"]

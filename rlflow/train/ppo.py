@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +72,8 @@ class Config:
         provider: the execution provider the agent is trained for.  `cuda` on a machine without CUDA trains against
             the shipped H100 cost table and its fitted estimate (`rlflow.measure.costmodel.gpu_estimate`); nothing can be measured
             there, so the end-to-end evaluation is skipped and reward="measure" is refused.
+        ray: play each update's rollout on the Ray cluster at this address (`--ray` alone: one started here), split
+            into one segment per node of this machine's kind (`rlflow.train.cluster`); None: here.
         out: folder of ppo.json and the learning-curve PNG.
         run_dir: folder of metrics CSVs and checkpoints.
         zoo_dir: where zoo models are built (default: the zoo cache).
@@ -113,6 +115,7 @@ class Config:
     seed: int = 0
     threads: int = 1
     provider: typing.Literal["cpu", "cuda"] = "cpu"
+    ray: str | None = field(default=None, metadata={"const": "local"})
     out: str = "docs/results"
     run_dir: str = "build/ppo"
     zoo_dir: str | None = None
@@ -144,90 +147,71 @@ def random_episodes(env, episodes: int, rng: np.random.Generator) -> list[float]
 class Learner:
     """Masked PPO's rollout buffers, collection and update (CleanRL's loop body), for training and fine-tuning alike.
 
-    `collect()` plays `config.num_steps` real steps with the current policy (episodes continue across calls);
-    `update()` computes GAE advantages over them and runs the clipped-objective epochs.
+    `collect()` plays `config.num_steps` real steps with the current policy (episodes continue across calls), here or,
+    given `source` (`rlflow.train.cluster.RayRollouts`), as segments played on a cluster's nodes; `update()` computes
+    GAE advantages over each segment and runs the clipped-objective epochs over all of them.
     """
 
     def __init__(self, policy, env, config: Config, rng: np.random.Generator, writer: CsvWriter | None = None):
-        import torch
         from torch import optim
+
+        from rlflow.train.rollout import Stream
 
         self.policy, self.env, self.config, self.rng, self.writer = policy, env, config, rng, writer
         self.optimizer = optim.Adam(policy.parameters(), lr=config.learning_rate, eps=1e-5)
-        n = config.num_steps
-        self.buffers = {key: np.zeros((n, *sub.shape), sub.dtype) for key, sub in env.observation_space.spaces.items()}
-        self.actions = torch.zeros(n, dtype=torch.long)
-        self.logprobs, self.rewards, self.dones, self.values = (torch.zeros(n) for _ in range(4))
         self.episodes: list[dict] = []
-        self.next_obs, _ = env.reset(seed=config.seed)
-        self.next_done = 0.0
-        self.episode_return = 0.0
+        self.stream = Stream(env).start(config.seed)
+        self.segments: list = []  # the last rollout's, `rlflow.train.rollout.Rollout`s
+        self.counters = {"real_steps": 0, "measurements": 0, "cost_evaluations": 0}
 
-    def collect(self) -> None:
-        """One rollout of `num_steps` real steps; finished episodes are appended to `episodes`."""
-        import torch
+    def collect(self, source=None) -> None:
+        """One rollout of `num_steps` real steps; finished episodes are appended to `episodes`, stamped with the run's
+        real steps when they ended."""
+        from rlflow.train.rollout import play
 
-        from rlflow.env.observation import obs_to_torch
-
-        config, env, policy = self.config, self.env, self.policy
-        for t in range(config.num_steps):
-            for key in self.buffers:
-                self.buffers[key][t] = self.next_obs[key]
-            self.dones[t] = self.next_done
-            with torch.no_grad():
-                action, logprob, _, value = policy.get_action_and_value(obs_to_torch(self.next_obs))
-            self.actions[t], self.logprobs[t], self.values[t] = action, logprob, value
-            self.next_obs, reward, terminated, truncated, info = env.step(int(action.item()))
-            self.episode_return += reward
-            if truncated and not terminated:  # bootstrap through the time limit: the episode did not really end
-                with torch.no_grad():
-                    reward += config.gamma * float(policy.get_value(obs_to_torch(self.next_obs)).item())
-            self.rewards[t] = reward
-            self.next_done = float(terminated or truncated)
-            if self.next_done:
-                self.episodes.append({"real_steps": info["real_steps"], "model": info["model"],
-                                      "return": self.episode_return, "length": info["episode_steps"],
-                                      "speedup": info["speedup"]})
+        config = self.config
+        if source is None:
+            self.segments = [play(self.policy, self.stream, config.num_steps, config.gamma)]
+        else:
+            self.segments = source.rollouts(self.policy, config.num_steps, self.rng)
+        for segment in self.segments:
+            for episode in segment.episodes:
+                episode = {"real_steps": self.counters["real_steps"] + episode.pop("step"), **episode}
+                self.episodes.append(episode)
                 if self.writer is not None:
-                    self.writer.add_scalar("charts/episodic_return", self.episode_return, info["real_steps"])
-                    self.writer.add_scalar("charts/episodic_length", info["episode_steps"], info["real_steps"])
-                    self.writer.add_scalar(f"charts/speedup/{info['model']}", info["speedup"], info["real_steps"])
-                self.episode_return = 0.0
-                self.next_obs, info = env.reset()
+                    self.writer.add_scalar("charts/episodic_return", episode["return"], episode["real_steps"])
+                    self.writer.add_scalar("charts/episodic_length", episode["length"], episode["real_steps"])
+                    self.writer.add_scalar(f"charts/speedup/{episode['model']}", episode["speedup"],
+                                           episode["real_steps"])
+            for name, value in segment.counters.items():
+                self.counters[name] += value
 
     def update(self) -> dict[str, float]:
         """GAE over the last rollout, then the clipped-objective epochs; returns the losses of the last minibatch."""
         import torch
         from torch import nn
 
-        from rlflow.env.observation import obs_to_torch
 
-        config, policy, values = self.config, self.policy, self.values
+        config, policy, segments = self.config, self.policy, self.segments
         with torch.no_grad():
-            next_value = policy.get_value(obs_to_torch(self.next_obs)).item()
-            advantages = torch.zeros(config.num_steps)
-            last = 0.0
-            for t in reversed(range(config.num_steps)):
-                if t == config.num_steps - 1:
-                    nonterminal, following = 1.0 - self.next_done, next_value
-                else:
-                    nonterminal, following = 1.0 - float(self.dones[t + 1]), float(values[t + 1])
-                delta = self.rewards[t] + config.gamma * following * nonterminal - values[t]
-                last = delta + config.gamma * config.gae_lambda * nonterminal * last
-                advantages[t] = last
-            returns = advantages + values
-
-        batch = {key: torch.as_tensor(value) for key, value in self.buffers.items()}
-        indices = np.arange(config.num_steps)
-        minibatch = max(1, config.num_steps // config.num_minibatches)
+            advantages = torch.cat([self._advantages(segment) for segment in segments])
+        values = torch.as_tensor(np.concatenate([segment.values for segment in segments]))
+        returns = advantages + values
+        batch = {key: torch.as_tensor(np.concatenate([segment.buffers[key] for segment in segments]))
+                 for key in segments[0].buffers}
+        actions = torch.as_tensor(np.concatenate([segment.actions for segment in segments]))
+        logprobs = torch.as_tensor(np.concatenate([segment.logprobs for segment in segments]))
+        steps = len(actions)
+        indices = np.arange(steps)
+        minibatch = max(1, steps // config.num_minibatches)
         clipfracs = []
         for _ in range(config.update_epochs):
             self.rng.shuffle(indices)
-            for begin in range(0, config.num_steps, minibatch):
+            for begin in range(0, steps, minibatch):
                 mb = torch.as_tensor(indices[begin: begin + minibatch])
                 _, newlogprob, entropy, newvalue = policy.get_action_and_value(
-                    {key: value[mb] for key, value in batch.items()}, self.actions[mb])
-                logratio = newlogprob - self.logprobs[mb]
+                    {key: value[mb] for key, value in batch.items()}, actions[mb])
+                logratio = newlogprob - logprobs[mb]
                 ratio = logratio.exp()
                 with torch.no_grad():
                     old_approx_kl = (-logratio).mean()
@@ -260,6 +244,26 @@ class Learner:
                 "clipfrac": float(np.mean(clipfracs)),
                 "explained_variance": np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y}
 
+    def _advantages(self, segment):
+        """GAE over one segment: its last step bootstraps from where its own environment went next."""
+        import torch
+
+        from rlflow.env.observation import obs_to_torch
+
+        config = self.config
+        next_value = self.policy.get_value(obs_to_torch(segment.next_obs)).item()
+        advantages = torch.zeros(len(segment.actions))
+        last = 0.0
+        for t in reversed(range(len(segment.actions))):
+            if t == len(segment.actions) - 1:
+                nonterminal, following = 1.0 - segment.next_done, next_value
+            else:
+                nonterminal, following = 1.0 - float(segment.dones[t + 1]), float(segment.values[t + 1])
+            delta = float(segment.rewards[t]) + config.gamma * following * nonterminal - float(segment.values[t])
+            last = delta + config.gamma * config.gae_lambda * nonterminal * last
+            advantages[t] = last
+        return advantages
+
     def set_learning_rate(self, update: int, num_updates: int) -> None:
         """CleanRL's linear annealing to 0 (when `anneal_lr`)."""
         if self.config.anneal_lr:
@@ -274,7 +278,8 @@ def main(config: Config) -> dict:
 
     wall_start = time.monotonic()
     cost_model = cost_model_for(config.provider)
-    if estimated_only(cost_model, measuring=config.reward == "measure"):
+    estimated = estimated_only(cost_model, measuring=config.reward == "measure")
+    if estimated:
         config = dataclasses.replace(config, evaluate=False)
     seed_everything(config.seed, config.threads)
     out, run_dir = Path(config.out), Path(config.run_dir)
@@ -294,6 +299,13 @@ def main(config: Config) -> dict:
     num_updates = max(1, config.total_steps // config.num_steps)
     # the random episodes above are real steps too, but not training: the counters restart here
     learner = Learner(policy, env, config, rng, writer)
+    remote = None  # the rollouts on a Ray cluster (rlflow.train.cluster), else here
+    if config.ray is not None:
+        from rlflow.train.cluster import RayRollouts
+
+        remote = RayRollouts(config.ray, paths, config, estimated, seed=config.seed)
+        print(f"rollouts on the Ray cluster '{config.ray}': {len(remote.pool)} nodes of this machine's kind, "
+              f"{config.num_steps // len(remote.pool)}+ steps each per update", flush=True)
     stop_reason = "total steps"
     print(f"training on {len(paths)} models, {num_updates} updates of {config.num_steps} steps, "
           f"{len(RULES)} rules", flush=True)
@@ -303,12 +315,12 @@ def main(config: Config) -> dict:
             stop_reason = "time limit"
             break
         learner.set_learning_rate(update, num_updates)
-        learner.collect()
+        learner.collect(remote)
         losses = learner.update()
-        real = env.real_steps
+        real = learner.counters["real_steps"]
         writer.add_scalar("charts/learning_rate", learner.optimizer.param_groups[0]["lr"], real)
         writer.add_scalar("charts/real_steps", real, real)
-        writer.add_scalar("charts/measurements", env.measurements, real)
+        writer.add_scalar("charts/measurements", learner.counters["measurements"], real)
         for name, value in losses.items():
             writer.add_scalar(f"losses/{name}", value, real)
         recent = [e["return"] for e in learner.episodes[-3 * len(paths):]]
@@ -323,7 +335,7 @@ def main(config: Config) -> dict:
 
     train_seconds = time.monotonic() - wall_start
     checkpoint = save_checkpoint(run_dir / "ppo.pt", policy, learner.optimizer, asdict(config),
-                                 real_steps=env.real_steps, update=update)
+                                 real_steps=learner.counters["real_steps"], update=update)
     cost_model.save()
     episodes = learner.episodes
     recent_episodes = episodes[-3 * len(paths):]
@@ -333,9 +345,7 @@ def main(config: Config) -> dict:
         "registry_version": REGISTRY_VERSION,
         "rules": len(RULES),
         "train": {
-            "real_steps": env.real_steps,
-            "measurements": env.measurements,
-            "cost_evaluations": env.cost_evaluations,
+            **learner.counters,
             "episodes": len(episodes),
             "seconds": train_seconds,
             "stop_reason": stop_reason,
@@ -345,6 +355,9 @@ def main(config: Config) -> dict:
         },
         "curve": [{k: e[k] for k in ("real_steps", "model", "return")} for e in episodes],
     }
+    if remote is not None:
+        result["cluster"] = remote.report()
+        remote.close()
     if config.evaluate:
         from rlflow.train.evaluate import evaluate_results
 

@@ -46,8 +46,8 @@ def test_a_world_model_run_plays_its_real_episodes_on_the_cluster(two_nodes, tin
     cluster = result["cluster"]
     agent, payload = load_checkpoint(Path(config.run_dir) / "worldmodel.pt")  # the local run's format
     episodes = payload["replay"]["episodes"]
-    assert sum(n["episodes"] for n in cluster["nodes"].values()) == len(episodes)
-    assert cluster["lost_episodes"] == 1  # the killed worker's: that episode only
+    assert sum(n["tasks"] for n in cluster["nodes"].values()) == len(episodes)  # a task per episode
+    assert cluster["lost_tasks"] == 1  # the killed worker's: that episode only
     assert sum(n["steps"] for n in cluster["nodes"].values()) == result["real_steps_worldmodel"] >= 60
     assert len(cluster["nodes"]) == 2  # both nodes played
     assert result["real_episode_seconds"] > 0 and result["reward_pearson"] is not None
@@ -64,3 +64,21 @@ def test_the_ray_option_alone_means_a_cluster_started_here():
 
     assert parse_args(["--ray"]).ray == "local"
     assert parse_args(["--ray", "auto"]).ray == "auto" and parse_args([]).ray is None
+
+
+def test_masked_ppo_plays_each_update_as_one_segment_per_node(two_nodes, tiny_model, tmp_path):
+    from rlflow.agents.policy import load_checkpoint
+    from rlflow.train import ppo
+
+    config = ppo.Config(models=(tiny_model,), holdout=(), total_steps=32, num_steps=16, num_minibatches=2,
+                        update_epochs=1, hidden=16, max_episode_steps=6, max_nodes=256, max_edges=512,
+                        max_candidates=32, evaluate=False, baseline_episodes=0, out=str(tmp_path / "out"),
+                        run_dir=str(tmp_path / "run"), ray=two_nodes.address)
+    result = ppo.main(config)
+    cluster = result["cluster"]
+    assert result["train"]["real_steps"] == 32 and cluster["lost_tasks"] == 0
+    assert len(cluster["nodes"]) == 2 and all(n["tasks"] == 2 and n["steps"] == 16 for n in cluster["nodes"].values())
+    _, payload = load_checkpoint(tmp_path / "run" / "ppo.pt")  # the local run's format
+    assert payload["real_steps"] == 32
+    steps = [e["real_steps"] for e in result["curve"]]
+    assert steps == sorted(steps) and all(0 < s <= 32 for s in steps)
