@@ -26,7 +26,15 @@ from rlflow.bench.peers import PEERS
 from rlflow.bench.results import Row
 from rlflow.bench.run import BenchConfig, ModelBench, bench_model, run_bench
 from rlflow.cluster.connection import MEASUREMENT_SLOT, RETRIES, connected, node_label
-from rlflow.cluster.travel import Parcel, TableMerger, check_fits, pack_file, pack_model, ship_tables, store_capacity
+from rlflow.cluster.travel import (
+    TableMerger,
+    check_fits,
+    pack_file,
+    pack_model,
+    ship_tables,
+    store_capacity,
+    travel_size,
+)
 from rlflow.measure.session import SessionSettings
 
 log = logging.getLogger("rlflow")
@@ -34,21 +42,21 @@ log = logging.getLogger("rlflow")
 
 @dataclass
 class Job:
-    """One model's task: the model as bytes (`parcel`), or its path when every node reads it (`--shared-path`), and
-    the agent checkpoint (an object reference to its `Parcel`, put once for every job)."""
+    """One model's task: object references to the model's `Parcel` (its bytes, put as soon as packed) and to the
+    agent checkpoint's (put once for every job), or the model's path when every node reads it (`--shared-path`)."""
 
     name: str
-    parcel: Parcel | None = None
+    parcel: object = None
     path: str | None = None
     agent: object = None
 
     def materialize(self, folder: Path, config: BenchConfig) -> tuple[Path, BenchConfig]:
         """The model's path on this node and the config its bench runs with (`agent` pointing at the copy here)."""
-        if self.agent is not None:
-            import ray
+        import ray
 
+        if self.agent is not None:
             config = replace(config, agent=str(ray.get(self.agent).unpack(folder / "agent")))
-        model = self.parcel.unpack(folder / "model") if self.parcel is not None else Path(self.path)
+        model = ray.get(self.parcel).unpack(folder / "model") if self.parcel is not None else Path(self.path)
         return model, config
 
 
@@ -91,7 +99,6 @@ def bench_on_ray(models: Sequence[Path], config: BenchConfig, settings: SessionS
         remote = ray.remote(num_cpus=0, resources={MEASUREMENT_SLOT: 1}, max_retries=RETRIES,
                             retry_exceptions=False)(task)
         pending = {remote.remote(job, config, settings, tables): Path(model) for job, model in zip(jobs, models)}
-        del jobs  # the object store holds the bytes now: the driver's copies go
         try:
             while pending:
                 done, _ = ray.wait(list(pending), num_returns=1)
@@ -111,14 +118,16 @@ def bench_on_ray(models: Sequence[Path], config: BenchConfig, settings: SessionS
 
 
 def _jobs(ray, models: Sequence[Path], config: BenchConfig) -> list[Job]:
-    """Each model's job, its bytes put into the object store once (nothing to put with `--shared-path`)."""
+    """Each model's job, its bytes put into the object store as soon as packed (so the driver never holds them all),
+    after every model has been checked against the store's size (nothing to put with `--shared-path`)."""
     if config.shared_path:
         return [Job(Path(m).stem, path=str(Path(m).resolve())) for m in models]
-    parcels = [pack_model(m) for m in models]
-    agent = pack_file(config.agent) if config.agent else None
-    check_fits(parcels + ([agent] if agent else []), store_capacity(ray))
-    agent_ref = ray.put(agent) if agent else None
-    return [Job(Path(m).stem, parcel=parcel, agent=agent_ref) for m, parcel in zip(models, parcels)]
+    sizes = {Path(m).name: travel_size(m) for m in models}
+    if config.agent:
+        sizes[Path(config.agent).name] = travel_size(config.agent, model=False)
+    check_fits(sizes, store_capacity(ray))
+    agent_ref = ray.put(pack_file(config.agent)) if config.agent else None
+    return [Job(Path(m).stem, parcel=ray.put(pack_model(m)), agent=agent_ref) for m in models]
 
 
 def _failed(model: Path, config: BenchConfig, exc: Exception) -> ModelBench:

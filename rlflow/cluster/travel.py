@@ -39,10 +39,6 @@ class Parcel:
     name: str
     files: dict[str, bytes] = field(default_factory=dict)
 
-    @property
-    def size(self) -> int:
-        return sum(len(data) for data in self.files.values())
-
     def unpack(self, folder: str | os.PathLike) -> Path:
         """Writes the files into `folder`; returns the main file's path there."""
         folder = Path(folder)
@@ -60,27 +56,46 @@ def _beside(path: Path, relative: str) -> Path:
     return path.parent / relative
 
 
-def pack_model(path: str | os.PathLike) -> Parcel:
-    """The model at `path`, its external data files and the JSON beside it (`<stem>.json`, where present)."""
+def model_files(path: str | os.PathLike) -> dict[str, Path]:
+    """The files a model needs, by their path relative to its folder: the model, its external data files and the
+    JSON beside it (`<stem>.json`, where present)."""
     path = Path(path)
-    parcel = pack_file(path)
+    files = _with_json(path)
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 - onnx raises DecodeError and others
         raise InputError(f"{path}: not an ONNX model ({str(exc).splitlines()[0][:120]})") from None
     for location in sorted({external_info(t)[0] for t in external_tensors(proto)}):
-        parcel.files[location] = _beside(path, location).read_bytes()
-    return parcel
+        files[location] = _beside(path, location)
+    return files
+
+
+def _with_json(path: Path) -> dict[str, Path]:
+    files = {path.name: path}
+    sidecar = path.with_suffix(".json")
+    if sidecar != path and sidecar.is_file():
+        files[sidecar.name] = sidecar
+    return files
+
+
+def _packed(name: str, files: dict[str, Path]) -> Parcel:
+    return Parcel(name, {relative: file.read_bytes() for relative, file in files.items()})
+
+
+def pack_model(path: str | os.PathLike) -> Parcel:
+    """The model at `path` with every file it needs (`model_files`), as bytes."""
+    return _packed(Path(path).name, model_files(path))
 
 
 def pack_file(path: str | os.PathLike) -> Parcel:
     """The file at `path` and the JSON beside it (`<stem>.json`: a zoo model's or a checkpoint's provenance)."""
-    path = Path(path)
-    parcel = Parcel(path.name, {path.name: path.read_bytes()})
-    sidecar = path.with_suffix(".json")
-    if sidecar != path and sidecar.is_file():
-        parcel.files[sidecar.name] = sidecar.read_bytes()
-    return parcel
+    return _packed(Path(path).name, _with_json(Path(path)))
+
+
+def travel_size(path: str | os.PathLike, model: bool = True) -> int:
+    """Bytes `pack_model` (or, with `model` False, `pack_file`) would carry, read from the file sizes alone."""
+    files = model_files(path) if model else _with_json(Path(path))
+    return sum(file.stat().st_size for file in files.values())
 
 
 def store_capacity(ray) -> int | None:
@@ -92,18 +107,19 @@ def store_capacity(ray) -> int | None:
     return None
 
 
-def check_fits(parcels: list[Parcel], capacity: int | None) -> None:
-    """Refuses, before anything is submitted, a parcel larger than the object store.
+def check_fits(sizes: dict[str, int], capacity: int | None) -> None:
+    """Refuses, before anything is submitted, a file (name -> bytes with what travels with it) larger than the
+    object store.
 
     Raises:
-        RlflowError: naming the parcel, its size and the limit.
+        RlflowError: naming the file, its size and the limit.
     """
     if capacity is None:
         return
-    for parcel in parcels:
-        if parcel.size > capacity:
-            raise RlflowError(f"{parcel.name}: {parcel.size / 2**20:.0f} MiB with its data does not fit Ray's object "
-                              f"store ({capacity / 2**20:.0f} MiB on this node): start the cluster with a larger "
+    for name, size in sizes.items():
+        if size > capacity:
+            raise RlflowError(f"{name}: {size / 2**20:.0f} MiB with its data does not fit Ray's object store "
+                              f"({capacity / 2**20:.0f} MiB on this node): start the cluster with a larger "
                               f"--object-store-memory, or pass --shared-path if every node reads the models' paths")
 
 
@@ -190,5 +206,5 @@ class TableMerger:
         return {"cache": str(self.cache_dir), **totals, "per_node": self.per_node}
 
 
-__all__ = ["Parcel", "ShippedTables", "TableMerger", "check_fits", "gains", "install_tables", "pack_file", "pack_model",
-           "ship_tables", "store_capacity", "tables_home"]
+__all__ = ["Parcel", "ShippedTables", "TableMerger", "check_fits", "gains", "install_tables", "model_files", "pack_file",
+           "pack_model", "ship_tables", "store_capacity", "tables_home", "travel_size"]

@@ -51,7 +51,8 @@ class Setup:
 
 
 _WORKER: dict = {}
-"""In a worker process: run key -> (environment, its folder), and the last agent it acted with."""
+"""In a worker process: run key -> (environment, its folder, measurements installed), (run key, "stream") -> PPO's
+stream on it, and the last agent or policy it acted with."""
 
 
 def _kind(estimated: bool) -> tuple:

@@ -52,5 +52,6 @@ def test_without_ray_nothing_of_ray_is_imported():
     import subprocess
     import sys
 
-    code = "import sys, rlflow.bench.run, rlflow.cli, rlflow.optimize.pipeline; print('ray' in sys.modules)"
+    code = ("import sys, rlflow.bench.run, rlflow.cli, rlflow.optimize.pipeline, rlflow.train.ppo, "
+            "rlflow.train.worldmodel.loop; print('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -9,7 +9,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from rlflow.cluster.travel import Parcel, TableMerger, check_fits, pack_model
+from rlflow.cluster.travel import TableMerger, check_fits, pack_model, travel_size
 from rlflow.errors import RlflowError
 from rlflow.measure.costmodel.merge import added_since, merge_file, merge_into, snapshot
 from rlflow.measure.costmodel.table import empty_table, table_file_name, write_table
@@ -97,7 +97,9 @@ def test_external_data_outside_the_models_folder_cannot_travel(tmp_path):
         pack_model(path)
 
 
-def test_a_parcel_larger_than_the_object_store_is_refused_naming_the_limit():
+def test_a_model_larger_than_the_object_store_is_refused_naming_the_limit(tmp_path):
+    path = _with_external_data(tmp_path)
+    assert travel_size(path) == sum(len(d) for d in pack_model(path).files.values())
     with pytest.raises(RlflowError, match=r"big\.onnx: 2 MiB .* \(1 MiB on this node\)"):
-        check_fits([Parcel("big.onnx", {"big.onnx": b"x" * 2 * 2**20})], 2**20)
-    check_fits([Parcel("big.onnx", {"big.onnx": b"x"})], None)
+        check_fits({"big.onnx": 2 * 2**20}, 2**20)
+    check_fits({"big.onnx": 2 * 2**20}, None)
