@@ -38,7 +38,7 @@ for name in ("first", "second"):
         nodes.setdefault(r["node"], set()).add(r["model"])
     lines.append(f"- {name}: models per node " + ", ".join(f"`{n}` {len(m)}" for n, m in sorted(nodes.items())))
     per_node = runs[name].get("cost_tables", {}).get("per_node", {})
-    lines.append(f"  cost tables per node: " + "; ".join(
+    lines.append("  cost tables per node: " + "; ".join(
         f"`{n}` {c['tasks']} tasks, installed {c['installed']}, added {c['added']}" for n, c in sorted(per_node.items())))
 train = {name: json.loads((out / f"train-{name}" / "worldmodel.json").read_text()) for name in ("ray", "local")}
 lines += ["", "| trainer run | real steps | real-episode wall (s) | whole run (s) | reward Pearson | episodes per node |",
