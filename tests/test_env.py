@@ -229,6 +229,57 @@ def test_rule_scope_applies_the_chosen_rule_everywhere_it_matches(tmp_path, cost
     assert one.fingerprint == everywhere.fingerprint and reward == pytest.approx(100.0 * 4 / 7)
 
 
+def _walk(env, actions: list[int]) -> list[dict]:
+    """Observations along `actions` from a seeded reset (terminate -> reset)."""
+    observations = [env.reset(seed=0)[0]]
+    for action in actions:
+        obs, _, terminated, truncated, _ = env.step(action)
+        observations.append(env.reset()[0] if terminated or truncated else obs)
+    return observations
+
+
+def test_state_cache_counts_rewritten_weights_once_and_keeps_to_its_memory_budget(model_path, cost_model):
+    from rlflow.env.graph_states import state_bytes
+
+    env = small_env(model_path, cost_model, max_episode_steps=3)
+    env.reset(seed=0)
+    merge = next(i for i, m in enumerate(env.candidates) if m.rule == "matmul-merge-siblings")
+    env.step(merge)
+    _, made = state_bytes(env._state, env._model_weights)
+    assert sorted(made.values()) == [2 * 8, 16 * 32 * 4]  # the split sizes and merged weight; W1, W2 are the model's
+    actions = [merge, 0, 0, 0, 1, 0, 0, 1, 1, 0] * 3
+    unbounded = _walk(env, actions)
+    assert len(env._states) > 2
+    one_state = sum(s.nbytes for s in env._states.values()) // len(env._states)
+    bounded = small_env(model_path, cost_model, max_episode_steps=3, cache_bytes=2 * one_state)
+    for expected, obs in zip(unbounded, _walk(bounded, actions)):
+        assert all(np.array_equal(expected[key], obs[key]) for key in expected)  # evicted states are rebuilt alike
+        assert bounded._cached_bytes <= bounded.cache_bytes or len(bounded._states) == 1
+    assert len(bounded._states) <= 2 < len(env._states)
+    for cache in (env, bounded):  # the running count is what the cached states hold now
+        weights = {k: v for s in cache._states.values() for k, v in state_bytes(s, cache._model_weights)[1].items()}
+        assert cache._cached_bytes == sum(s.nbytes for s in cache._states.values()) + sum(weights.values())
+
+
+def test_a_candidate_dropped_from_an_evicted_state_stays_dropped(model_path, cost_model, monkeypatch):
+    env = small_env(model_path, cost_model, cache_bytes=1)  # only the newest state is kept
+    env.reset(seed=0)
+    start, faulty = env.fingerprint, env.candidates[0]
+    rewrite = env._rewrite
+
+    def refuse(graph, match):
+        if match == faulty:
+            raise RuntimeError("a faulty rule")
+        return rewrite(graph, match)
+
+    monkeypatch.setattr(env, "_rewrite", refuse)
+    assert "faulty" in env.step(0)[4]["failed"] and faulty not in env.candidates
+    env.step(0)  # another state: the start is evicted
+    assert start not in env._states
+    env.reset(options={"model": 0})
+    assert env.fingerprint == start and faulty not in env.candidates
+
+
 def test_unknown_scope_is_refused(model_path, cost_model):
     with pytest.raises(ValueError, match="scope"):
         small_env(model_path, cost_model, scope="layer")

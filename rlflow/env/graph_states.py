@@ -4,13 +4,25 @@ the observation arrays and asking the cost model again.  `GraphStates` is a mixi
 (it reads the environment's rules, caps, cost model and scope)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import mmap
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
+import onnx_graphsurgeon as gs
 
 from rlflow.env.features import candidate_arrays, graph_arrays, order_candidates
 from rlflow.graph.core import Graph
 from rlflow.rewrites import Match, RewriteError, apply, apply_everywhere, find_matches
+
+CACHE_BYTES = 1 << 30
+"""Default memory budget of the state cache (see `state_bytes`).  A count cap alone is not a bound: a state of a
+deployment export holds 3-10 MB (its graph, and the weights its rewrites concatenated, split or scaled), and masked
+PPO on these exports' CUDA rewards filled it past 10 GB within 1,024 steps (#49)."""
+
+NODE_BYTES = 3200
+"""Memory of one graph node in a cached state's graph, with its tensors (graphsurgeon objects; about 3.2 KB per
+node on the DistilBERT and DeiT exports)."""
 
 
 @dataclass
@@ -25,10 +37,22 @@ class State:
     index: dict[str, int]
     cost: float
     unknown_shapes: int
+    weights: dict[int, int] = field(default_factory=dict)  # id -> bytes of the in-memory arrays its rewrites made
+    nbytes: int = 0  # its own memory, besides `weights` (which states may share)
 
 
 class GraphStates:
     """The state and transition caches of `RewriteEnv` (see the module docstring)."""
+
+    def _init_caches(self) -> None:
+        self._states: OrderedDict[str, State] = OrderedDict()
+        self._cached_bytes = 0  # the state cache's memory (`state_bytes`)
+        self._cached_weights: dict[int, list[int]] = {}  # array id -> [cached states holding it, bytes]
+        self._model_weights: set[int] = set()  # ids of the loaded models' in-memory arrays (held anyway)
+        self._transitions: dict[tuple[str, Match], tuple[str, tuple[Match, ...]]] = {}
+        # fingerprint -> candidates whose rewrite failed there, so that a state built again lacks them too (one entry
+        # per state a rewrite failed on: small, kept)
+        self._dropped: dict[str, set[Match]] = {}
 
     def _lookup(self, graph: Graph, fingerprint: str | None = None) -> State:
         """The cached state of `graph`'s fingerprint, built on first sight (a cached graph stands in for its equals)."""
@@ -39,6 +63,8 @@ class GraphStates:
             return state
         matches = find_matches(graph, self.rules)
         candidates = order_candidates(matches, self.rule_ids, self.max_candidates)
+        if fingerprint in self._dropped:
+            candidates = [m for m in candidates if m not in self._dropped[fingerprint]]
         node_costs = self.cost_model.node_costs(graph)
         arrays = graph_arrays(graph, node_costs, max_nodes=self.max_nodes, max_edges=self.max_edges)
         state = State(graph, fingerprint, candidates, len(matches), {
@@ -46,10 +72,31 @@ class GraphStates:
             "edge_index": arrays.edge_index, "edge_features": arrays.edge_features, "edge_mask": arrays.edge_mask,
         }, arrays.index, float(sum(node_costs.values())), unknown_shapes(graph))
         self._set_candidate_arrays(state)
-        self._states[fingerprint] = state
-        while len(self._states) > self.cache_size:
-            self._states.popitem(last=False)
+        self._cache(state)
         return state
+
+    def _cache(self, state: State) -> None:
+        """Keeps `state`, evicting the least recently used states beyond `cache_size` states or `cache_bytes` bytes
+        (`state_bytes`; arrays that several states share count once, the models' own weights not at all)."""
+        state.nbytes, state.weights = state_bytes(state, self._model_weights)
+        self._states[state.fingerprint] = state
+        self._cached_bytes += state.nbytes
+        for key, size in state.weights.items():
+            held = self._cached_weights.get(key)
+            if held is None:
+                self._cached_weights[key] = [1, size]
+                self._cached_bytes += size
+            else:
+                held[0] += 1
+        while len(self._states) > self.cache_size or (self._cached_bytes > self.cache_bytes and len(self._states) > 1):
+            _, old = self._states.popitem(last=False)
+            self._cached_bytes -= old.nbytes
+            for key in old.weights:
+                held = self._cached_weights[key]
+                held[0] -= 1
+                if not held[0]:
+                    del self._cached_weights[key]
+                    self._cached_bytes -= held[1]
 
     def _set_candidate_arrays(self, state: State) -> None:
         rules, touched, mask = candidate_arrays(state.candidates, state.index, self.rule_ids,
@@ -59,6 +106,7 @@ class GraphStates:
     def _drop_candidate(self, state: State, match: Match) -> None:
         state.candidates = [m for m in state.candidates if m != match]
         self._set_candidate_arrays(state)
+        self._dropped.setdefault(state.fingerprint, set()).add(match)
 
     def _child(self, state: State, match: Match) -> tuple[State, tuple[Match, ...]] | str:
         """The state after the action on `match` and the rewrites it applied (`scope`), or why the rewrite is refused;
@@ -95,6 +143,26 @@ class GraphStates:
         if not applied or applied[0] != match:
             raise RewriteError(f"{match}: the match no longer holds")
         return result, tuple(applied)
+
+
+def in_memory_arrays(graph: Graph) -> dict[int, np.ndarray]:
+    """id -> the arrays that hold the graph's constants in memory (a view's base, never a map of a file)."""
+    found = {}
+    for tensor in graph.gs.tensors().values():
+        values = tensor._values if isinstance(tensor, gs.Constant) else None
+        while isinstance(values, np.ndarray) and isinstance(values.base, np.ndarray):
+            values = values.base
+        mapped = isinstance(values, np.memmap) or isinstance(getattr(values, "base", None), mmap.mmap)
+        if isinstance(values, np.ndarray) and not mapped:
+            found[id(values)] = values
+    return found
+
+
+def state_bytes(state: State, model_weights: set[int]) -> tuple[int, dict[int, int]]:
+    """The approximate memory of a cached state: its own (observation arrays, `NODE_BYTES` per node), and
+    id -> bytes of the in-memory weight arrays its graph holds beyond `model_weights` (the loaded models' own)."""
+    own = sum(a.nbytes for a in state.arrays.values()) + NODE_BYTES * len(state.graph.gs.nodes)
+    return own, {key: a.nbytes for key, a in in_memory_arrays(state.graph).items() if key not in model_weights}
 
 
 def unknown_shapes(graph: Graph) -> int:

@@ -10,7 +10,6 @@ No torch here: the environment is numpy and onnxruntime only, so search code and
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import gymnasium as gym
@@ -26,7 +25,7 @@ from rlflow.env.features import (
     OP_TYPES,
     observation_caps,
 )
-from rlflow.env.graph_states import GraphStates, State
+from rlflow.env.graph_states import CACHE_BYTES, GraphStates, State, in_memory_arrays
 from rlflow.errors import InputError
 from rlflow.graph.core import Graph, load
 from rlflow.rewrites import RULES, Match, Rule
@@ -108,7 +107,8 @@ class RewriteEnv(GraphStates, gym.Env):
     callable), `cost_model` (default `CostModel(settings)`; it also gives the per-node cost features), `settings`
     (onnxruntime session settings), `scope` (`"match"` or `"rule"`), `measure_every`, `max_episode_steps`,
     `max_nodes`, `max_edges`, `max_candidates`, `invalid_penalty`, `require_static_shapes`, `input_shapes`,
-    `cache_size` (graphs kept by fingerprint), `render_mode` (`"ansi"`).
+    `cache_size` and `cache_bytes` (graphs kept by fingerprint, least recently used evicted past either; see
+    `rlflow.env.graph_states.CACHE_BYTES`), `render_mode` (`"ansi"`).
 
     ## Version History
     * v0: first version (rule registry as given by `rlflow.rewrites.REGISTRY_VERSION`).
@@ -122,7 +122,7 @@ class RewriteEnv(GraphStates, gym.Env):
                  max_episode_steps: int = 50,
                  max_nodes: int = MAX_NODES, max_edges: int = MAX_EDGES, max_candidates: int = MAX_CANDIDATES,
                  invalid_penalty: float = -1.0, require_static_shapes: bool = True, input_shapes: dict | None = None,
-                 cache_size: int = 4096, render_mode: str | None = None):
+                 cache_size: int = 4096, cache_bytes: int = CACHE_BYTES, render_mode: str | None = None):
         if model is None:
             raise InputError("RewriteEnv needs a model: gymnasium.make('rlflow/Rewrite-v0', model=PATH)")
         if not isinstance(reward, str) and not callable(reward):
@@ -157,6 +157,7 @@ class RewriteEnv(GraphStates, gym.Env):
         self.invalid_penalty = float(invalid_penalty)
         self.input_shapes = input_shapes
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.render_mode = render_mode
 
         n, e, c = max_nodes, max_edges, max_candidates
@@ -181,8 +182,7 @@ class RewriteEnv(GraphStates, gym.Env):
         self.cost_evaluations = 0
 
         self._graphs: dict[int, Graph] = {}
-        self._states: OrderedDict[str, State] = OrderedDict()
-        self._transitions: dict[tuple[str, Match], tuple[str, tuple[Match, ...]]] = {}
+        self._init_caches()
         self._measured: dict[str, float] = {}
         self._next_model = 0
         self._state: State | None = None
@@ -327,6 +327,7 @@ class RewriteEnv(GraphStates, gym.Env):
             else:
                 graph = load(model, self.input_shapes)
             self._graphs[index] = graph
+            self._model_weights.update(in_memory_arrays(graph))
         return graph
 
     def _current_cost(self) -> float:

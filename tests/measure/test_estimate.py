@@ -96,6 +96,16 @@ def test_estimated_cost_model_reads_the_table_estimates_the_rest_and_never_measu
     assert (tmp_path / "table.json").read_text() == before
 
 
+def test_estimating_the_same_groups_again_keeps_only_the_recent_durations(tmp_path):
+    from rlflow.measure.costmodel.model import RECENT_DURATIONS
+
+    model = EstimatedCostModel(CUDA, _table(tmp_path, _dense(32), 0.25), published_h100())
+    wider = _dense(48)  # its groups are not in the table: every look-up goes through `_measure_group`
+    for _ in range(4 * RECENT_DURATIONS):
+        model.graph_cost(wider)
+    assert model.stats.misses >= 4 * RECENT_DURATIONS and len(model._durations) == RECENT_DURATIONS
+
+
 def test_a_table_for_another_provider_is_refused(tmp_path):
     table = _table(tmp_path, _dense(), 0.25)
     with pytest.raises(ValueError, match="CPUExecutionProvider"):

@@ -17,6 +17,7 @@ import os
 import tempfile
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +41,9 @@ log = logging.getLogger("rlflow")
 
 AUTOSAVE_EVERY = 20
 """New table entries after which the table is written to disk."""
+
+RECENT_DURATIONS = 9
+"""Group measurements whose median predicts the next one's duration (`measuring_until`)."""
 
 _FLOOR_MS = 1e-4
 """Smallest cost of a measured group (0.1 us): costs stay positive whatever the overhead subtraction gives."""
@@ -96,7 +100,9 @@ class CostModel(TableStorage):
         self._fallback = None  # rlflow.measure.costmodel.fallback.Fallback, made when a deadline is first set
         self._unmeasured: dict[str, float] = {}  # group key -> the estimate it got when time had run out
         self._seen: dict[str, str] = {}  # group key -> table | measured | estimated | failed, while a deadline is set
-        self._durations: list[float] = []  # seconds of each group measurement (for predicting the next)
+        # seconds of the last group measurements (for predicting the next); an estimating subclass "measures" each
+        # look-up of a group its table lacks, so an unbounded list grew with every look-up (#49)
+        self._durations: deque[float] = deque(maxlen=RECENT_DURATIONS)
         import onnxruntime as ort
 
         self.key = {
@@ -182,7 +188,7 @@ class CostModel(TableStorage):
         """Whether a group measurement started now would end after the deadline (the median of the last ones)."""
         if self.deadline is None:
             return False
-        recent = sorted(self._durations[-9:])
+        recent = sorted(self._durations)
         typical = recent[len(recent) // 2] if recent else 0.0
         return time.monotonic() + typical > self.deadline
 
