@@ -54,7 +54,29 @@ def connected(address: str) -> Iterator:
             ray.shutdown()
 
 
+REACH_TIMEOUT_S = 5.0
+"""Seconds to wait for a cluster's address to answer before saying it cannot be reached (Ray itself retries for
+minutes on an address where nothing listens)."""
+
+
+def _reachable(address: str) -> str | None:
+    """Why nothing answers at `address` (`host:port` or `ray://host:port`), or None when something does or the address
+    is not of that form (`auto`: Ray finds the cluster itself, and says so at once when there is none)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
 def _connect(ray, address: str) -> None:
+    if address != "local" and (why := _reachable(address)) is not None:
+        raise RlflowError(f"cannot reach the Ray cluster at '{address}': {why}")
     try:
         if address == "local":  # "local" starts a new instance even where another cluster runs or once ran
             ray.init(address="local", resources={MEASUREMENT_SLOT: 1}, include_dashboard=False, log_to_driver=False,

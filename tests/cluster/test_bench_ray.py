@@ -55,3 +55,12 @@ def test_without_ray_nothing_of_ray_is_imported():
     code = ("import sys, rlflow.bench.run, rlflow.cli, rlflow.optimize.pipeline, rlflow.train.ppo, "
             "rlflow.train.worldmodel.loop; print('ray' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_an_address_where_nothing_listens_is_one_line_at_once(mlp_and_cnn, tmp_path):
+    from rlflow.bench.cluster import run_on_ray
+    from rlflow.errors import RlflowError
+
+    with pytest.raises(RlflowError, match=r"cannot reach the Ray cluster at '127\.0\.0\.1:1': "):
+        run_on_ray(mlp_and_cnn, BenchConfig(methods=("greedy",), ray="127.0.0.1:1"), tmp_path / "out", progress=False)
+    assert not ray.is_initialized()

@@ -103,3 +103,8 @@ def test_a_model_larger_than_the_object_store_is_refused_naming_the_limit(tmp_pa
     with pytest.raises(RlflowError, match=r"big\.onnx: 2 MiB .* \(1 MiB on this node\)"):
         check_fits({"big.onnx": 2 * 2**20}, 2**20)
     check_fits({"big.onnx": 2 * 2**20}, None)
+
+
+def test_a_file_that_is_no_model_travels_as_it_is_to_fail_there_as_here(tmp_path):
+    (tmp_path / "notes.onnx").write_text("not a model")
+    assert pack_model(tmp_path / "notes.onnx").files == {"notes.onnx": b"not a model"}
