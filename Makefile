@@ -103,7 +103,7 @@ agent-cuda: $(STAMP)
 		--results $(AGENT_CUDA_RESULTS)/seed$(AGENT_SEED)/worldmodel.json --name cuda
 
 # The CUDA agent's model-free baseline: masked PPO on the same models and the same CUDA rewards (not shipped; about
-# 10 GB of memory and 25-45 minutes on 2 cores)
+# 3.4 GB of memory since the environment's state cache has a memory budget, #49, and 25-45 minutes on 2 cores)
 ppo-agent-cuda: $(STAMP)
 	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --provider cuda --out $(AGENT_CUDA_RESULTS)/ppo \
 		--run-dir build/ppo-agent-cuda/run

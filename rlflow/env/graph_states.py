@@ -15,10 +15,11 @@ from rlflow.env.features import candidate_arrays, graph_arrays, order_candidates
 from rlflow.graph.core import Graph
 from rlflow.rewrites import Match, RewriteError, apply, apply_everywhere, find_matches
 
-CACHE_BYTES = 1 << 30
+CACHE_BYTES = 512 << 20
 """Default memory budget of the state cache (see `state_bytes`).  A count cap alone is not a bound: a state of a
 deployment export holds 3-10 MB (its graph, and the weights its rewrites concatenated, split or scaled), and masked
-PPO on these exports' CUDA rewards filled it past 10 GB within 1,024 steps (#49)."""
+PPO on eight such exports (`make ppo-agent-cuda`) passed 10 GB resident within 1,024 steps (#49); with this budget
+it stayed at 3.2-3.4 GB over the same steps."""
 
 NODE_BYTES = 3200
 """Memory of one graph node in a cached state's graph, with its tensors (graphsurgeon objects; about 3.2 KB per
