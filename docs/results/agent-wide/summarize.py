@@ -56,6 +56,17 @@ def markdown(rows: list[tuple[str, dict]]) -> str:
                       f"wall seconds {spread([f['seconds'] for f in fs], 0)}.", "",
                   f"- Reward Pearson and Spearman each at least {TARGET_CORRELATION}: {both} of {len(fs)} seeds "
                   "(target: three of four)."]
+    if figs:
+        models = list(rows[0][1]["curve"][-1]["eval"])
+        lines += ["", "Per training model, the last iteration's greedy real episode (% of the estimated runtime saved) "
+                      "and, for the first seed, the rules it applied:", "",
+                  "| model | " + " | ".join(name for name, _ in rows) + " | rules (" + rows[0][0] + ") |",
+                  "|---|" + "---:|" * len(rows) + "---|"]
+        for model in models:
+            evals = [run["curve"][-1]["eval"].get(model, {}) for _, run in rows]
+            rules = ", ".join(r for r in evals[0].get("rules", []) if r != "terminate")
+            cells = " | ".join(f"{e['return']:+.1f}" if "return" in e else "" for e in evals)
+            lines.append(f"| {model} | {cells} | {rules} |")
     return "\n".join(lines) + "\n"
 
 
