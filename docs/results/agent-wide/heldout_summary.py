@@ -1,0 +1,69 @@
+"""The held-out bench of `make agent-wide` (issue #49's CPU target) as heldout.md: per held-out export, the wide
+agent's (seed 1), greedy's and the shipped agent's speedup and time, and the target's checks.
+
+    python docs/results/agent-wide/heldout_summary.py
+"""
+import json
+import math
+from pathlib import Path
+
+here = Path(__file__).resolve().parent
+
+
+def rows(folder: str) -> dict:
+    path = here / folder / "results.json"
+    if not path.exists():
+        return {}
+    return {(r["model"], r["method"]): r for r in json.loads(path.read_text())["rows"]}
+
+
+wide, default = rows("heldout"), rows("heldout-default")
+models = sorted({m for m, _ in wide})
+
+
+def cell(row) -> str:
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return f"{row['status']}"
+    return f"{row['speedup']:.3f} [{row['speedup_low']:.3f}, {row['speedup_high']:.3f}] in {row['seconds']:.0f} s"
+
+
+def geomean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+lines = ["# `make agent-wide`'s agent on the held-out exports (issue #49, CPU, 1 thread)", "",
+         "Written by `python docs/results/agent-wide/heldout_summary.py` from `heldout/` (the wide agent, seed 1, and "
+         "greedy; `rlflow bench <twelve> --methods agent,greedy --agent build/agent-wide/run1/worldmodel.pt --threads 1 "
+         "--rounds 12`) and `heldout-default/` (the shipped agent, `--methods agent`). Each method at its defaults; "
+         "speedup: the bench's interleaved measurement of the output against the input, median [interval]; time: the "
+         "whole `optimize` call.", "",
+         "| held-out export | wide agent (seed 1) | greedy | shipped agent |", "| --- | --- | --- | --- |"]
+ok = lambda row: row is not None and row["status"] == "ok"  # noqa: E731
+series = {"wide": [], "greedy": [], "default": []}
+times = {"wide": [], "greedy": [], "default": []}
+behind, gains = [], 0
+for model in models:
+    a, g, d = wide.get((model, "agent")), wide.get((model, "greedy")), default.get((model, "agent"))
+    lines.append(f"| {model} | {cell(a)} | {cell(g)} | {cell(d)} |")
+    if ok(a) and ok(g) and ok(d):
+        for key, row in (("wide", a), ("greedy", g), ("default", d)):
+            series[key].append(row["speedup"])
+            times[key].append(row["seconds"])
+        if g["speedup"] > 1.0:
+            gains += 1
+            if a["speedup"] < 0.99 * g["speedup"]:
+                behind.append(model)
+n = len(series["wide"])
+lines += ["", f"Over the {n} exports all three ran on: geomean speedup wide agent {geomean(series['wide']):.3f}, greedy "
+          f"{geomean(series['greedy']):.3f}, shipped agent {geomean(series['default']):.3f}; total time wide agent "
+          f"{sum(times['wide']):.0f} s, greedy {sum(times['greedy']):.0f} s (ratio "
+          f"{sum(times['wide']) / max(sum(times['greedy']), 1e-9):.2f}), shipped agent {sum(times['default']):.0f} s.",
+          "", f"- Wide agent's geomean at least greedy's: {'holds' if geomean(series['wide']) >= geomean(series['greedy']) else 'no'}.",
+          f"- Never behind greedy by more than 1% where greedy gains ({gains} exports): "
+          + ("holds" if not behind else f"no: behind on {len(behind)} ({', '.join(behind)})") + ".",
+          f"- In at most a third of greedy's time: {'holds' if sum(times['wide']) <= sum(times['greedy']) / 3 else 'no'}.",
+          "- TASO-style search was not run on these exports this session (the target asks for it too)."]
+(here / "heldout.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
