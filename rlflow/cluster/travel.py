@@ -4,7 +4,7 @@ Out: a model as bytes (its external data and the zoo's JSON beside it included) 
 provenance JSON) go through Ray's object store (`Parcel`); a task writes them into a folder of its own.  The driver's
 cost tables go too (`ship_tables`), and a node installs those of its own kind before it measures anything.
 
-Back: a task's results, and what it added to its node's cost tables (`TablesHome` runs on the node); the driver merges
+Back: a task's results, and what it added to its node's cost tables (`gains`, on the node); the driver merges
 that into its own cache (`TableMerger`, by `rlflow.measure.costmodel.merge`'s rule), where the next run starts from
 it and ships it again.
 """
