@@ -33,6 +33,7 @@ from rlflow.cluster.travel import (
     pack_model,
     ship_tables,
     store_capacity,
+    tables_home,
     travel_size,
 )
 from rlflow.measure.session import SessionSettings
@@ -69,8 +70,6 @@ def measure_model(job: Job, config: BenchConfig, settings: SessionSettings, tabl
     """The task: the model benched in a folder of its own on whatever node holds the slot, against that node's own
     matmul peak; returns its bench and what it added to the node's cost tables."""
     import ray
-
-    from rlflow.cluster.travel import tables_home
 
     node = node_label()
     with tempfile.TemporaryDirectory(prefix="rlflow-task-") as folder, tables_home(ray, tables) as home:
