@@ -367,7 +367,7 @@ class RayRollouts(_OnCluster):
     """Masked PPO's rollouts on a Ray cluster: each update's steps split into one segment per node
     (`rlflow.train.ppo.Learner.collect`'s `source`)."""
 
-    def __init__(self, address: str, paths: list[Path], config, estimated: bool, seed: int = 0):
+    def __init__(self, address: str, paths: list[Path], config, estimated: bool):
         super().__init__(address, paths, config, config.provider, config.threads, estimated)
         self.gamma = config.gamma
 

@@ -155,22 +155,22 @@ class Learner:
     def __init__(self, policy, env, config: Config, rng: np.random.Generator, writer: CsvWriter | None = None):
         from torch import optim
 
-        from rlflow.train.rollout import Stream
-
         self.policy, self.env, self.config, self.rng, self.writer = policy, env, config, rng, writer
         self.optimizer = optim.Adam(policy.parameters(), lr=config.learning_rate, eps=1e-5)
         self.episodes: list[dict] = []
-        self.stream = Stream(env).start(config.seed)
+        self.stream = None  # the environment's stream here, started by the first rollout played here
         self.segments: list = []  # the last rollout's, `rlflow.train.rollout.Rollout`s
         self.counters = {"real_steps": 0, "measurements": 0, "cost_evaluations": 0}
 
     def collect(self, source=None) -> None:
         """One rollout of `num_steps` real steps; finished episodes are appended to `episodes`, stamped with the run's
         real steps when they ended."""
-        from rlflow.train.rollout import play
+        from rlflow.train.rollout import Stream, play
 
         config = self.config
         if source is None:
+            if self.stream is None:  # not at construction: on a cluster the driver's environment never plays
+                self.stream = Stream(self.env).start(config.seed)
             self.segments = [play(self.policy, self.stream, config.num_steps, config.gamma)]
         else:
             self.segments = source.rollouts(self.policy, config.num_steps, self.rng)
@@ -303,7 +303,7 @@ def main(config: Config) -> dict:
     if config.ray is not None:
         from rlflow.train.cluster import RayRollouts
 
-        remote = RayRollouts(config.ray, paths, config, estimated, seed=config.seed)
+        remote = RayRollouts(config.ray, paths, config, estimated)
         print(f"rollouts on the Ray cluster '{config.ray}': {len(remote.pool)} nodes of this machine's kind, "
               f"{config.num_steps // len(remote.pool)}+ steps each per update", flush=True)
     stop_reason = "total steps"
