@@ -252,13 +252,15 @@ def apply_all(graph: Graph, matches: Sequence[Match], rules: Sequence[Rule]) -> 
 
 
 EVERYWHERE_LIMIT = 48
-"""Rewrites at most in one `apply_everywhere` (a rule that keeps creating matches of itself stops there)."""
+"""Rewrites at most in one `apply_everywhere` beyond the matches it was given (a rule that keeps creating matches of
+itself stops there; a 30-layer decoder's 60 rotary embeddings are all fused)."""
 
 
 def apply_everywhere(graph: Graph, rule: Rule, matches: Sequence[Match], rules: Sequence[Rule],
                      deadline: float | None = None) -> tuple[Graph, list[Match]]:
     """`graph` with `rule` applied at all its matches, `matches` first (then found again after each pass, which moves
-    the other matches' nodes), at most EVERYWHERE_LIMIT rewrites; and the rewrites applied.  `graph` is untouched.
+    the other matches' nodes): every match found first, and at most EVERYWHERE_LIMIT more that the passes create; and
+    the rewrites applied.  `graph` is untouched.
 
     A network repeats its layers, so one decision usually holds for all of them.  A rewrite that raises ends the
     passes there (one faulty rule must never stop a search): what was applied before it is kept.
@@ -267,9 +269,10 @@ def apply_everywhere(graph: Graph, rule: Rule, matches: Sequence[Match], rules: 
 
     applied: list[Match] = []
     matches = list(matches)
-    while matches and len(applied) < EVERYWHERE_LIMIT:
+    limit = len(matches) + EVERYWHERE_LIMIT
+    while matches and len(applied) < limit:
         try:
-            graph, done = apply_all(graph, matches[: EVERYWHERE_LIMIT - len(applied)], rules)
+            graph, done = apply_all(graph, matches[: limit - len(applied)], rules)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             log.debug("skipping %s everywhere: %s", rule.name, exc)
             break

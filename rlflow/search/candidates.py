@@ -141,6 +141,11 @@ def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] 
         yield Candidate(graph, parent.applied + tuple(applied), fingerprint)
 
 
+ALL_FUSIONS_ROUNDS = 8
+"""Passes over the fusion rules at most in `all_fusions` (a decoder's chain is three deep: rotary and attention, then
+the rotary absorbed, then Q/K/V packed)."""
+
+
 def all_fusions(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
                 deadline: float | None = None) -> Candidate | None:
     """`parent` with every fusion rule among `rules` applied everywhere it matches, until none matches; None when that
@@ -153,7 +158,7 @@ def all_fusions(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str]
     """
     fusions = [rule for rule in reversed(rules) if rule in GROUPS["fusion"]]
     graph, applied, used = parent.graph, list(parent.applied), set()
-    for _ in range(3):
+    for _ in range(ALL_FUSIONS_ROUNDS):
         before = len(applied)
         for rule in fusions:
             matches = rule.find(graph)

@@ -102,3 +102,18 @@ def test_duplicate_of_graph_outputs_keeps_both_names():
 def test_slice_static_end_is_full_without_dynamic_dims():
     g = graph([node("Slice", ["x", "s", "e"], "t"), node("Relu", ["t"])], X, consts={"s": ints(-9), "e": ints(2)})
     assert_rewrites(g, "slice-noop-elim")
+
+
+def test_everywhere_applies_every_match_found_even_past_its_limit():
+    """A 30-layer decoder has 60 rotary embeddings: the limit bounds rewrites that create new matches, never the
+    matches a graph has (it once left 12 of them unfused)."""
+    from rlflow.rewrites import apply_everywhere, rule
+    from rlflow.rewrites.base import EVERYWHERE_LIMIT
+
+    count = EVERYWHERE_LIMIT + 12
+    chain = [node("Relu" if i % 2 else "Identity", [f"t{i - 1}" if i else "x"], f"t{i}") for i in range(2 * count)]
+    g = graph([*chain, node("Relu", [f"t{2 * count - 1}"])], X)
+    elim = rule("identity-elim")
+    out, applied = apply_everywhere(g, elim, elim.find(g))
+    assert len(applied) == count
+    assert not elim.find(out) and "Identity" not in out.op_counts()
