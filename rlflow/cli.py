@@ -32,8 +32,8 @@ def cli() -> None:
               help="onnxruntime intra-op threads for every measurement.")
 @click.option("--method", type=click.Choice(["agent", "greedy", "taso", "random"]), default=None,
               help="Search method: the trained agent's rollouts, measured greedy, TASO-style cost-model "
-              "backtracking, or random walks [default: agent where the agent was trained for the provider (the "
-              "shipped one: CPU), else greedy].")
+              "backtracking, or random walks [default: agent where the agent was trained for the provider and "
+              "knows every rule that matches the model, else greedy].")
 @click.option("--agent", "agent", type=click.Path(path_type=Path), default=None,
               help="Policy checkpoint for --method agent [default: the shipped agent].")
 @click.option("--finetune", type=click.IntRange(min=0), default=0, show_default=True, metavar="N",

@@ -15,6 +15,7 @@ from rlflow.graph.core import load
 from rlflow.measure.verify import verify
 from rlflow.optimize.pipeline import verification_shapes
 from rlflow.optimize.report import _by_rule, _shapes_text, format_report
+from rlflow.rewrites import rule
 from tests.conftest import save
 
 
@@ -92,6 +93,22 @@ def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else
     assert default_method("CPUExecutionProvider", cuda)[0] == "greedy"
 
 
+def test_the_default_method_is_greedy_where_rules_the_agent_never_learnt_match():
+    """The CPU agent was trained before the decoder fusions existed and never plays them: on a model they match
+    (an RMSNorm) the default is greedy search, which measures them, and says why; where only rules it knows match,
+    the agent."""
+    from rlflow.optimize.options import default_method
+    from rlflow.search.agent import agent_rules
+    from tests.rewrites.test_rmsnorm import rms
+
+    assert "rmsnorm-fusion" not in agent_rules()
+    method, reason = default_method("CPUExecutionProvider", graph=rms())
+    assert method == "greedy" and reason.startswith("the shipped agent never learnt rmsnorm-fusion")
+    no_norm = rms(centred=True)  # a LayerNorm-like centring: no RMSNorm to fuse
+    assert not rule("rmsnorm-fusion").find(no_norm)
+    assert default_method("CPUExecutionProvider", graph=no_norm) == ("agent", None)
+
+
 def test_a_shipped_cuda_agent_is_the_default_on_cuda_only(tmp_path, monkeypatch):
     """`make agent-cuda` ships rlflow/checkpoints/cuda.pt: installed, it is what method agent plays on CUDA (and what
     the default method picks there); the CPU keeps default.pt."""
@@ -114,7 +131,7 @@ def test_a_shipped_cuda_agent_is_the_default_on_cuda_only(tmp_path, monkeypatch)
 
 def test_a_default_method_other_than_the_agent_is_reported_with_its_reason(tmp_path, matmul_model, monkeypatch):
     module = importlib.import_module("rlflow.optimize.pipeline")  # `rlflow.optimize.pipeline` the attribute is the function
-    monkeypatch.setattr(module, "default_method", lambda provider, agent=None: ("greedy", "a stated reason"))
+    monkeypatch.setattr(module, "default_method", lambda *args: ("greedy", "a stated reason"))
     result = rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), time_limit=1, rounds=5)
     assert result.settings["method"] == "greedy" and result.settings["method_reason"] == "a stated reason"
     assert "method greedy (a stated reason), operators all" in format_report(result)

@@ -244,3 +244,25 @@ def test_bench_measures_rewritten_outputs_at_every_profile(text_model, tmp_path,
     with open(tmp_path / "out" / "results.csv") as f:
         assert S64 in next(csv.DictReader(f))["profiles"]
     assert "## Per profile" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_bench_hands_a_peer_the_dynamic_model_and_measures_it_at_every_profile(text_model, tmp_path, monkeypatch):
+    """With several profiles rlflow's output must run at all of them: a peer gets the model as the user has it (a
+    peer handed the primary profile's static model folded its shape computations and was timed there only)."""
+    from rlflow.bench import run as module
+
+    given = []
+
+    def identity_peer(name, model, folder, **options):
+        given.append(model)
+        return model, model
+
+    monkeypatch.setattr(module, "PEERS", ("onnxsim",))
+    monkeypatch.setattr(module, "run_peer", identity_peer)
+    save(text_model, tmp_path / "m.onnx")
+    config = module.BenchConfig(methods=(), peers=True, rounds=3, profiles=(S16, S64))
+    (row,) = module.run_bench([tmp_path / "m.onnx"], config, tmp_path / "out", progress=False)["rows"]
+    assert row["method"] == "onnxsim" and row["status"] == "ok", row
+    assert [p["label"] for p in row["profiles"]] == [S16, S64]
+    dims = [d for vi in given[0].graph.input for d in vi.type.tensor_type.shape.dim]
+    assert any(d.dim_param for d in dims)  # dynamic, as written

@@ -306,12 +306,16 @@ def _ratio_fields(ratio: Ratio) -> dict:
 
 
 def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSettings, config: BenchConfig) -> Row:
-    """A peer tool on the model with its measurement shapes fixed (`run_peer`, with `peer_tools`' keywords
-    `tool_options`), checked and measured exactly like rlflow's output."""
+    """A peer tool on the model (`run_peer`, with `peer_tools`' keywords `tool_options`), checked and measured exactly
+    like rlflow's output: with its measurement shapes fixed, or where the bench has several profiles, as the user has
+    it (dynamic) and measured at every profile, as rlflow's output must run at all of them (a peer handed the primary
+    profile's static model folded its shape computations and was timed at that profile only)."""
     start = time.monotonic()
-    source = graph.to_model(static=True)
+    profiled = bool(graph.profiles)
+    source = graph.to_model(static=not profiled)
     scratch = cache_dir("peers")  # on disk: a large model's peer writes its input and output there, not to /tmp
     scratch.mkdir(parents=True, exist_ok=True)
+    per_profile = []
     with tempfile.TemporaryDirectory(prefix="rlflow-peer-", dir=scratch) as folder:
         try:
             source, output = run_peer(name, source, folder, **tool_options)
@@ -324,10 +328,18 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         output.ir_version = min(output.ir_version, max_ir_version())
         verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                               shapes=verification_shapes(graph)[:1])
-        comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
-    ratio = comparison.ratios[1]
+        if profiled:
+            peer_graph = Graph.from_model(output, dict(graph.input_shapes))
+            measured = compare_profiled([graph, peer_graph], settings, rounds=config.rounds, seed=config.seed)
+            comparison, ratio = measured.comparisons[0], measured.ratios[1]
+            per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
+                           for p, c in zip(measured.profiles, measured.comparisons)]
+        else:
+            comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
+            ratio = comparison.ratios[1]
     return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
                verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
                latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
                speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
-               max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings)
+               max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings,
+               profiles=per_profile)

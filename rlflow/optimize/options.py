@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from rlflow.errors import InputError
 from rlflow.measure.session import PROVIDERS
 from rlflow.measure.shape_profiles import Profile
 from rlflow.rewrites import RULES, Rule
+
+if TYPE_CHECKING:
+    from rlflow.graph.core import Graph
 
 METHODS = ("agent", "greedy", "taso", "random")
 """agent: the shipped policy's rollouts, best few measured; greedy: best measured single rewrite, repeated; taso:
@@ -74,18 +77,29 @@ class Options:
             raise InputError(f"unknown operator set '{self.ops}': choose from {', '.join(OPS)}")
 
 
-def default_method(provider: str, agent: str | os.PathLike | None = None) -> tuple[str, str | None]:
+def default_method(provider: str, agent: str | os.PathLike | None = None, graph: Graph | None = None,
+                   rules: Sequence[Rule] = RULES) -> tuple[str, str | None]:
     """The search `rlflow optimize` runs when none is named, with the reason where it is not the agent: the agent
-    where it was trained for `provider` (an onnxruntime provider name), else greedy search.  An agent acts on what it learnt of
-    one provider's costs, so on another provider greedy search, which measures, is the safer default.
+    where it was trained for `provider` (an onnxruntime provider name) and knows every rule of `rules` that matches
+    `graph`, else greedy search.  An agent acts on what it learnt of one provider's costs, so on another provider
+    greedy search, which measures, is the safer default; and an agent trained before a rule was added never plays
+    it (the CPU agent knows none of the decoder fusions, and kept every decoder as it was).
     """
-    from rlflow.search.agent import shipped_agent, trained_provider
+    from rlflow.search.agent import agent_rules, shipped_agent, trained_provider
 
-    trained = trained_provider(agent if agent is not None else shipped_agent(provider))
-    if PROVIDERS.get(trained) == provider:
-        return "agent", None
+    path = agent if agent is not None else shipped_agent(provider)
     which = "the given agent" if agent is not None else "the shipped agent"
-    return "greedy", f"{which} is trained for {trained}, not {provider}; --method agent runs it anyway"
+    trained = trained_provider(path)
+    if PROVIDERS.get(trained) != provider:
+        return "greedy", f"{which} is trained for {trained}, not {provider}; --method agent runs it anyway"
+    if graph is not None:
+        known = set(agent_rules(path))
+        unknown = [r.name for r in rules if r.name not in known and r.find(graph)]
+        if unknown:
+            named = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
+            return "greedy", (f"{which} never learnt {named}, which match this model; --method agent runs it "
+                              f"anyway")
+    return "agent", None
 
 
 def rules_for(rules: Sequence[Rule], ops: str, provider: str) -> list[Rule]:

@@ -60,7 +60,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     resolved = resolve_provider(provider)
     rules = rules_for(rules, ops, resolved)
     check_capture(resolved, cuda_graph)
-    method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune)
+    method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune, graph, rules)
     if method == "agent" and agent is None:
         from rlflow.search.agent import shipped_agent
 
@@ -131,11 +131,11 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                   **common)
 
 
-def _default_for(provider: str, agent, finetune: int) -> tuple[str, str | None]:
+def _default_for(provider: str, agent, finetune: int, graph: Graph, rules) -> tuple[str, str | None]:
     """`default_method`, logged where it is not the agent; `--finetune` adapts the agent, so it asks for it."""
     if finetune:
         return "agent", None
-    method, reason = default_method(provider, agent)
+    method, reason = default_method(provider, agent, graph, rules)
     if reason:
         log.info("method %s: %s", method, reason)
     return method, reason

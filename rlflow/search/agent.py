@@ -154,6 +154,17 @@ def trained_provider(path: str | os.PathLike | None = None) -> str:
     return (payload.get("config") or {}).get("provider", "cpu")
 
 
+def agent_rules(path: str | os.PathLike | None = None) -> list[str]:
+    """The names of the rules the agent at `path` (default: the shipped one) was trained on, read from its checkpoint
+    without running code."""
+    from rlflow.agents.checkpoint import read_checkpoint
+
+    path = Path(path) if path is not None else DEFAULT_AGENT
+    if not path.is_file():
+        raise InputError(f"{path}: no such agent checkpoint")
+    return list(read_checkpoint(path)["rules"])
+
+
 class CandidateActor:
     """A masked-PPO candidate policy behind the actor interface of `WorldModelActor` (it keeps no memory)."""
 

@@ -61,7 +61,9 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
            most: int | None = None) -> Iterator[list[Candidate]]:
     """A step's candidates in batches, each measured only when none of the one before was measurably faster: every
     fusion applied everywhere at once (`all_fusions`); each rule applied everywhere it matches, with the rules that
-    match once; every other single rewrite.  `most`: candidates built per batch at most (the first ones found).
+    match once; every other single rewrite.  `most`: candidates built per batch at most, a phase's candidates then
+    coming in as many batches as it has (they once stopped at its first batch: on a 1 GB decoder greedy measured two
+    cleanup rules and never reached a fusion).
 
     Making a candidate costs a copy of the graph, and measuring one a session: on a 600-1300-node transformer the
     hundred-odd single rewrites took most of a 60 s limit before anything was measured, and measuring the dozen rules
@@ -73,11 +75,19 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
     fused = all_fusions(current, rules, seen, deadline)
     if fused is not None:
         yield [fused]
-    yield list(islice(chain(everywhere(current, rules, seen, deadline, matches),
-                            children(current, once, seen, deadline)), most))
+    yield from _batches(chain(everywhere(current, rules, seen, deadline, matches),
+                              children(current, once, seen, deadline)), most)
     several = [r for r in rules if counts[r.name] > 1]
     if several:
-        yield list(islice(children(current, several, seen, deadline), most))
+        yield from _batches(children(current, several, seen, deadline), most)
+
+
+def _batches(candidates: Iterator[Candidate], most: int | None) -> Iterator[list[Candidate]]:
+    """`candidates` in lists of `most` (all in one where None), each built only when the one before was measured."""
+    while batch := list(islice(candidates, most)):
+        yield batch
+        if most is None:
+            return
 
 
 def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None = None,
