@@ -60,10 +60,11 @@ batch: a 9.2 GiB peak for 2.9 GiB of weights; 2: see docs/results/large)."""
 def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: float,
            most: int | None = None) -> Iterator[list[Candidate]]:
     """A step's candidates in batches, each measured only when none of the one before was measurably faster: every
-    fusion applied everywhere at once (`all_fusions`); each rule applied everywhere it matches, with the rules that
-    match once; every other single rewrite.  `most`: candidates built per batch at most, a phase's candidates then
-    coming in as many batches as it has (they once stopped at its first batch: on a 1 GB decoder greedy measured two
-    cleanup rules and never reached a fusion).
+    fusion applied everywhere at once (`all_fusions`); each rule applied everywhere it matches (those matching in
+    the most places first: on a 1 GB decoder only a few candidates fit in the time, and a TorchScript export's 310
+    no-op Casts are worth more than a rule matching twice), with the rules that match once; every other single
+    rewrite.  `most`: candidates built per batch at most; a phase then comes in as many batches as it has (it once
+    stopped at its first: on a 1 GB decoder greedy measured two cleanup rules and never reached a fusion).
 
     Making a candidate costs a copy of the graph, and measuring one a session: on a 600-1300-node transformer the
     hundred-odd single rewrites took most of a 60 s limit before anything was measured, and measuring the dozen rules
@@ -75,7 +76,8 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
     fused = all_fusions(current, rules, seen, deadline)
     if fused is not None:
         yield [fused]
-    yield from _batches(chain(everywhere(current, rules, seen, deadline, matches),
+    widest = sorted(rules, key=lambda r: -counts[r.name])  # where only a few batches fit, the widest rules first
+    yield from _batches(chain(everywhere(current, widest, seen, deadline, matches),
                               children(current, once, seen, deadline)), most)
     several = [r for r in rules if counts[r.name] > 1]
     if several:

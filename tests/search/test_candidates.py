@@ -8,7 +8,7 @@ import pytest
 
 from rlflow.graph.core import load
 from rlflow.measure.verify import verify
-from rlflow.rewrites import apply, apply_all, rule
+from rlflow.rewrites import apply, apply_all, match_counts, rule
 from rlflow.search.candidates import Candidate, all_fusions, everywhere
 from rlflow.search.greedy import phases
 
@@ -65,6 +65,17 @@ def test_greedy_measures_all_fusions_alone_first_then_the_rest(bert):
     assert len(first) == 1 and {m.rule for m in first[0].applied} >= {"attention-fusion", "skip-layernorm-fusion"}
     assert {c.applied[-1].rule for c in second} == {"skip-layernorm-fusion", "attention-fusion", "gelu-fusion"}
     assert len(third) == 3 and all(len(c.applied) == 1 for c in third)  # the single skip-layernorm rewrites
+
+
+def test_the_rules_matching_in_the_most_places_are_measured_first(bert):
+    """Where only a few batches fit in the time (a 1 GB decoder), the widest rules come first, whatever their place in
+    the registry."""
+    rules = [rule(n) for n in ("scalar-mul-through-layout", "skip-layernorm-fusion")]  # registry order, 2 and 3 places
+    counts = match_counts(bert)
+    assert [counts[r.name] for r in rules] == [2, 3]
+    # one fusion among them: no all-fusions batch, the rules applied everywhere come first
+    first = next(phases(Candidate(bert, (), bert.fingerprint()), rules, {bert.fingerprint()}, float("inf"), most=1))
+    assert [c.applied[-1].rule for c in first] == ["skip-layernorm-fusion"]
 
 
 def test_a_large_model_builds_at_most_a_few_candidates_per_batch(bert):
