@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import rlflow
 from rlflow.bench.results import _outcome_lines, markdown_table, outcome
 from rlflow.bench.run import find_models
 from rlflow.cli import main
@@ -39,6 +41,10 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
     assert f"Method agent: `rlflow/checkpoints/default.pt` (SHA-256 {results['agent']['sha256'][:16]})" in (
         out / "results.md").read_text()
     assert results["peak"]["gflops"] > 0 and results["peak"]["gbs"] > 0 and results["environment"]["onnxruntime"]
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(rlflow.__file__).parent)
+    if head.returncode == 0:  # a checkout: the results say which commit made them
+        assert results["environment"]["commit"].split("-")[0] == head.stdout.strip()
     assert sorted(results["cost_table_warmup_seconds"]) == ["nasrnn", "resnet-18"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
     assert len(rows) == 3 * 7  # 3 models x (greedy + agent + 5 peers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -73,4 +74,22 @@ def environment(settings: SessionSettings) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__, "rlflow": __version__,
-            "provider": settings.provider}
+            "commit": source_commit(), "provider": settings.provider}
+
+
+def source_commit() -> str | None:
+    """The git commit rlflow runs from (``-dirty`` where tracked files differ from it), so that a results file says
+    which code made it; None for an installed copy outside its checkout."""
+    root = Path(__file__).resolve().parents[2]
+    if not ((root / ".git").exists() and (root / "setup.cfg").is_file()):
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
