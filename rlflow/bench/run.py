@@ -32,7 +32,7 @@ from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
 from rlflow.measure.shape_profiles import Profile, arrange, attach, parse_profile
-from rlflow.measure.timing import Ratio, compare
+from rlflow.measure.timing import Comparison, Ratio, compare
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import METHODS
 from rlflow.optimize.pipeline import optimize, verification_shapes
@@ -278,14 +278,10 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                       threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
                       agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph)
     seconds = time.monotonic() - start
-    comparison = result.comparison
-    per_profile = []
+    comparison, per_profile = result.comparison, []
     if result.rewritten:
-        measured = compare_profiled([graph, result.graph], settings, rounds=config.rounds, seed=config.seed + 1)
-        comparison = measured.comparisons[0]
-        per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
-                       for p, c in zip(measured.profiles, measured.comparisons)]
-        ratio = measured.ratios[1]
+        comparison, ratio, per_profile = _at_every_profile(graph, result.graph, settings, config.rounds,
+                                                           config.seed + 1)
     else:
         ratio = comparison.ratios[1]
     before, after = comparison.timings
@@ -299,6 +295,16 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
                outcome=result.outcome,
                candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile)
+
+
+def _at_every_profile(graph: Graph, output: Graph, settings: SessionSettings, rounds: int,
+                      seed: int) -> tuple[Comparison, Ratio, list[dict]]:
+    """`output` against `graph` at each of `graph`'s profiles: the primary profile's comparison, the combined ratio
+    and a row's per-profile entries."""
+    measured = compare_profiled([graph, output], settings, rounds=rounds, seed=seed)
+    per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
+                   for p, c in zip(measured.profiles, measured.comparisons)]
+    return measured.comparisons[0], measured.ratios[1], per_profile
 
 
 def _ratio_fields(ratio: Ratio) -> dict:
@@ -329,11 +335,8 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                               shapes=verification_shapes(graph)[:1])
         if profiled:
-            peer_graph = Graph.from_model(output, dict(graph.input_shapes))
-            measured = compare_profiled([graph, peer_graph], settings, rounds=config.rounds, seed=config.seed)
-            comparison, ratio = measured.comparisons[0], measured.ratios[1]
-            per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
-                           for p, c in zip(measured.profiles, measured.comparisons)]
+            comparison, ratio, per_profile = _at_every_profile(
+                graph, Graph.from_model(output, dict(graph.input_shapes)), settings, config.rounds, config.seed)
         else:
             comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
             ratio = comparison.ratios[1]

@@ -88,8 +88,6 @@ def _batches(candidates: Iterator[Candidate], most: int | None) -> Iterator[list
     """`candidates` in lists of `most` (all in one where None), each built only when the one before was measured."""
     while batch := list(islice(candidates, most)):
         yield batch
-        if most is None:
-            return
 
 
 def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None = None,
