@@ -57,19 +57,15 @@ CALL_LIMIT = 64 * 2**20
 MARGIN = 3 * 2**20
 """Room left in every call for files that change between preparing the kit and the calls."""
 
-LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5 '
-              'GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo-fp16 smollm2-135m-decode-p128-dynamo-fp16"')
-"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's first priority, again:
-the decode step at past 128 of both decoders (dynamo, fp16, captured), greedy and the peers with the genai builder's
-graph beside (`bench --peers`); the first try (docs/results/gpu/h200-1127-decoders/) measured exports that ignored
-their cache.  There the zoo build took 2.3 minutes and the bench 7.2 with 20 s of search (SmolLM2's greedy ran out of
-time): 30 s and 5 rounds here.  Next, if device time is left: issue #49's CUDA cost table on the deployment section
-(`GPU_STEPS=costcheck GPU_COSTCHECK_ZOO="..."`), then the same without GPU_CUDA_GRAPH, then the fp32 entries.
-
-Issue #49's part, once a CUDA agent ships (`make agent-cuda`): three held-out models, captured, the agent and greedy
-at their defaults beside the peers, each method's wall time (`GPU_TIME_LIMIT=default`):
-`GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=default
-GPU_ZOO="bert-l4-h256-s16-ts electra-small-s16-dynamo albert-base-s16-ts"`."""
+LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=default GPU_ROUNDS=5 '
+              'GPU_ZOO="bert-l4-h256-s16-ts electra-small-s16-dynamo albert-base-s16-ts"')
+"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #49's part: three held-out
+encoders, captured, the shipped CUDA agent and greedy at their defaults beside the peers, each method's wall time.
+On 2026-11-28 (docs/results/gpu/h200-1128/) the kit took a minute, one such model 1.4 minutes (zoo build and bench):
+about 5 minutes for the three.  Then, in the same lease, issue #50's remaining decoder entries (the fp16 captured
+decode steps were measured that day, 9.6 minutes with their zoo build): the fp32 decode steps, captured,
+`GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5
+GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo smollm2-135m-decode-p128-dynamo"`; then the same plain, then the prefill."""
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"

@@ -38,6 +38,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
 
     assert results["agent"] == {"path": "rlflow/checkpoints/default.pt",
                                 "sha256": hashlib.sha256(DEFAULT_AGENT.read_bytes()).hexdigest()}
+    assert results["heldout_from"] == "rlflow/checkpoints/default.json"  # the playing agent's, named in the page
     assert f"Method agent: `rlflow/checkpoints/default.pt` (SHA-256 {results['agent']['sha256'][:16]})" in (
         out / "results.md").read_text()
     assert results["peak"]["gflops"] > 0 and results["peak"]["gbs"] > 0 and results["environment"]["onnxruntime"]
@@ -150,3 +151,16 @@ def test_the_table_says_when_it_was_measured_with_cuda_graph_capture():
     assert "CUDAExecutionProvider, CUDA graph capture, 1 thread(s)" in markdown_table(results)
     results["settings"]["cuda_graph"] = False
     assert "CUDA graph capture" not in markdown_table(results).split("\n")[2]
+
+
+def test_rows_are_held_out_against_the_agent_the_bench_would_play():
+    """On CUDA the shipped CUDA agent's training list says what is held out, not the CPU agent's."""
+    from rlflow.bench.run import BenchConfig, _heldout_from
+    from rlflow.measure.session import SessionSettings
+    from rlflow.search.agent import CUDA_AGENT
+
+    cpu = SessionSettings(provider="CPUExecutionProvider")
+    cuda = SessionSettings(provider="CUDAExecutionProvider")
+    assert _heldout_from(BenchConfig(methods=("greedy",)), cpu) == "rlflow/checkpoints/default.json"
+    expected = "rlflow/checkpoints/cuda.json" if CUDA_AGENT.is_file() else "rlflow/checkpoints/default.json"
+    assert _heldout_from(BenchConfig(methods=("greedy",)), cuda) == expected

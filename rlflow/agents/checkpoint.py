@@ -27,10 +27,12 @@ def checkpoint_identity(path: str | os.PathLike) -> dict:
     compare across machines) and the SHA-256 of its bytes (the commit order alone cannot tell two agents apart)."""
     path = Path(path).resolve()
     stat = path.stat()
-    return {"path": _shown(path), "sha256": _digest(str(path), stat.st_size, stat.st_mtime_ns)}
+    return {"path": shown_path(path), "sha256": _digest(str(path), stat.st_size, stat.st_mtime_ns)}
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: str | os.PathLike) -> str:
+    """A path as results files give it: package-relative inside rlflow, as it is elsewhere."""
+    path = Path(path).resolve()
     package = Path(__file__).resolve().parent.parent
     return f"rlflow/{path.relative_to(package)}" if path.is_relative_to(package) else str(path)
 

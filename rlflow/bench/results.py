@@ -150,13 +150,13 @@ def markdown_table(results: dict) -> str:
     if cfg.get("profiles"):
         lines += ["", "## Per profile", "",
                   f"Profiles: {', '.join(f'`{p}`' for p in cfg['profiles'])}. A method's speedup above is the weighted "
-                  "geometric mean of its speedups at these profiles (and of their bounds); peers were measured at the "
-                  "heaviest profile only. Rewritten outputs, per profile:", ""]
+                  "geometric mean of its speedups at these profiles (and of their bounds), peers' as rlflow's. "
+                  "Per profile:", ""]
         lines += [f"- {r['model']} / {r['method']}: " + "; ".join(_profile_text(p) for p in r["profiles"])
                   for r in profiled] or ["- none"]
     if any(r.get("heldout") for r in results["rows"]):
-        lines += ["", "† held out: the shipped agent never trained on this architecture "
-                      "(rlflow/checkpoints/default.json)."]
+        lines += ["", "† held out: the agent never trained on this architecture "
+                      f"({results.get('heldout_from', 'rlflow/checkpoints/default.json')})."]
     lines += ["", "## Per method", "",
               "Geometric-mean speedup; `slower` counts intervals entirely below 1, `< 0.99` intervals reaching below "
               "0.99; time is the whole optimisation (search, verification, final measurement), search time the "

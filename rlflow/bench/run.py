@@ -58,7 +58,7 @@ class BenchConfig:
         seed: random inputs and measurement order.
         agent: method agent's checkpoint (None: the shipped agent).
         profiles: shape profiles in the `--profile` syntax (`rlflow.measure.shape_profiles`), each model measured at
-            all of them (none: at the shapes it loads with); peers are measured at the first (heaviest) only.
+            all of them (none: at the shapes it loads with), the peers' outputs as rlflow's.
         ray: for `rlflow.bench.cluster.run_on_ray`, the Ray cluster each model runs on as one task: `local` starts one
             on this machine, anything else is the address of a running cluster (`auto`, `ray://host:10001`); None for
             a run here, without Ray.
@@ -243,7 +243,8 @@ def _results(config: BenchConfig, settings: SessionSettings, peak: dict, started
     results = {"config": asdict(config), "agent": _acting_agent(config, settings), "settings": settings.as_dict(),
                "environment": environment(settings),
                "peak": peak, "seconds": time.monotonic() - started, "complete": complete,
-               "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records}
+               "cost_table_warmup_seconds": warmups, "summary": summarize(records), "rows": records,
+               "heldout_from": _heldout_from(config, settings)}
     if tables is not None:
         results["cost_tables"] = tables
     return results
@@ -254,6 +255,13 @@ def _agent_path(config: BenchConfig, settings: SessionSettings) -> Path:
     from rlflow.search.agent import shipped_agent
 
     return Path(config.agent) if config.agent else shipped_agent(settings.provider)
+
+
+def _heldout_from(config: BenchConfig, settings: SessionSettings) -> str:
+    """The agent metadata that says which rows are held out (the checkpoint's JSON, whether or not it acted)."""
+    from rlflow.agents.checkpoint import shown_path
+
+    return shown_path(_agent_path(config, settings).with_suffix(".json"))
 
 
 def _acting_agent(config: BenchConfig, settings: SessionSettings) -> dict | None:
