@@ -91,9 +91,9 @@ agent-wide: $(STAMP)
 	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --models $(AGENT_WIDE_MODELS) --seed $(AGENT_SEED) \
 		--out $(AGENT_WIDE_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent-wide/run$(AGENT_SEED)
 
-# The CUDA agent (rlflow/checkpoints/cuda.pt: once shipped, what `rlflow optimize --provider cuda` plays; issue #49):
-# the same recipe trained against the shipped H100 cost table and the estimate fitted to it, so nothing is measured and
-# no GPU is needed; BERT held out as for the CPU agent.  Not shipped yet: its held-out figures come first.
+# The CUDA agent (rlflow/checkpoints/cuda.pt, what `rlflow optimize --provider cuda` plays; issue #49): the same
+# recipe trained against the shipped H100 cost table and the estimate fitted to it, so nothing is measured and no GPU
+# is needed; BERT held out as for the CPU agent.
 AGENT_CUDA_RESULTS := docs/results/agent-cuda
 agent-cuda: $(STAMP)
 	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --provider cuda --seed $(AGENT_SEED) \

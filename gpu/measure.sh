@@ -4,7 +4,7 @@
 # Settings (environment): GPU_STEPS (which steps, in order: bench cuda-graph costcheck [default], optimize),
 # GPU_PROVIDER (cuda; with another, e.g. cpu, the CUDA graph steps are skipped, so that the script can be rehearsed
 # without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT (seconds, or `default`: each method's
-# own default, as a user runs it), GPU_ROUNDS, GPU_SEQUENCES.
+# own default, as a user runs it), GPU_ROUNDS, GPU_SEQUENCES, GPU_BENCH_ARGS (more bench options, e.g. "--fix-dim batch=1").
 # The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
 # has whole rows.  The bench's peers include, for the zoo's decoders, onnxruntime-genai's model builder's graph (-p fp16
@@ -50,7 +50,7 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
       step "bench: ${GPU_METHODS:-greedy,taso}, time limit $LIMIT, and the peers$binding"
       "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \
         --threads 1 "${limit[@]}" --rounds ${GPU_ROUNDS:-10} "${capture[@]}" \
-        --out "$R/bench$cg" ;;
+        ${GPU_BENCH_ARGS:-} --out "$R/bench$cg" ;;
     cuda-graph)
       if [[ $PROVIDER == cuda ]]; then
         step "CUDA graph capture as a peer configuration"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import rlflow
-from rlflow.bench.results import _outcome_lines, markdown_table, outcome
+from rlflow.bench.results import _device_lines, _outcome_lines, markdown_table, outcome
 from rlflow.bench.run import find_models
 from rlflow.cli import main
 from rlflow.errors import RlflowError
@@ -164,3 +164,26 @@ def test_rows_are_held_out_against_the_agent_the_bench_would_play():
     assert _heldout_from(BenchConfig(methods=("greedy",)), cpu) == "rlflow/checkpoints/default.json"
     expected = "rlflow/checkpoints/cuda.json" if CUDA_AGENT.is_file() else "rlflow/checkpoints/default.json"
     assert _heldout_from(BenchConfig(methods=("greedy",)), cuda) == expected
+
+
+def test_on_cuda_each_output_is_also_run_on_the_device_beside_its_input(matmul_model, monkeypatch):
+    """`_device_errors` (the CPU standing in for the device: no CUDA here): an output that computes something else
+    stands out against its input's own error, and the page says so."""
+    import onnx
+
+    import rlflow.bench.run as run
+    from rlflow.graph.core import Graph
+    from rlflow.measure.session import SessionSettings
+
+    real = run.verify
+    monkeypatch.setattr(run, "verify", lambda *a, candidate_provider, **k: real(*a, **k))
+    graph = Graph.from_model(matmul_model, {"x": (2, 8)})
+    other = onnx.ModelProto()
+    other.CopyFrom(matmul_model)
+    other.graph.node[2].op_type = "Sigmoid"  # not the same function
+    assert run._device_errors(matmul_model, other, SessionSettings(), graph) == {}  # the CPU: nothing to add
+    errors = run._device_errors(matmul_model, other, SessionSettings(provider="CUDAExecutionProvider"), graph)
+    assert errors["input_device_error"] == 0.0 and errors["device_error"] > 0.1
+    page = "\n".join(_device_lines([{**_row("greedy", "rewritten"), **errors}, _row("onnxsim", "", kind="peer")]))
+    assert "## On the device" in page and f"| {errors['device_error']:.1e} | 0.0e+00 |" in page
+    assert "onnxsim" not in page  # a row not run on the device

@@ -37,6 +37,8 @@ class Row:
     rewritten: bool = False
     verified: bool = False
     max_rel_error: float = float("nan")
+    device_error: float = float("nan")  # on CUDA: the output run there against the input on the CPU (`_device_errors`)
+    input_device_error: float = float("nan")  # the input's own, the floor the device's arithmetic sets
     seconds: float = float("nan")
     search_seconds: float = float("nan")
     heldout: bool = False
@@ -172,7 +174,21 @@ def markdown_table(results: dict) -> str:
                 else "0 | | ")
         lines.append(f"| {method} | {a['models']} | {a['geomean_speedup']:.3f} | {a['slower']} | {a['below_0.99']} "
                      f"| {a['mean_seconds']:.1f} | {_fmt(a['mean_search_seconds'])} | {held} |")
-    return "\n".join(lines + _outcome_lines(results["rows"]) + _peer_settings_lines(results["rows"])) + "\n"
+    return "\n".join(lines + _outcome_lines(results["rows"]) + _device_lines(results["rows"])
+                     + _peer_settings_lines(results["rows"])) + "\n"
+
+
+def _device_lines(rows: Sequence[dict]) -> list[str]:
+    """On CUDA: each output's error run on the device against the input on the CPU, beside the input's own."""
+    checked = [r for r in rows if np.isfinite(r.get("input_device_error", float("nan")))]
+    if not checked:
+        return []
+    lines = ["", "## On the device", "",
+             "Outputs are verified on the CPU; here each output and its input ran on the device, against the input on "
+             "the CPU (random inputs, one seed). An output far above its input's error computes something else "
+             "there.", "", "| model | method | output's error | input's error |", "| --- | --- | ---: | ---: |"]
+    return lines + [f"| {r['model']} | {r['method']} | {r['device_error']:.1e} | {r['input_device_error']:.1e} |"
+                    for r in checked]
 
 
 def outcome(row: dict) -> str:

@@ -15,8 +15,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
+import onnx
 from tqdm import tqdm
 
 from rlflow.bench.builder_reference import bench_references, bench_row
@@ -27,11 +28,12 @@ from rlflow.errors import RlflowError
 from rlflow.files import cache_dir
 from rlflow.graph.core import Graph, load
 from rlflow.graph.flops import count_bytes_read, count_flops, count_params
+from rlflow.graph.input_shapes import fix_dims
 from rlflow.graph.model_file import max_ir_version, read_model
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
-from rlflow.measure.shape_profiles import Profile, arrange, attach, parse_profile
+from rlflow.measure.shape_profiles import Profile, arrange, attach, parse_profile, without_fixed
 from rlflow.measure.timing import Comparison, Ratio, compare
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import METHODS
@@ -64,6 +66,8 @@ class BenchConfig:
             a run here, without Ray.
         shared_path: on a cluster, every node reads the models (and `agent`) at their paths: nothing is shipped.
         cuda_graph: CUDA only: every measurement runs the models as captured CUDA graphs (`SessionSettings`).
+        fix_dims: symbolic input dimensions fixed in every model before anything runs on it (`--fix-dim`), so the
+            methods, the peers and the input they are compared with all have them fixed.
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -78,6 +82,7 @@ class BenchConfig:
     ray: str | None = None
     shared_path: bool = False
     cuda_graph: bool = False
+    fix_dims: dict[str, int] | None = None
 
 
 def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -164,7 +169,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
     agent_meta = (agent.parent, agent.stem)
     node = platform.node()
     try:
-        graph = _load_profiled(model, [parse_profile(p) for p in config.profiles])
+        graph = _load_profiled(model, [parse_profile(p) for p in config.profiles], config.fix_dims)
         static = graph.to_model(static=True)
         flops, params, bytes_read = count_flops(static), count_params(static), count_bytes_read(static)
         warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
@@ -203,11 +208,17 @@ def _settings_for(graph: Graph, settings: SessionSettings) -> SessionSettings:
     return replace(settings, share_weights=shares_weights(graph))
 
 
-def _load_profiled(model: Path, profiles: list[Profile]) -> Graph:
-    """The model at the heaviest profile's shapes, measured at every profile (none: at the shapes it loads with)."""
-    if not profiles:
+def _load_profiled(model: Path, profiles: list[Profile], fixed: Mapping[str, int] | None = None) -> Graph:
+    """The model at the heaviest profile's shapes, measured at every profile (none: at the shapes it loads with), with
+    the `fixed` dimensions fixed (`--fix-dim`: the methods and the peers all get it so)."""
+    if not profiles and not fixed:
         return load(model)
     proto = read_model(model)
+    if fixed:
+        fix_dims(proto, fixed)
+        profiles = [without_fixed(p, fixed) for p in profiles]
+    if not profiles:
+        return Graph.from_model(proto, None, source=str(model), checked=True)
     profiles = arrange(profiles, proto)
     graph = Graph.from_model(proto, profiles[0].shapes, source=str(model), checked=True)
     attach(graph, profiles)
@@ -284,7 +295,8 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
     start = time.monotonic()
     result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
                       threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
-                      agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph)
+                      agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph,
+                      fix_dims=config.fix_dims)
     seconds = time.monotonic() - start
     comparison, per_profile = result.comparison, []
     if result.rewritten:
@@ -294,6 +306,8 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
         ratio = comparison.ratios[1]
     before, after = comparison.timings
     verification = result.verification if result.rewritten else None  # else the output is the input itself
+    device = _device_errors(graph.to_model(static=False), result.graph.to_model(static=False), settings,
+                            graph) if result.rewritten else {}
     return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
                latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
                faster=ratio.faster, rewritten=result.rewritten,
@@ -302,7 +316,8 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                seconds=seconds, search_seconds=result.search_seconds,
                gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
                outcome=result.outcome,
-               candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile)
+               candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile,
+               **device)
 
 
 def _at_every_profile(graph: Graph, output: Graph, settings: SessionSettings, rounds: int,
@@ -348,9 +363,29 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         else:
             comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
             ratio = comparison.ratios[1]
+        device = _device_errors(source, output, settings, graph)
     return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
                verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
                latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
                speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
                max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings,
-               profiles=per_profile)
+               profiles=per_profile, **device)
+
+
+def _device_errors(source: onnx.ModelProto, output: onnx.ModelProto, settings: SessionSettings,
+                   graph: Graph) -> dict[str, float]:
+    """On CUDA, Row's `device_error` and `input_device_error`: the output and the input run on the device, each against
+    the input on the CPU, on random inputs (random positions and masks for a decoder); {} elsewhere.
+
+    Outputs are verified on the CPU, but a contrib operator's CUDA kernel may compute something else (onnxruntime's
+    notes say GroupQueryAttention's CUDA rotary derives the keys' positions from the cache length): an output whose
+    device error is far above the input's does not compute the same function there."""
+    if settings.provider != "CUDAExecutionProvider":
+        return {}
+    shapes = verification_shapes(graph)[:1]
+    errors = {}
+    for key, model in (("device_error", output), ("input_device_error", source)):
+        checked = verify(source, model, seeds=(0,), shapes=shapes, tolerance=float("inf"),
+                         candidate_provider=settings.provider)
+        errors[key] = checked.max_rel_norm if checked.outputs else float("inf")  # none: it failed to run there
+    return errors

@@ -62,6 +62,41 @@ def deployed_shapes(model: onnx.ModelProto, inputs: Sequence[onnx.ValueInfoProto
     return {k: v for k, v in shapes.items() if not names or k in names}
 
 
+def parse_fixed_dims(specs: Iterable[str]) -> dict[str, int]:
+    """Parses `name=value` strings (the CLI's --fix-dim) into a dict of positive integers."""
+    fixed: dict[str, int] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or not name.strip().isidentifier() or not value.strip().isdigit() or int(value) <= 0:
+            raise InputError(f"bad --fix-dim '{spec}': expected a dimension's name and a positive integer, "
+                             "such as batch=1")
+        fixed[name.strip()] = int(value)
+    return fixed
+
+
+def fix_dims(model: onnx.ModelProto, fixed: Mapping[str, int]) -> None:
+    """Gives the named symbolic dimensions of `model`'s inputs, outputs and value infos their values, in place: the
+    model then runs at those values only, and rules may rely on them (what onnxruntime's `make_dynamic_shape_fixed`
+    does; a batch-1 decoder lets group-query-attention-rotary take its rotary embedding in).
+
+    Raises:
+        InputError: a name is no symbolic dimension of the model's inputs.
+    """
+    if not fixed:
+        return
+    weights = {t.name for t in model.graph.initializer}
+    known = {d.dim_param for vi in model.graph.input if vi.name not in weights
+             for d in vi.type.tensor_type.shape.dim if d.dim_param}
+    unknown = sorted(set(fixed) - known)
+    if unknown:
+        raise InputError(f"--fix-dim names no dimension of the model's inputs: {', '.join(unknown)}; its dynamic "
+                         f"dimensions are {', '.join(sorted(known)) or 'none'}")
+    for vi in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
+        for dim in vi.type.tensor_type.shape.dim:
+            if dim.dim_param in fixed:
+                dim.dim_value = fixed[dim.dim_param]  # clears dim_param: one field of a oneof
+
+
 def fix_input_dims(inputs: list[onnx.ValueInfoProto], given: dict[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
     """Fixes dynamic input dimensions in place (given, else 1 with a warning) and returns the fixed shapes."""
     names = {vi.name for vi in inputs}

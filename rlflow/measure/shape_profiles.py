@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -119,6 +119,19 @@ def check_profiles(profiles: Sequence[Profile]) -> None:
     shapes = [tuple(sorted(p.shapes.items())) for p in profiles]
     if len(set(shapes)) != len(shapes):
         raise InputError("two profiles give the same shapes: give one, with the sum of their weights")
+
+
+def without_fixed(profile: Profile, fixed: Mapping[str, int]) -> Profile:
+    """`profile` without the dimensions --fix-dim fixed (no longer the model's to vary), where it gives them the
+    same values.
+
+    Raises:
+        InputError: it gives one of them another value.
+    """
+    clash = sorted(name for name, dims in profile.shapes.items() if name in fixed and tuple(dims) != (fixed[name],))
+    if clash:
+        raise InputError(f"profile '{profile.label}' sets {', '.join(clash)}, which --fix-dim fixes to another value")
+    return replace(profile, shapes={k: v for k, v in profile.shapes.items() if k not in fixed})
 
 
 def arrange(profiles: Sequence[Profile], model: onnx.ModelProto) -> list[Profile]:

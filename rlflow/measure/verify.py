@@ -1,7 +1,7 @@
 """Numerical equivalence of two models on random inputs: the gate every rewritten model passes before it is written."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -58,7 +58,8 @@ class Verification:
 
 def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Sequence[int] = (0, 1, 2),
            shapes: Sequence[Mapping[str, Sequence[int]] | None] = (None,), tolerance: float | None = None,
-           opt_level: str = "disable", share_weights: bool = False) -> Verification:
+           opt_level: str = "disable", share_weights: bool = False,
+           candidate_provider: str = "CPUExecutionProvider") -> Verification:
     """Runs both models on the same random inputs and compares every output.
 
     Args:
@@ -71,10 +72,12 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
         opt_level: onnxruntime optimisation level for both sessions; `disable` checks the rewrite itself, not
             onnxruntime's own fusions.
         share_weights: the sessions share the weights mapped from their file (`SessionSettings.share_weights`).
+        candidate_provider: where the candidate runs (the reference runs on the CPU): on CUDA, a check of what the
+            device's kernels compute, which the CPU's may not (`rlflow.bench.run._device_errors`).
     """
     settings = SessionSettings(opt_level=opt_level, share_weights=share_weights)
     ref_session = create_session(reference, settings)
-    cand_session = create_session(candidate, settings)
+    cand_session = create_session(candidate, replace(settings, provider=candidate_provider))
     ref_names = [o.name for o in ref_session.get_outputs()]
     cand_names = {o.name for o in cand_session.get_outputs()}
     missing = [n for n in ref_names if n not in cand_names]

@@ -40,6 +40,10 @@ class Options:
     """Seconds of search (None: `DEFAULT_TIME_LIMITS`); the final verification and measurement come on top."""
     input_shapes: Mapping[str, Sequence[int]] | None = None
     """Values for dynamic input dimensions while measuring; the written model keeps them dynamic."""
+    fix_dims: Mapping[str, int] | None = None
+    """Symbolic input dimensions the written model fixes (`batch=1`): it then runs at those values only, and rules may
+    rely on them (`rlflow.graph.input_shapes.fix_dims`); the input, so fixed, is what the output is verified and
+    measured against."""
     seed: int = 0
     """Random inputs and measurement order."""
     rounds: int = 30

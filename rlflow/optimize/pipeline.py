@@ -17,13 +17,13 @@ import onnx
 
 from rlflow.errors import InputError
 from rlflow.graph.core import Graph
-from rlflow.graph.input_shapes import deployed_shapes
+from rlflow.graph.input_shapes import deployed_shapes, fix_dims
 from rlflow.graph.model_file import max_ir_version, read_model
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
 from rlflow.measure.profile_comparison import export_at
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
-from rlflow.measure.shape_profiles import Profile, arrange, attach, default_profiles
+from rlflow.measure.shape_profiles import Profile, arrange, attach, default_profiles, without_fixed
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import DEFAULT_TIME_LIMITS, Options, default_method, rules_for
@@ -55,7 +55,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     progress, agent, finetune, ops = options.progress, options.agent, options.finetune, options.ops
     profiles, cuda_graph = options.profiles, options.cuda_graph
     start = time.monotonic()
-    graph, given = _load(model, input_shapes, profiles)
+    graph, given = _load(model, input_shapes, profiles, options.fix_dims)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     rules = rules_for(rules, ops, resolved)
@@ -86,6 +86,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     recorded = {**settings.as_dict(), "method": method, "method_reason": method_reason, "time_limit": time_limit,
                 "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
+                "fixed_dims": dict(options.fix_dims or {}),
                 "profiles": [p.as_dict() for p in graph.profiles],
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,
                 "registry_version": REGISTRY_VERSION}
@@ -240,9 +241,10 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
 
 
 def _load(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
-          profiles: Sequence[Profile] | None = None) -> tuple[Graph, onnx.ModelProto]:
+          profiles: Sequence[Profile] | None = None,
+          fixed: Mapping[str, int] | None = None) -> tuple[Graph, onnx.ModelProto]:
     """The graph to optimise, and the model as the user has it: their file (at an IR version onnxruntime accepts),
-    else the graph's export.
+    else the graph's export; with `fixed` dimensions (--fix-dim), those fixed in both.
 
     The given model is the reference every output is verified against, so verification also covers rlflow's own
     loading, and it is what is written, unchanged, when no rewrite is kept.  Its external data stays on disk (see
@@ -258,8 +260,12 @@ def _load(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[
     else:
         given = read_model(model)
         graph, source = None, str(model)
-        if not profiles and not input_shapes and not deployed_shapes(given):
-            profiles = default_profiles(given)
+    if fixed:
+        fix_dims(given, fixed)
+        graph = None
+        profiles = [without_fixed(p, fixed) for p in profiles or []]
+    if not isinstance(model, Graph) and not profiles and not input_shapes and not deployed_shapes(given):
+        profiles = default_profiles(given)
     if profiles:
         profiles = arrange(profiles, given)
         input_shapes = profiles[0].shapes

@@ -75,7 +75,8 @@ def format_report(result: Result) -> str:
                  f"method {s['method']}{_why(s.get('method_reason'))}{_agent(s.get('agent'))}, "
                  f"operators {s.get('ops', 'all')}, "
                  f"seed {s['seed']}, "
-                 f"input shapes {_shapes_text(s['input_shapes'])}")
+                 f"input shapes {_shapes_text(s['input_shapes'])}"
+                 + "".join(f", {name} fixed to {value}" for name, value in (s.get("fixed_dims") or {}).items()))
     return "\n".join(lines)
 
 
