@@ -32,6 +32,8 @@ def test_fixed_dims_parse_and_refuse_what_no_model_has():
     assert _dims(model.graph.input[0]) == [2, "sequence"] and _dims(model.graph.output[0]) == [2, "sequence"]
     with pytest.raises(InputError, match="dynamic dimensions are sequence"):
         fix_dims(model, {"batch": 1})
+    with pytest.raises(InputError, match="positive integers: sequence=0"):
+        fix_dims(model, {"sequence": 0})
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,9 @@ def fix_dims(model: onnx.ModelProto, fixed: Mapping[str, int]) -> None:
     """
     if not fixed:
         return
+    bad = sorted(name for name, value in fixed.items() if not isinstance(value, int) or value <= 0)
+    if bad:
+        raise InputError(f"--fix-dim takes positive integers: {', '.join(f'{n}={fixed[n]!r}' for n in bad)}")
     weights = {t.name for t in model.graph.initializer}
     known = {d.dim_param for vi in model.graph.input if vi.name not in weights
              for d in vi.type.tensor_type.shape.dim if d.dim_param}
