@@ -100,3 +100,9 @@ def test_bench_fixes_the_dims_for_every_method_and_records_it(llama_step, tmp_pa
 
     graph = _load_profiled(Path(llama_step), [], {"batch": 1})  # what the methods and the peers are handed
     assert all(_dims(vi)[0] == 1 for vi in graph.interface[0])
+    same, given = _load(graph, None, None, {"batch": 1})  # optimize() keeps a graph handed to it fixed
+    assert same is graph and all(_dims(vi)[0] == 1 for vi in given.graph.input)
+    from rlflow.graph.core import load
+
+    rebuilt, _ = _load(load(llama_step), None, None, {"batch": 1})  # and builds one handed to it dynamic again
+    assert all(_dims(vi)[0] == 1 for vi in rebuilt.interface[0])

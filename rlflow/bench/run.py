@@ -306,8 +306,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
         ratio = comparison.ratios[1]
     before, after = comparison.timings
     verification = result.verification if result.rewritten else None  # else the output is the input itself
-    device = _device_errors(graph.to_model(static=False), result.graph.to_model(static=False), settings,
-                            graph) if result.rewritten else {}
+    device = _device_errors(graph, result.graph, settings, graph) if result.rewritten else {}
     return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
                latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
                faster=ratio.faster, rewritten=result.rewritten,
@@ -372,16 +371,18 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
                profiles=per_profile, **device)
 
 
-def _device_errors(source: onnx.ModelProto, output: onnx.ModelProto, settings: SessionSettings,
+def _device_errors(source: onnx.ModelProto | Graph, output: onnx.ModelProto | Graph, settings: SessionSettings,
                    graph: Graph) -> dict[str, float]:
     """On CUDA, Row's `device_error` and `input_device_error`: the output and the input run on the device, each against
-    the input on the CPU, on random inputs (random positions and masks for a decoder); {} elsewhere.
+    the input on the CPU, on random inputs (random positions and masks for a decoder); {} elsewhere (a Graph is
+    exported only then).
 
     Outputs are verified on the CPU, but a contrib operator's CUDA kernel may compute something else (onnxruntime's
     notes say GroupQueryAttention's CUDA rotary derives the keys' positions from the cache length): an output whose
     device error is far above the input's does not compute the same function there."""
     if settings.provider != "CUDAExecutionProvider":
         return {}
+    source, output = (m.to_model(static=False) if isinstance(m, Graph) else m for m in (source, output))
     shapes = verification_shapes(graph)[:1]
 
     def error(model: onnx.ModelProto) -> float:

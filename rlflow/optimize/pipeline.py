@@ -262,8 +262,10 @@ def _load(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[
         graph, source = None, str(model)
     if fixed:
         fix_dims(given, fixed)
-        graph = None
         profiles = [without_fixed(p, fixed) for p in profiles or []]
+        if graph is not None and any(d.dim_param in fixed for vi in graph.interface[0]
+                                     for d in vi.type.tensor_type.shape.dim):
+            graph = None  # built again from the fixed model; a graph given fixed (the bench's) is kept
     if not isinstance(model, Graph) and not profiles and not input_shapes and not deployed_shapes(given):
         profiles = default_profiles(given)
     if profiles:
