@@ -22,6 +22,7 @@ from rlflow.measure.shape_profiles import (
     slower,
 )
 from rlflow.measure.timing import Ratio
+from rlflow.search.candidates import fastest
 from tests.conftest import save, tiny_model
 from tests.test_optimize import _accept_first_candidate
 
@@ -139,7 +140,18 @@ def test_combine_is_the_weighted_geometric_mean_of_speedups_and_bounds():
     both = combine(ratios, [3.0, 1.0])
     assert both.median == pytest.approx(math.exp((3 * math.log(1.2) + math.log(0.9)) / 4))
     assert both.low == pytest.approx(math.exp((3 * math.log(1.1) + math.log(0.85)) / 4))
-    assert both.faster and slower(ratios[1]) and not slower(ratios[0])
+    assert slower(ratios[1]) and not slower(ratios[0])
+    assert both.low > 1.0 and both.slower_at == (1,)
+    assert not both.faster  # the mean is above 1, but it is measurably slower at the second profile: the gate's rule
+
+
+def test_searches_screen_candidates_by_the_gates_rule():
+    """A candidate faster on the mean but measurably slower at one profile is not a step (greedy stepped to one once,
+    and the gate then refused the whole search's output)."""
+    slow_somewhere = combine([Ratio(1.3, 1.2, 1.4, 0.95), Ratio(0.95, 0.92, 0.98, 0.95)], [3.0, 1.0])
+    everywhere_ok = combine([Ratio(1.1, 1.05, 1.15, 0.95), Ratio(1.0, 0.97, 1.03, 0.95)], [3.0, 1.0])
+    assert fastest([("slow somewhere", slow_somewhere), ("ok", everywhere_ok)]) == ("ok", everywhere_ok)
+    assert fastest([("slow somewhere", slow_somewhere)]) is None
 
 
 def _measured_as(monkeypatch, speedups: list[Ratio]):
@@ -162,7 +174,7 @@ def test_a_rewrite_slower_at_one_profile_is_not_kept(text_model, tmp_path, monke
     calls = _measured_as(monkeypatch, [Ratio(1.30, 1.20, 1.40, 0.95), Ratio(0.95, 0.92, 0.98, 0.95)])
     result = rlflow.optimize(save(text_model, tmp_path / "m.onnx"), method="greedy", time_limit=5,
                              profiles=[parse_profile(S16 + "@3"), parse_profile(S64)])
-    assert result.gate.faster  # faster on the weighted mean...
+    assert result.gate.low > 1.0  # faster on the weighted mean...
     assert not result.rewritten and "measurably slower at profile " + S64 in result.reason  # ...but not at every one
     assert [p["label"] for p in result.profiles] == [S16, S64] and result.profiles[1]["speedup"]["high"] == 0.98
     shapes = [[[d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in pair[0].graph.input] for pair in calls]

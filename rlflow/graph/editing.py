@@ -67,12 +67,15 @@ class Editing:
 
     def _names_in_use(self) -> set[str]:
         """The names of the graph's nodes and (non-empty) tensors: `gs.tensors()`'s keys without building its map
-        (0.56 ms against 0.87 ms on MiniLM-L12), paid again after every `remove_dead_nodes`."""
+        (0.56 ms against 0.87 ms on MiniLM-L12), paid again after every `remove_dead_nodes` that removes something."""
         used = {t.name for t in (*self.gs.inputs, *self.gs.outputs)}
-        for node in self.gs.nodes:
-            used.add(node.name)
-            used.update(t.name for t in node.inputs)
-            used.update(t.name for t in node.outputs)
+        add = used.add
+        for node in self.gs.nodes:  # plain loops: generators over gs's lists took twice as long
+            add(node.name)
+            for tensor in node.inputs:
+                add(tensor.name)
+            for tensor in node.outputs:
+                add(tensor.name)
         used.discard("")  # the empty tensor (an omitted optional input) is no name
         return used
 
@@ -83,26 +86,34 @@ class Editing:
     def remove_dead_nodes(self) -> None:
         """Removes the nodes no graph output depends on, as the cleanup of `finish_edit` does, but without its copies
         and sort.  For batches of rewrites (`rewrites.apply_all`): consumers then count as after a cleanup, and names
-        are freed for `fresh_name` as they would be between single rewrites."""
-        live: set[int] = set()
-        stack, seen = list(self.gs.outputs), set()
-        while stack:
-            tensor = stack.pop()
-            if id(tensor) in seen:
+        are freed for `fresh_name` as they would be between single rewrites.
+
+        The graph is acyclic, so its dead nodes are what removing the nodes no one reads that write no graph output,
+        and then again what that leaves unread, removes: one scan and a cascade from what it finds.  A walk from the
+        outputs took 18 ms a rewrite on a 30-layer decoder (31 of greedy's 76 s on one).  A node of an If or Loop body
+        reads the outer graph's tensors as any node does, so what a body reads stays.
+        """
+        interface = {id(t) for t in self.gs.outputs}
+        unread = []
+        for node in self.gs.nodes:
+            for tensor in node.outputs:
+                if tensor.outputs or id(tensor) in interface:
+                    break
+            else:
+                unread.append(node)
+        removed = set()
+        while unread:
+            node = unread.pop()
+            if id(node) in removed or any(t.outputs or id(t) in interface for t in node.outputs):
                 continue
-            seen.add(id(tensor))
-            for node in tensor.inputs:
-                if id(node) not in live:
-                    live.add(id(node))
-                    stack.extend(node.inputs)
-                    if any(isinstance(value, gs.Graph) for value in node.attrs.values()):  # If, Loop, Scan...
-                        for body in node.subgraphs(recursive=True):  # tensors a body reads from the outer graph
-                            stack.extend(t for inner in body.nodes for t in inner.inputs)
-        for node in [n for n in self.gs.nodes if id(n) not in live]:
+            removed.add(id(node))
+            inputs = list(node.inputs)
             node.inputs.clear()
             node.outputs.clear()
-        self.gs.nodes = [n for n in self.gs.nodes if id(n) in live]
-        self._used_names = None
+            unread.extend(producer for tensor in inputs for producer in tensor.inputs)
+        if removed:
+            self.gs.nodes = [n for n in self.gs.nodes if id(n) not in removed]
+            self._used_names = None
 
     def add_node(self, op: str, inputs: Sequence[gs.Tensor], outputs: int | Sequence[gs.Tensor] = 1,
                  attrs: dict | None = None, domain: str = "", hint: str | None = None) -> list[gs.Tensor]:

@@ -96,8 +96,8 @@ class Gate:
 
     @property
     def keep(self) -> bool:
-        """Measurably faster overall, and measurably slower at no profile."""
-        return self.ratio.faster and not self.slower_at
+        """Measurably faster overall, and measurably slower at no profile (`CombinedRatio.faster`)."""
+        return self.ratio.faster
 
 
 def measure_gate(baseline: Graph, candidate: Graph, settings: SessionSettings, paces: Sequence[Pace], *,

@@ -10,18 +10,20 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from itertools import chain, islice
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
 from rlflow.graph.core import Graph
 from rlflow.measure.memory import shares_weights
+from rlflow.measure.profile_comparison import profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
 from rlflow.search.candidates import (
     Candidate,
     SearchResult,
+    affordable,
     all_fusions,
     children,
     dropped,
@@ -58,13 +60,14 @@ batch: a 9.2 GiB peak for 2.9 GiB of weights; 2: see docs/results/large)."""
 
 
 def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: float,
-           most: int | None = None) -> Iterator[list[Candidate]]:
+           most: int | Callable[[], int | None] | None = None) -> Iterator[list[Candidate]]:
     """A step's candidates in batches, each measured only when none of the one before was measurably faster: every
     fusion applied everywhere at once (`all_fusions`); each rule applied everywhere it matches (those matching in
     the most places first: on a 1 GB decoder only a few candidates fit in the time, and a TorchScript export's 310
     no-op Casts are worth more than a rule matching twice), with the rules that match once; every other single
-    rewrite.  `most`: candidates built per batch at most; a phase then comes in as many batches as it has (it once
-    stopped at its first: on a 1 GB decoder greedy measured two cleanup rules and never reached a fusion).
+    rewrite.  `most`: candidates built per batch at most (or what a function says before each batch); a phase then
+    comes in as many batches as it has (it once stopped at its first: on a 1 GB decoder greedy measured two cleanup
+    rules and never reached a fusion).
 
     Making a candidate costs a copy of the graph, and measuring one a session: on a 600-1300-node transformer the
     hundred-odd single rewrites took most of a 60 s limit before anything was measured, and measuring the dozen rules
@@ -84,9 +87,10 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
         yield from _batches(children(current, several, seen, deadline), most)
 
 
-def _batches(candidates: Iterator[Candidate], most: int | None) -> Iterator[list[Candidate]]:
+def _batches(candidates: Iterator[Candidate],
+             most: int | Callable[[], int | None] | None) -> Iterator[list[Candidate]]:
     """`candidates` in lists of `most` (all in one where None), each built only when the one before was measured."""
-    while batch := list(islice(candidates, most)):
+    while batch := list(islice(candidates, most() if callable(most) else most)):
         yield batch
 
 
@@ -101,6 +105,18 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     steps, measured, unmeasured, stop, refused = [], 0, 0, "step limit", []
     pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
     most = LARGE_MODEL_CANDIDATES if shares_weights(graph) else None
+
+    starved = False  # a batch was due and the time left could measure none of it
+
+    def batch_size() -> int | None:
+        """Candidates worth building for the next batch: `most`, but no more than the time left can measure (a 30-layer
+        decoder's dozen rules applied everywhere took 12 s to build, and the time left measured four of them)."""
+        nonlocal starved
+        wanted = most or config.max_candidates
+        fits = affordable(pace, wanted, deadline, profiles=profile_count(graph)) if pace.known else wanted
+        starved = fits == 0
+        return most if fits >= wanted else fits
+
     # the heap held before the search out of the collector's rescans while candidates are built (`frozen_heap`)
     with tqdm(total=config.max_steps, desc="greedy", unit="step", disable=not progress, leave=False) as bar, \
             frozen_heap():
@@ -109,7 +125,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 stop = "time limit"
                 break
             best, tried = None, False
-            for candidates in phases(current, rules, seen, deadline, most):
+            for candidates in phases(current, rules, seen, deadline, batch_size):
                 candidates.sort(key=lambda c: len(c.graph))  # fewer nodes first: the cheapest ranking before measuring
                 tried = tried or bool(candidates)
                 results = measure_against(current.graph, candidates[: config.max_candidates], settings,
@@ -121,6 +137,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 if best is not None or time.monotonic() > deadline:
                     break
             if best is None:
+                unmeasured = max(unmeasured, int(starved))
                 out_of_time = unmeasured or time.monotonic() > deadline
                 stop = ("time limit" if out_of_time else
                         "no rewrite is measurably faster" if tried else "no rewrite applies")

@@ -171,3 +171,17 @@ def test_a_candidate_onnxruntime_cannot_run_is_dropped_and_named(bert, monkeypat
     lines = _dropped_lines(result.candidates_dropped)
     assert lines[0].startswith("  dropped     2 candidate(s) onnxruntime could not run, made by: ")
     assert "graph capture" in lines[1]
+
+
+def test_removing_dead_nodes_between_rewrites_is_a_cleanup_from_the_outputs(bert):
+    """`remove_dead_nodes` scans for nodes no one reads and cascades from them, where it walked from the outputs: the
+    nodes it leaves must be those a cleanup from the outputs keeps, rewrite after rewrite, and the names in use
+    those of what is left."""
+    graph = bert.clone()
+    for match in [*rule("attention-fusion").find(bert), *rule("skip-layernorm-fusion").find(bert)]:
+        rule(match.rule).rewrite(graph, match, graph.node_map())
+        graph.remove_dead_nodes()
+        kept = {n.name for n in graph.gs.nodes}
+        assert kept == {n.name for n in graph.gs.copy().cleanup(remove_unused_graph_inputs=False).nodes}
+        assert graph._names_in_use() == (set(graph.gs.tensors()) | kept) - {""}
+    assert graph.op_counts().get("LayerNormalization", 0) == 0

@@ -251,3 +251,25 @@ def test_greedy_stops_for_time_when_candidates_are_left_unmeasured(fake, graph):
     assert fake.clock.now - start <= 30.0
     assert result.stop_reason == "time limit" and result.candidates_measured >= 1
     assert replayed(graph, result.applied) == result.graph.fingerprint()
+
+
+def test_greedy_builds_no_more_candidates_than_the_time_left_can_measure(fake, graph, monkeypatch):
+    """Building a candidate costs a graph copy and its rewrites (a 30-layer decoder's dozen rules applied everywhere
+    took 12 s, and the time left measured four): once the pace is known, a batch holds what the time left can
+    measure, and when that is nothing the search stops for time."""
+    greedy_module = sys.modules["rlflow.search.greedy"]
+    real_measure, batches = greedy_module.measure_against, []
+
+    def measure(base, candidates, *args, **kwargs):
+        screening = real_measure(base, candidates, *args, **kwargs)
+        batches.append((len(candidates), screening.unmeasured))
+        return screening
+
+    monkeypatch.setattr(greedy_module, "measure_against", measure)
+    monkeypatch.setattr(greedy_module, "fastest", lambda pairs: None)  # no step is taken: the batches go on
+    start = fake.clock.now
+    result = greedy(graph, SessionSettings(), GreedyConfig(time_limit=50.0))
+    assert fake.clock.now - start <= 50.0 and result.stop_reason == "time limit"
+    assert len(batches) >= 2 and batches[0] == (1, 0)  # all fusions at once, then what the time left could measure
+    assert all(unmeasured == 0 for _, unmeasured in batches)  # (before: the whole phase built, most unmeasured)
+    assert result.candidates_unmeasured == 1  # the next batch was due, and nothing more fitted
