@@ -66,8 +66,11 @@ def _moved(graph: Graph, tensor: gs.Tensor) -> dict[str, tuple] | None:
     onnx completed.
     """
     name = tensor.name
-    key = tuple(n.name for n in graph.gs.nodes)
     stamp, moved = graph.lineage_cache.get("dynamic_axes", (None, None))
+    if stamp is not None and moved is not None and name in moved and _answers(moved, name, own=False,
+                                                                               symbolic=stamp[1]):
+        return moved  # a name the facts know answers whoever's they are: no need to list the nodes (the most asked)
+    key = tuple(n.name for n in graph.gs.nodes)
     own = stamp is not None and stamp[0] == key
     if stamp is not None and _answers(moved, name, own=own, symbolic=stamp[1]):
         return moved
