@@ -94,6 +94,9 @@ def _batches(candidates: Iterator[Candidate],
         yield batch
 
 
+_AT_EVERY_PROFILE = " (on the profiles' weighted mean and slower at none of them)"
+
+
 def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None = None,
            rules: Sequence[Rule] = RULES, progress: bool = False) -> SearchResult:
     """Greedy search over `rules`, measuring candidates end to end on `settings.provider`."""
@@ -138,9 +141,12 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                     break
             if best is None:
                 unmeasured = max(unmeasured, int(starved))
-                out_of_time = unmeasured or time.monotonic() > deadline
-                stop = ("time limit" if out_of_time else
-                        "no rewrite is measurably faster" if tried else "no rewrite applies")
+                if unmeasured or time.monotonic() > deadline:
+                    stop = "time limit"
+                elif not tried:
+                    stop = "no rewrite applies"
+                else:
+                    stop = "no rewrite is measurably faster" + (_AT_EVERY_PROFILE if len(graph.profiles) > 1 else "")
                 break
             unmeasured = 0
             step = best[0].applied[len(current.applied):]
