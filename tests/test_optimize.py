@@ -344,11 +344,11 @@ def test_a_default_time_limit_leaves_room_for_enough_candidates():
     from rlflow.measure.timing import Pace
     from rlflow.optimize.pipeline import SEARCH_CANDIDATES, _default_time_limit
 
-    fast = Pace({"session": 0.05, "run": 0.001})
+    fast = Pace({"session": 0.05, "run": 0.001, "export": 0.01})
     assert _default_time_limit("greedy", [fast, fast]) == 60.0 and _default_time_limit("agent", [fast]) == 10.0
-    slow = Pace({"session": 3.0, "run": 0.06})
-    candidate = slow.block_seconds(2, rounds=9)
-    assert candidate > 6
+    slow = Pace({"session": 3.0, "run": 0.06, "export": 1.5})
+    candidate = slow.block_seconds(2, exports=2, rounds=9)  # the candidate and the input exported at the profile
+    assert candidate > Pace({"session": 3.0, "run": 0.06}).block_seconds(2, rounds=9) + 2.9
     assert _default_time_limit("greedy", [slow, slow]) == pytest.approx(SEARCH_CANDIDATES["greedy"] * 2 * candidate)
     assert _default_time_limit("agent", [slow]) == pytest.approx(2 * candidate) and 2 * candidate > 10
 

@@ -143,30 +143,36 @@ def _default_for(provider: str, agent, finetune: int, graph: Graph, rules) -> tu
 
 
 SEARCH_CANDIDATES = {"agent": 2, "greedy": 8, "taso": 8, "random": 8}
-"""Candidates a method's default time leaves room to measure end to end: a 1 GB decoder's candidate takes 10 s and
-more at two cache lengths, and greedy's 60 s then measured four, too few to reach its second step."""
+"""Candidates a method's default time leaves room to measure end to end: a 1 GB decoder's candidate takes 10-20 s
+at two cache lengths, and greedy's 60 s then measured four, too few to reach its second step."""
 
 
 def _default_time_limit(method: str, paces: Sequence[Pace]) -> float:
     """`method`'s default search time (DEFAULT_TIME_LIMITS), raised where measuring SEARCH_CANDIDATES candidates
-    against the input (one block of `GreedyConfig.rounds` rounds at every profile) would not fit in it."""
-    candidate = sum(p.block_seconds(2, rounds=GreedyConfig.rounds) for p in paces)
+    against the input would not fit in it: at every profile, the candidate and the input exported, their sessions and
+    one block of `GreedyConfig.rounds` rounds.  Without the exports it predicted eight candidates where a decode step's
+    search measured three to five."""
+    candidate = sum(p.block_seconds(2, exports=2, rounds=GreedyConfig.rounds) for p in paces)
     return max(DEFAULT_TIME_LIMITS[method], SEARCH_CANDIDATES[method] * candidate)
 
 
 def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,
                 seed: int) -> tuple[list[Pace], list[Timing]]:
     """The input checked and timed at every profile (ProviderError where the provider cannot run it), with the pace
-    (session and run times) that plans the final measurement at each.  The primary profile's latency is the report's
+    (export, session and run times) that sets the default time limit and plans the final measurement at each.  The primary profile's latency is the report's
     when the input is kept.
 
     The input runs as the user has it, except under CUDA graph capture: there it runs as every measurement runs it,
     its static export (with dynamic shapes onnxruntime computes shapes on the CPU and refuses the capture: BERT-L4 on
     an H200)."""
-    paces = [Pace() for _ in graph.profiles or [None]]
-    timings = [check_and_time(export_at(graph, p) if settings.cuda_graph else given, settings, seed=seed, pace=pace,
-                              shapes=dict(p.shapes) if p else graph.input_shapes)
-               for p, pace in zip(graph.profiles or [None], paces)]
+    paces, timings = [], []
+    for profile in graph.profiles or [None]:
+        pace = Pace()
+        with pace.timed("export"):  # as every candidate will be, at each profile (`_default_time_limit`)
+            exported = export_at(graph, profile)
+        timings.append(check_and_time(exported if settings.cuda_graph else given, settings, seed=seed, pace=pace,
+                                      shapes=dict(profile.shapes) if profile else graph.input_shapes))
+        paces.append(pace)
     return paces, timings
 
 
