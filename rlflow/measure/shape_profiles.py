@@ -286,8 +286,8 @@ def instantiate(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> 
 class CombinedRatio(Ratio):
     """A speedup over several profiles: their weighted geometric mean, which counts as faster only where the model is
     measurably slower at none of them (`slower_at`: their indices).  The gate's rule, here so that every search screens
-    its candidates by it: greedy once stepped to a graph 15% faster at cache 128 and 5% slower at 1024, which the gate
-    then refused, the whole search lost."""
+    its candidates by it: greedy once stepped onto a decode step's fused graph faster on the mean and slower at the long
+    cache, which the gate then refused, and the whole search was lost."""
 
     slower_at: tuple[int, ...] = ()
 
