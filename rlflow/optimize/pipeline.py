@@ -159,8 +159,8 @@ def _default_time_limit(method: str, paces: Sequence[Pace]) -> float:
 def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,
                 seed: int) -> tuple[list[Pace], list[Timing]]:
     """The input checked and timed at every profile (ProviderError where the provider cannot run it), with the pace
-    (export, session and run times) that sets the default time limit and plans the final measurement at each.  The primary profile's latency is the report's
-    when the input is kept.
+    (export, session and run times) that sets the default time limit and plans the final measurement at each.  The
+    primary profile's latency is the report's when the input is kept.
 
     The input runs as the user has it, except under CUDA graph capture: there it runs as every measurement runs it,
     its static export (with dynamic shapes onnxruntime computes shapes on the CPU and refuses the capture: BERT-L4 on
@@ -170,7 +170,9 @@ def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,
         pace = Pace()
         with pace.timed("export"):  # as every candidate will be, at each profile (`_default_time_limit`)
             exported = export_at(graph, profile)
-        timings.append(check_and_time(exported if settings.cuda_graph else given, settings, seed=seed, pace=pace,
+        model = exported if settings.cuda_graph else given
+        del exported  # not held beside the session's copy of the weights where it is not what runs
+        timings.append(check_and_time(model, settings, seed=seed, pace=pace,
                                       shapes=dict(profile.shapes) if profile else graph.input_shapes))
         paces.append(pace)
     return paces, timings
