@@ -18,7 +18,7 @@ from typing import Sequence
 from rlflow.graph.core import Graph
 from rlflow.measure.profile_comparison import export_at
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.shape_profiles import Profile, combine, slower
+from rlflow.measure.shape_profiles import Profile, combine
 from rlflow.measure.timing import MIN_ROUNDS, WARMUP_RUNS, Comparison, Pace, Ratio, compare
 
 GATE_SECONDS = 15.0
@@ -87,12 +87,12 @@ class Gate:
     comparisons: list[Comparison]
     plans: list[GatePlan]
     profiles: list[Profile]
-    ratio: Ratio
+    ratio: Ratio  # a `CombinedRatio` where there are profiles
 
     @property
     def slower_at(self) -> list[Profile]:
-        """Profiles at which the candidate is measurably slower."""
-        return [p for p, c in zip(self.profiles, self.comparisons) if slower(c.ratios[1])]
+        """Profiles at which the candidate is measurably slower (`combine` found them)."""
+        return [self.profiles[i] for i in self.ratio.slower_at] if self.profiles else []
 
     @property
     def keep(self) -> bool:
