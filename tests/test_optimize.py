@@ -339,18 +339,26 @@ def test_the_report_gives_a_decoder_s_cache_shapes_once():
 
 
 def test_a_default_time_limit_leaves_room_for_enough_candidates():
-    """A model slow to measure (a 1 GB decoder's step at two cache lengths) gets more than the default search time;
-    a fast one keeps it."""
+    """A model slow to measure (a 1 GB decoder's step at two cache lengths) gets more than the default search time,
+    enough for greedy's whole first step; a fast one keeps it."""
+    from pathlib import Path
+
     from rlflow.measure.timing import Pace
-    from rlflow.optimize.pipeline import SEARCH_CANDIDATES, _default_time_limit
+    from rlflow.optimize.pipeline import SEARCH_CANDIDATES, _default_time_limit, _planned_candidates
+    from rlflow.rewrites import RULES
+    from rlflow.search.greedy import step_size
 
     fast = Pace({"session": 0.05, "run": 0.001, "export": 0.01})
-    assert _default_time_limit("greedy", [fast, fast]) == 60.0 and _default_time_limit("agent", [fast]) == 10.0
+    assert _default_time_limit("greedy", [fast, fast], 8) == 60.0 and _default_time_limit("agent", [fast], 2) == 10.0
     slow = Pace({"session": 3.0, "run": 0.06, "export": 1.5})
     candidate = slow.block_seconds(2, exports=2, rounds=9)  # the candidate and the input exported at the profile
     assert candidate > Pace({"session": 3.0, "run": 0.06}).block_seconds(2, rounds=9) + 2.9
-    assert _default_time_limit("greedy", [slow, slow]) == pytest.approx(SEARCH_CANDIDATES["greedy"] * 2 * candidate)
-    assert _default_time_limit("agent", [slow]) == pytest.approx(2 * candidate) and 2 * candidate > 10
+    built = 1.5  # building it: about one export
+    assert _default_time_limit("greedy", [slow, slow], 16) == pytest.approx(16 * (2 * candidate + built))
+    assert _default_time_limit("agent", [slow], 2) == pytest.approx(2 * (candidate + built)) and 2 * candidate > 10
+    bert = load(Path(__file__).parent / "fixtures" / "exports" / "bert-tiny-dynamo.onnx", {"input_ids": (1, 8), "attention_mask": (1, 8)})
+    assert _planned_candidates("greedy", bert, RULES) == step_size(bert, RULES) > SEARCH_CANDIDATES["greedy"]
+    assert _planned_candidates("taso", bert, RULES) == SEARCH_CANDIDATES["taso"]
 
 
 @pytest.mark.parametrize("shipped", ["default.pt", "cuda.pt"])

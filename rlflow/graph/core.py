@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -128,22 +129,29 @@ class Graph(Editing):
                     tensor.values = external_array(tensor._values.tensor)
                     tensor.data_location = None
 
-    def _export_view(self) -> gs.Graph:
-        """The graph to export: constants mapped from a file become external-data references instead of bytes.
+    @contextmanager
+    def _weights_as_references(self):
+        """Within the `with`, constants mapped from a file are external-data references instead of bytes, for export.
 
         The exported proto then stays small whatever the weights weigh (onnx's C++ tools and onnxruntime refuse protos
-        over 2 GB) and holds no copy of them; `self` is left as it is.
+        over 2 GB) and holds no copy of them.  They are swapped in place and put back after: a copy of the graph to
+        swap them in was half of each export's time on a 3,646-node decoder step (0.5 s of 1.0 s).
         """
-        if not any_mapped():
-            return self.gs
-        view = self.gs.copy()
-        for graph in [view, *view.subgraphs(recursive=True)]:
-            for tensor in graph.tensors().values():
-                if isinstance(tensor, gs.Constant):
-                    reference = external_reference(tensor.name, tensor.values)
-                    if reference is not None and _exports_as_is(tensor):
-                        tensor.values = LazyValues(reference)  # gs exports a LazyValues' TensorProto as it is
-        return view
+        swapped = []
+        if any_mapped():
+            for graph in self._subgraphs():
+                for tensor in graph.tensors().values():
+                    # a subgraph lists the outer constants it reads: swapped once
+                    if isinstance(tensor, gs.Constant) and not isinstance(tensor._values, LazyValues):
+                        reference = external_reference(tensor.name, tensor.values)
+                        if reference is not None and _exports_as_is(tensor):
+                            swapped.append((tensor, tensor.values))
+                            tensor.values = LazyValues(reference)  # gs exports a LazyValues' TensorProto as it is
+        try:
+            yield
+        finally:
+            for tensor, values in swapped:
+                tensor.values = values
 
     def _name_nodes(self) -> None:
         """Gives every node a unique name: matches refer to nodes by name."""
@@ -206,7 +214,8 @@ class Graph(Editing):
             static: True gives the measurement model (inputs fixed to `input_shapes`, every shape recorded); False gives
                 the model to write, whose inputs and outputs are the original interface with dynamic dimensions.
         """
-        model = gs.export_onnx(self._export_view(), do_type_check=False)
+        with self._weights_as_references():
+            model = gs.export_onnx(self.gs, do_type_check=False)
         info = self.model_info
         del model.opset_import[:]
         model.opset_import.extend(self.opset_imports())

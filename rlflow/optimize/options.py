@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from rlflow.graph.core import Graph
 
 METHODS = ("agent", "greedy", "taso", "random")
-"""agent: the shipped policy's rollouts, best few measured; greedy: best measured single rewrite, repeated; taso:
-cost-model backtracking search (TASO); random: random walks."""
+"""agent: the shipped policy's rollouts, best few measured; greedy: the best measured rewrite (all fusions, a rule
+everywhere, a rule at one kind of location), repeated; taso: cost-model backtracking search (TASO); random: random
+walks."""
 
 OPS = ("all", "standard")
 """Operator sets an output may use: `all` (onnxruntime's contrib operators too: the fusions) or `standard` (the default

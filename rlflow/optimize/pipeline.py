@@ -30,7 +30,7 @@ from rlflow.optimize.options import DEFAULT_TIME_LIMITS, Options, default_method
 from rlflow.optimize.result import Result
 from rlflow.rewrites import REGISTRY_VERSION, Rule
 from rlflow.search.candidates import SearchResult
-from rlflow.search.greedy import GreedyConfig, greedy
+from rlflow.search.greedy import GreedyConfig, greedy, step_size
 from rlflow.search.random_walk import RandomConfig, random_walk
 from rlflow.search.taso import TasoConfig, taso
 
@@ -73,7 +73,8 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                  "weights with candidates measured one at a time", weight_bytes(graph) / 2**30, predicted_peak / 2**30)
     paces, input_timings = _time_input(graph, given, settings, seed)
     input_timing = input_timings[0]
-    time_limit = _default_time_limit(method, paces) if time_limit is None else time_limit
+    if time_limit is None:
+        time_limit = _default_time_limit(method, paces, _planned_candidates(method, graph, rules))
     gate_seconds = gate_budget(time_limit)
 
     policy, adapted = None, None
@@ -143,17 +144,28 @@ def _default_for(provider: str, agent, finetune: int, graph: Graph, rules) -> tu
 
 
 SEARCH_CANDIDATES = {"agent": 2, "greedy": 8, "taso": 8, "random": 8}
-"""Candidates a method's default time leaves room to measure end to end: a 1 GB decoder's candidate takes 10-20 s
-at two cache lengths, and greedy's 60 s then measured four, too few to reach its second step."""
+"""Candidates a method's default time leaves room to measure end to end at least (greedy: its first step's, where
+more, `step_size`): a 1 GB decoder's candidate takes 10-20 s at two cache lengths, and greedy's 60 s then measured
+four, too few to reach its second step."""
 
 
-def _default_time_limit(method: str, paces: Sequence[Pace]) -> float:
-    """`method`'s default search time (DEFAULT_TIME_LIMITS), raised where measuring SEARCH_CANDIDATES candidates
-    against the input would not fit in it: at every profile, the candidate and the input exported, their sessions and
-    one block of `GreedyConfig.rounds` rounds.  Without the exports it predicted eight candidates where a decode step's
-    search measured three to five."""
-    candidate = sum(p.block_seconds(2, exports=2, rounds=GreedyConfig.rounds) for p in paces)
-    return max(DEFAULT_TIME_LIMITS[method], SEARCH_CANDIDATES[method] * candidate)
+def _planned_candidates(method: str, graph: Graph, rules: Sequence[Rule]) -> int:
+    """SEARCH_CANDIDATES, or greedy's first step where it builds more: with eight, greedy ran out of time on 30-layer
+    decoder steps where none of its first 14 candidates was faster, so it never said that none was."""
+    if method != "greedy":
+        return SEARCH_CANDIDATES[method]
+    return max(SEARCH_CANDIDATES[method], step_size(graph, rules))
+
+
+def _default_time_limit(method: str, paces: Sequence[Pace], candidates: int) -> float:
+    """`method`'s default search time (DEFAULT_TIME_LIMITS), raised where measuring `candidates` candidates against
+    the input would not fit in it: each built (about one export: a rule applied everywhere on a 3,646-node decoder
+    step took 1.3 s, its export 1.0 s), then at every profile the candidate and the input exported, their sessions
+    and one block of `GreedyConfig.rounds` rounds.  Without the exports it predicted eight candidates where a decode
+    step's search measured three to five."""
+    candidate = paces[0].seconds.get("export", 0.0) + sum(p.block_seconds(2, exports=2, rounds=GreedyConfig.rounds)
+                                                          for p in paces)
+    return max(DEFAULT_TIME_LIMITS[method], candidates * candidate)
 
 
 def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,

@@ -1,9 +1,9 @@
 """Greedy search: apply the rewrite with the best measured gain, repeat until no rewrite is measurably faster.
 
 A step measures its candidates in batches (`phases`): every fusion applied everywhere at once; then each rule that
-matches in several places applied at all of them (`everywhere`); then, if none of those is faster, every single
-rewrite.  The layers of a network usually want the same decision, and together their gain stands out of the
-measurement's noise."""
+matches in several places applied at all of them (`everywhere`); then, if none of those is faster, each rule at the
+locations of each kind (`alike`: same operators and shapes).  The layers of a network usually want the same decision,
+and together their gain stands out of the measurement's noise."""
 from __future__ import annotations
 
 import time
@@ -19,16 +19,18 @@ from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
-from rlflow.rewrites import RULES, Rule, find_matches
+from rlflow.rewrites import GROUPS, RULES, Rule, find_matches
 from rlflow.search.candidates import (
     Candidate,
     SearchResult,
     affordable,
+    alike,
     all_fusions,
     children,
     dropped,
     everywhere,
     fastest,
+    kinds_of_location,
     measure_against,
 )
 from rlflow.search.frozen_heap import frozen_heap
@@ -64,14 +66,14 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
     """A step's candidates in batches, each measured only when none of the one before was measurably faster: every
     fusion applied everywhere at once (`all_fusions`); each rule applied everywhere it matches (those matching in
     the most places first: on a 1 GB decoder only a few candidates fit in the time, and a TorchScript export's 310
-    no-op Casts are worth more than a rule matching twice), with the rules that match once; every other single
-    rewrite.  `most`: candidates built per batch at most (or what a function says before each batch); a phase then
-    comes in as many batches as it has (it once stopped at its first: on a 1 GB decoder greedy measured two cleanup
-    rules and never reached a fusion).
+    no-op Casts are worth more than a rule matching twice), with the rules that match once; each rule at the
+    locations of each kind, where it has several (`alike`).  `most`: candidates built per batch at most (or what a
+    function says before each batch); a phase then comes in as many batches as it has (it once stopped at its first:
+    on a 1 GB decoder greedy measured two cleanup rules and never reached a fusion).
 
     Making a candidate costs a copy of the graph, and measuring one a session: on a 600-1300-node transformer the
-    hundred-odd single rewrites took most of a 60 s limit before anything was measured, and measuring the dozen rules
-    applied everywhere 20-40 s more, where all fusions at once is one candidate that usually wins the step.
+    hundred-odd single rewrites greedy once tried last took most of a 60 s limit before anything was measured, where
+    all fusions at once is one candidate that usually wins the step.
     """
     matches = find_matches(current.graph, rules)
     counts = Counter(m.rule for m in matches)
@@ -82,9 +84,17 @@ def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: 
     widest = sorted(rules, key=lambda r: -counts[r.name])  # where only a few batches fit, the widest rules first
     yield from _batches(chain(everywhere(current, widest, seen, deadline, matches),
                               children(current, once, seen, deadline)), most)
-    several = [r for r in rules if counts[r.name] > 1]
-    if several:
-        yield from _batches(children(current, several, seen, deadline), most)
+    yield from _batches(alike(current, rules, seen, deadline, matches), most)
+
+
+def step_size(graph: Graph, rules: Sequence[Rule] = RULES) -> int:
+    """Candidates a greedy step from `graph` builds at most (`phases`), when none of them is faster: all fusions at
+    once, each matching rule everywhere (or at its one place), and each kind of location of the rules with several
+    kinds.  What the default time limit lets greedy measure, so that it ends by finding none faster, not by time."""
+    matches = find_matches(graph, rules)
+    kinds = kinds_of_location(graph, matches)
+    fusions = sum(1 for r in rules if r in GROUPS["fusion"] and r.name in kinds)
+    return int(fusions > 1) + len(kinds) + sum(len(groups) for groups in kinds.values() if len(groups) > 1)
 
 
 def _batches(candidates: Iterator[Candidate],

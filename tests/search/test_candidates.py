@@ -8,9 +8,9 @@ import pytest
 
 from rlflow.graph.core import load
 from rlflow.measure.verify import verify
-from rlflow.rewrites import apply, apply_all, match_counts, rule
-from rlflow.search.candidates import Candidate, all_fusions, everywhere
-from rlflow.search.greedy import phases
+from rlflow.rewrites import RULES, apply, apply_all, find_matches, match_counts, rule
+from rlflow.search.candidates import Candidate, alike, all_fusions, everywhere, kinds_of_location
+from rlflow.search.greedy import phases, step_size
 
 EXPORT = Path(__file__).resolve().parents[1] / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"
 
@@ -64,7 +64,26 @@ def test_greedy_measures_all_fusions_alone_first_then_the_rest(bert):
     first, second, third = batches
     assert len(first) == 1 and {m.rule for m in first[0].applied} >= {"attention-fusion", "skip-layernorm-fusion"}
     assert {c.applied[-1].rule for c in second} == {"skip-layernorm-fusion", "attention-fusion", "gelu-fusion"}
-    assert len(third) == 3 and all(len(c.applied) == 1 for c in third)  # the single skip-layernorm rewrites
+    # skip-layernorm at each kind of its locations (two alike, one other), never at one of two alike
+    assert [(c.applied[-1].rule, len(c.applied)) for c in third] == [("skip-layernorm-fusion", 2),
+                                                                     ("skip-layernorm-fusion", 1)]
+
+
+def test_a_rule_is_tried_at_each_kind_of_location_and_the_step_size_counts_them(bert):
+    """The last phase applies a rule at the locations of one kind at a time (same operators and shapes: a network's
+    repeated layers), so a step is as many candidates as `step_size` says, and each keeps the numbers."""
+    start = Candidate(bert, (), bert.fingerprint())
+    kinds = kinds_of_location(bert, find_matches(bert))
+    assert [len(g) for g in kinds["skip-layernorm-fusion"]] == [2, 1] and len(kinds["attention-fusion"]) == 1
+    last = list(alike(start, matches=find_matches(bert)))
+    assert sorted((c.applied[-1].rule, len(c.applied)) for c in last) == [
+        ("scalar-mul-through-layout", 1), ("scalar-mul-through-layout", 1),
+        ("skip-layernorm-fusion", 1), ("skip-layernorm-fusion", 2)]
+    batches = list(phases(start, RULES, {start.fingerprint}, deadline=float("inf")))
+    assert sum(len(b) for b in batches) == step_size(bert) == 16
+    reference = bert.to_model(static=True)
+    for candidate in last:
+        assert verify(reference, candidate.graph.to_model(static=True)).ok
 
 
 def test_the_rules_matching_in_the_most_places_are_measured_first(bert):
@@ -88,7 +107,7 @@ def test_a_large_model_builds_at_most_a_few_candidates_per_batch(bert):
     first = next(batches)
     assert len(first) == 1 and seen == {start.fingerprint, first[0].fingerprint}  # nothing else built yet
     rest = list(batches)
-    assert [len(b) for b in rest] == [2, 1, 2, 1]  # the rules everywhere (3), then the single rewrites (3)
+    assert [len(b) for b in rest] == [2, 1, 2]  # the rules everywhere (3), then skip-layernorm's two kinds
     unlimited = phases(start, rules, {start.fingerprint}, deadline=float("inf"))
     assert [c.fingerprint for b in unlimited for c in b] == [c.fingerprint for b in (first, *rest) for c in b]
 
