@@ -226,6 +226,8 @@ def test_a_kept_input_says_whether_time_left_candidates_unmeasured(cnn_opset9_ir
     result = rlflow.optimize(cnn_opset9_ir3_path, method="greedy", time_limit=5)
     assert not result.rewritten and result.outcome == expected == result.as_dict()["outcome"]
     assert result.as_dict()["candidates_unmeasured"] == unmeasured
+    assert result.as_dict()["search"] == {"stop_reason": "time limit", "steps": []}  # why the search ended
+    assert "stopped: time limit" in format_report(result)
 
 
 def test_ops_standard_leaves_out_every_rule_with_contrib_output(monkeypatch):

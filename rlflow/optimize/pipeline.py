@@ -100,8 +100,8 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                   candidates_measured=search.candidates_measured, candidates_estimated=search.candidates_estimated,
                   candidates_unmeasured=search.candidates_unmeasured,
                   not_reached=list(search.not_reached), cost_table=search.cost_table,
-                  candidates_dropped=list(search.candidates_dropped),
-                  settings=recorded, source=graph.source)
+                  candidates_dropped=list(search.candidates_dropped), search_stop=search.stop_reason,
+                  search_steps=list(search.steps), settings=recorded, source=graph.source)
 
     verification, keep, gate = None, False, None
     if not search.applied:

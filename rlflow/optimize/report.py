@@ -56,9 +56,13 @@ def format_report(result: Result) -> str:
         lines.append(f"  memory      peak {m['peak'] / 2**30:.2f} GiB resident for {m['weights'] / 2**30:.2f} GiB of "
                      f"weights (predicted for the weights: {m['predicted_peak'] / 2**30:.2f} GiB)"
                      + ("; sessions shared the weights in place, without pre-packing" if s.get("share_weights") else ""))
-    lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search, "
+    limit = f" of a {s['time_limit']:.0f} s limit" if s.get("time_limit") is not None else ""
+    lines.append(f"  time        {result.seconds:.1f} s total, {result.search_seconds:.1f} s search{limit}, "
                  f"{result.candidates_measured} candidates measured end to end, "
                  f"{result.candidates_estimated} estimated")
+    if result.search_stop:
+        steps = f"{len(result.search_steps)} step(s), " if result.search_steps else ""
+        lines.append(f"  search      {steps}stopped: {result.search_stop}")
     if result.not_reached:
         lines.append(f"  not reached {'; '.join(result.not_reached)}")
     lines += _dropped_lines(result.candidates_dropped)

@@ -33,6 +33,9 @@ class Result:
         memory: bytes of the weights, the bytes of weights predicted to be held at the peak before the start
             (`check_fits`), and the process's peak resident set seen at the end (ru_maxrss: mapped pages count).
         rejected: the search's rewrites when they were not kept (they did not verify, or the gate refused them).
+        search_stop: why the search ended ("time limit", "no rewrite is measurably faster", ...): with rewrites kept,
+            whether it had finished or its limit cut it short.
+        search_steps: the search's steps where it records them (greedy: rule, location, speedup measured, nodes).
         profiles: with several shape profiles, one dict each (shapes, weight, label, input_ms, and output_ms and
             speedup when the final measurement ran); `speedup` is then their weighted geometric mean.
     """
@@ -59,6 +62,8 @@ class Result:
     rejected: list[str] = field(default_factory=list)
     candidates_dropped: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
+    search_stop: str = ""
+    search_steps: list[dict] = field(default_factory=list)
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -106,6 +111,7 @@ class Result:
             "candidates_estimated": self.candidates_estimated,
             "candidates_unmeasured": self.candidates_unmeasured,
             "not_reached": self.not_reached,
+            "search": {"stop_reason": self.search_stop, "steps": self.search_steps},
             "cost_table": self.cost_table,
             "profiles": self.profiles,
             "rejected": self.rejected,

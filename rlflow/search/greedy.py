@@ -3,7 +3,13 @@
 A step measures its candidates in batches (`phases`): every fusion applied everywhere at once; then each rule that
 matches in several places applied at all of them (`everywhere`); then, if none of those is faster, each rule at the
 locations of each kind (`alike`: same operators and shapes).  The layers of a network usually want the same decision,
-and together their gain stands out of the measurement's noise."""
+and together their gain stands out of the measurement's noise.
+
+A rewrite measured and not faster at one step is not measured again at a later one while it is the very same rewrite
+(the same matches: the step changed another part of the graph), as lazy greedy algorithms do: a gain seldom appears
+where an unrelated part of the graph changed, and on a 752-node decoder step the second step measuring again what the
+first had refused ran greedy out of time.  What a step makes possible is new and measured: every fusion at once
+changes with each fusion step, and rules matching the new nodes are new matches."""
 from __future__ import annotations
 
 import time
@@ -120,6 +126,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     most = LARGE_MODEL_CANDIDATES if shares_weights(graph) else None
 
     starved = False  # a batch was due and the time left could measure none of it
+    refused_before: set[frozenset] = set()  # rewrites measured not faster at an earlier step, by their matches
 
     def batch_size() -> int | None:
         """Candidates worth building for the next batch: `most`, but no more than the time left can measure (a 30-layer
@@ -139,10 +146,12 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 break
             best, tried = None, False
             for candidates in phases(current, rules, seen, deadline, batch_size):
-                candidates.sort(key=lambda c: len(c.graph))  # fewer nodes first: the cheapest ranking before measuring
                 tried = tried or bool(candidates)
+                candidates = [c for c in candidates if _rewrite(c, current) not in refused_before]
+                candidates.sort(key=lambda c: len(c.graph))  # fewer nodes first: the cheapest ranking before measuring
                 results = measure_against(current.graph, candidates[: config.max_candidates], settings,
                                           rounds=config.rounds, seed=config.seed, deadline=deadline, pace=pace)
+                refused_before.update(_rewrite(c, current) for c, ratio in results.pairs if not ratio.faster)
                 measured += len(results.pairs)
                 unmeasured = results.unmeasured
                 refused += [dropped(c, error, since=len(current.applied)) for c, error in results.dropped]
@@ -167,3 +176,8 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             bar.set_postfix_str(f"{steps[-1]['rule']} {ratio}")
     return SearchResult(current.graph, list(current.applied), measured, time.monotonic() - start, stop, steps,
                         candidates_unmeasured=unmeasured, candidates_dropped=refused)
+
+
+def _rewrite(candidate: Candidate, base: Candidate) -> frozenset:
+    """What `candidate` does to `base`: the matches it applies, which name the nodes they rewrite."""
+    return frozenset(candidate.applied[len(base.applied):])

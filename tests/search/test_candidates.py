@@ -204,3 +204,37 @@ def test_removing_dead_nodes_between_rewrites_is_a_cleanup_from_the_outputs(bert
         assert kept == {n.name for n in graph.gs.copy().cleanup(remove_unused_graph_inputs=False).nodes}
         assert graph._names_in_use() == (set(graph.gs.tensors()) | kept) - {""}
     assert graph.op_counts().get("LayerNormalization", 0) == 0
+
+
+def test_greedy_does_not_measure_again_a_rewrite_an_earlier_step_refused(bert, monkeypatch):
+    """Lazy greedy: after a step, the very same rewrites (same matches) that were measured not faster are not measured
+    again; what the step made new is.  The fake measurement finds only the attention fusion faster."""
+    import sys
+
+    from rlflow.measure.session import SessionSettings
+    from rlflow.measure.timing import Ratio
+    from rlflow.search.candidates import Screening
+    from rlflow.search.greedy import GreedyConfig, greedy
+
+    greedy_module = sys.modules["rlflow.search.greedy"]
+    steps: list[list[frozenset]] = []
+
+    def measure(base, candidates, *args, **kwargs):
+        since = int(len(base.gs.nodes) != len(bert.gs.nodes))  # the attention fusion applied: the second step
+        if len(steps) <= since:
+            steps.append([])
+        pairs = []
+        for c in candidates:
+            step = c.applied[since:]
+            steps[-1].append(frozenset(step))
+            fast = {m.rule for m in step} == {"attention-fusion"}
+            pairs.append((c, Ratio(1.2, 1.1, 1.3, 0.95) if fast else Ratio(1.0, 0.9, 1.1, 0.95)))
+        return Screening(pairs)
+
+    monkeypatch.setattr(greedy_module, "measure_against", measure)
+    result = greedy(bert, SessionSettings(), GreedyConfig(time_limit=1e6))
+    assert [m.rule for m in result.applied] == ["attention-fusion"]
+    assert result.stop_reason == "no rewrite is measurably faster"
+    first, second = steps
+    assert second and not set(second) & set(first)  # the second step measured only what the first had not
+    assert len(second) < len(first)
