@@ -238,3 +238,40 @@ def test_greedy_does_not_measure_again_a_rewrite_an_earlier_step_refused(bert, m
     first, second = steps
     assert second and not set(second) & set(first)  # the second step measured only what the first had not
     assert len(second) < len(first)
+
+
+def test_greedy_steps_only_onto_a_candidate_a_second_measurement_finds_faster_too(bert, monkeypatch):
+    """Screening a dozen candidates at 95% each, one often looks faster by chance: greedy measures the fastest again
+    and steps only when that agrees.  The fake measurement finds the skip-layernorm fusions faster the first time
+    (chance) and the attention fusion faster every time."""
+    import sys
+    from collections import Counter
+
+    from rlflow.measure.session import SessionSettings
+    from rlflow.measure.timing import Ratio
+    from rlflow.search.candidates import Screening
+    from rlflow.search.greedy import GreedyConfig, greedy
+
+    greedy_module = sys.modules["rlflow.search.greedy"]
+    times = Counter()
+
+    def measure(base, candidates, *args, **kwargs):
+        since = int(len(base.gs.nodes) != len(bert.gs.nodes))
+        pairs = []
+        for c in candidates:
+            step = frozenset(c.applied[since:])
+            rules = {m.rule for m in step}
+            times[step] += 1
+            lucky = rules == {"skip-layernorm-fusion"} and times[step] == 1 and not since
+            fast = lucky or rules == {"attention-fusion"}
+            pairs.append((c, Ratio(1.5 if lucky else 1.2, 1.1, 1.6, 0.95) if fast else Ratio(1.0, 0.9, 1.1, 0.95)))
+        return Screening(pairs)
+
+    monkeypatch.setattr(greedy_module, "measure_against", measure)
+    result = greedy(bert, SessionSettings(), GreedyConfig(time_limit=1e6))
+    assert [m.rule for m in result.applied] == ["attention-fusion"]  # the lucky one was measured again and refused
+    # each measured twice (the lucky one refused the second time, and not measured at the next step), then stepped on
+    everywhere = next(k for k in times if {m.rule for m in k} == {"skip-layernorm-fusion"} and len(k) == 3)
+    assert times[everywhere] == 2
+    assert [times[k] for k in times if {m.rule for m in k} == {"attention-fusion"}] == [2]
+    assert result.steps[0]["step_speedup"]["median"] == 1.2  # the confirming measurement's speedup
