@@ -140,14 +140,19 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
         return most if fits >= wanted else fits
 
     def confirmed(pairs: list[tuple[Candidate, Ratio]]) -> tuple[Candidate, Ratio] | None:
-        """The fastest of the measured `pairs` that a second measurement finds faster too, with that speedup.
+        """The fastest of the measured `pairs`; where it was chosen among several, the fastest that a second
+        measurement finds faster too, with that speedup.
 
-        A step screens a dozen candidates or more at 95% confidence each, so where none is faster one of them often
+        A batch screens up to a dozen candidates at 95% confidence each, so where none is faster one of them often
         looks it: on Qwen3's decode step greedy stepped onto packed projections measured 1.043x, which the final
         measurement found slower, and spent its time searching on from there.  The second measurement is independent
-        of the choice, so its speedup is also the step's unbiased one."""
+        of the choice, so its speedup is also the step's unbiased one.  A candidate measured alone (every fusion at
+        once) was chosen among none: measuring it again would only lose true steps to noise (on the small BERTs the
+        fusions' step, refused by a second measurement, was never measured again)."""
         nonlocal measured, unconfirmed
         pairs = list(pairs)
+        if len(pairs) == 1:
+            return fastest(pairs)
         while (best := fastest(pairs)) is not None:
             again = measure_against(current.graph, [best[0]], settings, rounds=config.rounds, seed=config.seed + 1,
                                     deadline=deadline, pace=pace)
