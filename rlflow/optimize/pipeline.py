@@ -150,12 +150,11 @@ four, too few to reach its second step."""
 
 
 def _planned_candidates(method: str, graph: Graph, rules: Sequence[Rule]) -> int:
-    """SEARCH_CANDIDATES, or greedy's first step (and the fastest measured again) where it builds more: with eight,
-    greedy ran out of time on 30-layer decoder steps where none of its first 14 candidates was faster, so it never
-    said that none was."""
+    """SEARCH_CANDIDATES, or greedy's first step where it builds more: with eight, greedy ran out of time on 30-layer
+    decoder steps where none of its first 14 candidates was faster, so it never said that none was."""
     if method != "greedy":
         return SEARCH_CANDIDATES[method]
-    return max(SEARCH_CANDIDATES[method], step_size(graph, rules) + 1)
+    return max(SEARCH_CANDIDATES[method], step_size(graph, rules))
 
 
 def _default_time_limit(method: str, paces: Sequence[Pace], candidates: int) -> float:
