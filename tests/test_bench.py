@@ -61,6 +61,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
             assert row["heldout"] == (model not in trained)  # the shipped agent's own training list says
             assert row["outcome"] in ("rewritten", "gate rejected", "not verified", "out of time", "nothing found"), \
                 row["reason"]
+            assert row["search_stop"]  # why the search ended, also where a rewrite was kept
         for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
         # zoo names: an rnn and a cnn, which onnxruntime's transformers optimizer is not for

@@ -45,6 +45,7 @@ class Row:
     gate_speedup: float = float("nan")
     reason: str = ""
     outcome: str = ""
+    search_stop: str = ""  # why the method's search ended (a kept rewrite does not say whether it ran out of time)
     candidates_measured: int = 0
     rewrites: list[str] = field(default_factory=list)
     baseline_peak_fraction: float = float("nan")

@@ -314,7 +314,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
                max_rel_error=verification.max_rel_norm if verification else 0.0,
                seconds=seconds, search_seconds=result.search_seconds,
                gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
-               outcome=result.outcome,
+               outcome=result.outcome, search_stop=result.search_stop,
                candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile,
                **device)
 

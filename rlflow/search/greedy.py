@@ -12,8 +12,7 @@ first had refused ran greedy out of time.  What a step makes possible is new and
 changes with each fusion step, and rules matching the new nodes are new matches.
 
 A step is taken on one measurement: measuring the fastest again before stepping (against the dozen candidates a batch
-screens at 95% each) lost true steps to noise on the small BERTs, geometric mean 1.092-1.113 against 1.145 without
-it over three seeds (docs/results/agent-deploy/greedy-kinds/)."""
+screens at 95% each) lost true steps to noise on the small BERTs (docs/results/agent-deploy/greedy-kinds/)."""
 from __future__ import annotations
 
 import time
