@@ -33,16 +33,15 @@ from rlflow.search.candidates import (
     Candidate,
     SearchResult,
     affordable,
-    alike,
     all_fusions,
     children,
     dropped,
     everywhere,
     fastest,
-    kinds_of_location,
     measure_against,
 )
 from rlflow.search.frozen_heap import frozen_heap
+from rlflow.search.location_kinds import alike, kinds_of_location
 
 
 @dataclass

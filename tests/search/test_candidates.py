@@ -9,8 +9,9 @@ import pytest
 from rlflow.graph.core import load
 from rlflow.measure.verify import verify
 from rlflow.rewrites import RULES, apply, apply_all, find_matches, match_counts, rule
-from rlflow.search.candidates import Candidate, alike, all_fusions, everywhere, kinds_of_location
+from rlflow.search.candidates import Candidate, all_fusions, everywhere
 from rlflow.search.greedy import phases, step_size
+from rlflow.search.location_kinds import alike, kinds_of_location
 
 EXPORT = Path(__file__).resolve().parents[1] / "fixtures" / "exports" / "bert-tiny-dynamo.onnx"
 
