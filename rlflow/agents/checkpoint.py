@@ -54,13 +54,25 @@ def read_checkpoint(path: str | os.PathLike):
     turn a file someone hands over into a program.  So this is torch's `weights_only` loading, with numpy arrays
     allowed besides (the world model's replay holds them).
 
+    Read once per file version (path, size, modification time): `rlflow optimize --method agent` asks a checkpoint
+    its algorithm, rules and provider before loading it, and each read of a training run's checkpoint (its replay
+    inside) took 1.2 s of the agent's 10 s default limit.  Callers must not modify what it returns.
+
     Raises:
         Exception: whatever torch.load raises for a file that is not such a checkpoint.
     """
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _read(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str, size: int, mtime_ns: int):
+    """`read_checkpoint`'s read, once per file version."""
     import torch
 
     torch.serialization.add_safe_globals(_array_globals())
-    return torch.load(Path(path), map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _array_globals() -> list:

@@ -10,8 +10,10 @@ as soon as it is unsure, so its own stop would leave the measurements nothing to
 returns to a graph it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row
 leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs the episodes end on, then those the cost
 model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
-model's groups), are measured end to end against the input, as many as the time limit affords; the fastest that is
-measurably faster wins, else the input is kept. The input is timed first (`measurement_reserve`), so that the rollouts
+model's groups), are measured end to end against the input, as many as the time limit affords, and beside them the
+graph with every fusion applied wherever it matches (`AgentConfig.fuse_everything`: what greedy measures first, and
+on an export unlike its training set the one a policy most often misses); the fastest that is measurably faster wins,
+else the input is kept, and the stop reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that the rollouts
 stop in time for that measurement. When not even one candidate fits (a large model), the input is kept too, without a
 rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final measurement
 of `rlflow.optimize.pipeline` would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate
@@ -36,6 +38,7 @@ from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import (
     Candidate,
     SearchResult,
+    all_fusions,
     cost_table_lines,
     coverage,
     measurement_reserve,
@@ -81,6 +84,8 @@ class AgentConfig:
             nothing only costs time.
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
+        fuse_everything: measure the fuse-everything graph (`all_fusions`) among the `top_k`, in place of the
+            rollouts' last; False measures only the rollouts' graphs (what training's evaluation scores: the policy).
     """
 
     agent: str | None = None
@@ -93,6 +98,7 @@ class AgentConfig:
     seed: int = 0
     patience: int = 3
     measure: bool = True
+    fuse_everything: bool = True
 
 
 def load_agent(path: str | os.PathLike | None = None):
@@ -264,6 +270,10 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         result.not_reached, result.cost_table = late, table
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
+    fused = (all_fusions(Candidate(graph, (), original), rules, {original, *(c.fingerprint for c in pool)},
+                         start + config.time_limit) if config.fuse_everything else None)
+    if fused is not None:  # second: after the policy's own greedy episode, before what the estimates ranked
+        pool = (pool[:1] + [fused] + pool[1:])[: max(config.top_k, 1)]
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster, and every episode ended "
@@ -286,6 +296,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                              estimated=len(visited), pace=pace)
     result.not_reached[:0] = late
     result.cost_table = table
+    if fused is not None and result.graph is fused.graph:
+        result.stop_reason += " (the fuse-everything graph, not a rollout's)"
     return result
 
 

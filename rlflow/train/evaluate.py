@@ -59,7 +59,7 @@ def evaluate(policy, paths: typing.Sequence[Path], config, cost_model, writer=No
         start = time.monotonic()
         agent = agent_search(original, env.settings, AgentConfig(length=config.max_episode_steps, top_k=6,
                                                                   time_limit=config.eval_time_limit,
-                                                                  seed=config.seed),
+                                                                  seed=config.seed, fuse_everything=False),
                              cost_model=cost_model, policy=policy)
         agent_seconds = time.monotonic() - start
         start = time.monotonic()

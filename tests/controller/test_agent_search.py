@@ -52,7 +52,8 @@ def test_rollouts_never_revisit_a_graph_and_only_estimated_faster_graphs_are_mea
     monkeypatch.setattr(agent_module, "_play", spy_play)
     monkeypatch.setattr(agent_module, "_pool", spy_pool)
     result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=3, length=8, top_k=2, rounds=3,
-                                                                time_limit=60), cost_model=cost_model, policy=policy)
+                                                                time_limit=60, fuse_everything=False),
+                          cost_model=cost_model, policy=policy)
     assert len(played) == 3
     start = graph.fingerprint()
     for fingerprints in played:  # each episode's graphs are all different, and none is the start again
@@ -68,6 +69,35 @@ def test_rollouts_never_revisit_a_graph_and_only_estimated_faster_graphs_are_mea
     else:
         assert result.graph is graph
 
+
+@pytest.mark.parametrize("fuse_everything", [True, False])
+def test_the_fuse_everything_graph_is_measured_beside_the_rollouts(zoo_paths, cost_model, policy, monkeypatch,
+                                                                   fuse_everything):
+    """Second in the pool, which keeps its size (after the greedy episode's end, the policy's own choice), and named in
+    the stop reason when it is the one kept; left out where the config says (training's evaluation scores the policy
+    alone)."""
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    fused = agent_module.all_fusions(agent_module.Candidate(graph, (), graph.fingerprint()))
+    assert fused is not None
+    rollouts = [agent_module.Candidate(graph, (), f"rollout-{i}") for i in range(3)]
+    measured = []
+
+    def select(original, pool, *args, stop_reason, **kwargs):
+        measured.extend(pool)
+        best = pool[1] if len(pool) > 1 else pool[0]  # as if the second were measured fastest
+        return agent_module.SearchResult(best.graph, list(best.applied), len(pool), 0.0, stop_reason)
+
+    monkeypatch.setattr(agent_module, "_pool", lambda *args: list(rollouts))
+    monkeypatch.setattr(agent_module, "select_measured", select)
+    config = AgentConfig(rollouts=1, length=2, top_k=3, rounds=3, time_limit=60, fuse_everything=fuse_everything)
+    result = agent_search(graph, SessionSettings(), config, cost_model=cost_model, policy=policy)
+    fingerprints = [c.fingerprint for c in measured]
+    if fuse_everything:
+        assert fingerprints == ["rollout-0", fused.fingerprint, "rollout-1"]
+        assert result.stop_reason.endswith("(the fuse-everything graph, not a rollout's)")
+    else:
+        assert fingerprints == ["rollout-0", "rollout-1", "rollout-2"]
+        assert "fuse-everything" not in result.stop_reason
 
 
 def test_the_pool_takes_estimated_faster_graphs_first_then_the_episodes_ends():
