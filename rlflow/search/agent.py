@@ -11,8 +11,8 @@ returns to a graph it has visited (inverse rules would otherwise loop), and the 
 leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs the episodes end on, then those the cost
 model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
 model's groups), are measured end to end against the input, as many as the time limit affords, and beside them the
-graph with every fusion applied wherever it matches (`AgentConfig.fuse_everything`: what greedy measures first, and
-on an export unlike its training set the one a policy most often misses); the fastest that is measurably faster wins,
+graph with every fusion applied wherever it matches, or with the one undoing the cost model prices lower
+(`rlflow.search.fuse_everything`, `AgentConfig.fuse_everything`); the fastest that is measurably faster wins,
 else the input is kept, and the stop reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that the rollouts
 stop in time for that measurement. When not even one candidate fits (a large model), the input is kept too, without a
 rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final measurement
@@ -38,7 +38,6 @@ from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import (
     Candidate,
     SearchResult,
-    all_fusions,
     cost_table_lines,
     coverage,
     measurement_reserve,
@@ -47,6 +46,7 @@ from rlflow.search.candidates import (
     select_measured,
 )
 from rlflow.search.frozen_heap import frozen_heap
+from rlflow.search.fuse_everything import INVERSE_NAMES, fuse_everything
 from rlflow.torch_threads import torch_threads
 
 if TYPE_CHECKING:
@@ -84,8 +84,8 @@ class AgentConfig:
             nothing only costs time.
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
-        fuse_everything: measure the fuse-everything graph (`all_fusions`) among the `top_k`, in place of the
-            rollouts' last; False measures only the rollouts' graphs (what training's evaluation scores: the policy).
+        fuse_everything: measure the fuse-everything graph (`rlflow.search.fuse_everything`) among the `top_k`, in
+            place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation scores: the policy).
     """
 
     agent: str | None = None
@@ -270,8 +270,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         result.not_reached, result.cost_table = late, table
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
-    fused = (all_fusions(Candidate(graph, (), original), rules, {original, *(c.fingerprint for c in pool)},
-                         start + config.time_limit) if config.fuse_everything else None)
+    fused = (fuse_everything(graph, pool, rules, cost_model, start + config.time_limit)
+             if config.fuse_everything else None)
     if fused is not None:  # second: after the policy's own greedy episode, before what the estimates ranked
         pool = (pool[:1] + [fused] + pool[1:])[: max(config.top_k, 1)]
     if not pool:
@@ -297,7 +297,9 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     result.not_reached[:0] = late
     result.cost_table = table
     if fused is not None and result.graph is fused.graph:
-        result.stop_reason += " (the fuse-everything graph, not a rollout's)"
+        undone = ", ".join(dict.fromkeys(m.rule for m in fused.applied if m.rule in INVERSE_NAMES))
+        result.stop_reason += (" (the fuse-everything graph" + (f" with {undone} as the cost model prefers it" if undone
+                                                                 else "") + ", not a rollout's)")
     return result
 
 

@@ -1,0 +1,38 @@
+"""The agent's prior candidate: every fusion applied wherever it matches, with the one undoing the cost model prefers.
+
+Measured beside the rollouts' graphs, it is what greedy measures first, and on an export unlike the agent's training
+set the graph its policy most often misses.  The cost table knows what one measurement against the input cannot show
+among four candidates: on this CPU onnxruntime's SkipLayerNormalization is slower than the Adds and
+LayerNormalization it replaces, and every fusion at once gains 7-10% more on small BERTs with it undone
+(docs/results/agent-wide/prior/skip-layernorm.md).
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from rlflow.graph.core import Graph
+from rlflow.rewrites import GROUPS, Rule
+from rlflow.search.candidates import Candidate, all_fusions, everywhere, measuring_until
+
+INVERSE_NAMES = frozenset(r.name for r in GROUPS["inverse"])
+
+PRICING_SECONDS = 1.0
+"""Seconds of cost-table measurements at most for pricing the variants."""
+
+
+def fuse_everything(graph: Graph, pool: Sequence[Candidate], rules: Sequence[Rule], cost_model,
+                    deadline: float) -> Candidate | None:
+    """The fuse-everything graph (`all_fusions`), or that graph with one inverse rule among `rules` applied everywhere
+    where the cost model prices that lower; None when it is the input or already in `pool`."""
+    original = graph.fingerprint()
+    taken = {original, *(c.fingerprint for c in pool)}
+    fused = all_fusions(Candidate(graph, (), original), rules, set(taken), deadline)
+    if fused is None:
+        return None
+    inverses = [r for r in rules if r.name in INVERSE_NAMES]
+    variants = [fused, *everywhere(fused, inverses, taken | {fused.fingerprint}, deadline)]
+    if len(variants) == 1:
+        return fused
+    with measuring_until(cost_model, min(deadline, time.monotonic() + PRICING_SECONDS)):
+        return min(variants, key=lambda c: cost_model.graph_cost(c.graph))

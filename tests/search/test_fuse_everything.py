@@ -1,0 +1,34 @@
+"""The agent's prior: every fusion at once, or with the one undoing the cost model prices lower."""
+from __future__ import annotations
+
+import time
+
+import rlflow
+from rlflow import zoo
+from rlflow.rewrites import RULES
+from rlflow.search.candidates import Candidate, all_fusions
+from rlflow.search.fuse_everything import fuse_everything
+
+
+class _Counting:
+    """A cost model that prices a graph by how many nodes of one operator it has."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def graph_cost(self, graph) -> float:
+        return float(sum(node.op == self.op for node in graph.gs.nodes))
+
+
+def test_the_undoing_the_cost_model_prefers_and_nothing_already_measured(tmp_path):
+    graph = rlflow.load(zoo.build("bert-base-tiny", tmp_path).path)
+    deadline = time.monotonic() + 60
+    fused = all_fusions(Candidate(graph, (), graph.fingerprint()))
+    assert "SkipLayerNormalization" in {n.op for n in fused.graph.gs.nodes}
+    same = fuse_everything(graph, [], RULES, _Counting("Add"), deadline)  # every undoing adds Adds: none preferred
+    assert same.fingerprint == fused.fingerprint
+    undone = fuse_everything(graph, [], RULES, _Counting("SkipLayerNormalization"), deadline)
+    assert undone.applied[: len(fused.applied)] == fused.applied
+    assert {m.rule for m in undone.applied[len(fused.applied):]} == {"skip-layernorm-unfuse"}
+    assert "SkipLayerNormalization" not in {n.op for n in undone.graph.gs.nodes}
+    assert fuse_everything(graph, [fused], RULES, _Counting("Add"), deadline) is None  # already among the pool
