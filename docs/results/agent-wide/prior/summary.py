@@ -3,16 +3,21 @@ README.md's tables: per held-out export, the wide agent over its four seeds (med
 greedy (`greedy/`) and TASO-style search (`../heldout-taso/`, its code unchanged since), and how many agent outputs
 were the fuse-everything graph; then the target's checks per agent.
 
-    python docs/results/agent-wide/prior/summary.py
+    python docs/results/agent-wide/prior/summary.py [FOLDER]
+
+FOLDER (default: this one) holds the agents' runs (`seedN/`, `shipped/`, `six-shipped-seedN/`); greedy's are this
+folder's `greedy/` either way.
 """
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 here = Path(__file__).resolve().parent
+runs = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else here
 SEEDS = (0, 1, 2, 3)
-FUSED = "(the fuse-everything graph, not a rollout's)"
+FUSED = "(the fuse-everything graph"
 
 
 def rows(folder: Path) -> dict:
@@ -30,8 +35,8 @@ def cell(row) -> str:
     return "-" if row is None else f"{row['speedup']:.3f} in {row['seconds']:.0f} s"
 
 
-seeds = {s: rows(here / f"seed{s}") for s in SEEDS}
-shipped, taso = rows(here / "shipped"), rows(here.parent / "heldout-taso")
+seeds = {s: rows(runs / f"seed{s}") for s in SEEDS}
+shipped, taso = rows(runs / "shipped"), rows(here.parent / "heldout-taso")
 greedy = {m: r for (m, method), r in rows(here / "greedy").items() if method == "greedy"}
 models = sorted(greedy)
 agents = {s: {m: seeds[s].get((m, "agent")) for m in models} for s in SEEDS}
@@ -74,7 +79,7 @@ print("\n".join(lines))
 
 # The held-out six: the shipped agent now, three seeds, beside greedy's three seeds of
 # ../../agent-deploy/greedy-kinds/current-seedN (the same models and greedy code, run earlier the same day).
-six_agent = [rows(here / f"six-shipped-seed{s}") for s in range(3)]
+six_agent = [rows(runs / f"six-shipped-seed{s}") for s in range(3)]
 six_greedy = [rows(here.parents[1] / "agent-deploy" / "greedy-kinds" / f"current-seed{s}") for s in range(3)]
 if all(six_agent) and all(six_greedy):
     lines = ["", "| held-out six | shipped agent, 3 seeds: median [range] | search s | greedy, 3 seeds | search s |",
