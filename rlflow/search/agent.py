@@ -3,21 +3,21 @@
 The agent (the world-model agent shipped as `rlflow/checkpoints/default.pt`, see `rlflow.agents.actor`, or a
 masked-PPO `rlflow.agents.policy.CandidatePolicy` such as `rlflow/checkpoints/ppo.pt`) plays a few episodes of
 `rlflow/Rewrite-v0` on the model, in the scope it was trained in (one match or one rule wherever it matches per step,
-`rlflow.env.rewrite_env.SCOPES`): the first greedily, stopping where the policy stops (a world-model agent trained with
-`greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.agents.worldmodel_agent.Planning`); the rest
-sampled from the policy's choice among rewrites, never stopping early (trained on a cost-model reward, a policy stops
-as soon as it is unsure, so its own stop would leave the measurements nothing to choose from). An episode never
-returns to a graph it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in a row
-leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs the episodes end on, then those the cost
-model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
+`rlflow.env.rewrite_env.SCOPES`): the first greedily, stopping where the policy stops (a world-model agent trained
+with `greedy_by="model"` takes there the rule its M predicts to pay most, `rlflow.agents.worldmodel_agent.Planning`);
+the rest sampled from the policy's choice among rewrites, never stopping early (trained on a cost-model reward, a
+policy stops as soon as it is unsure, so its own stop would leave the measurements nothing to choose from). An episode
+never returns to a graph it has visited (inverse rules would otherwise loop), and the rollouts end early once a few in
+a row leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs the episodes end on, then those the
+cost model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
 model's groups), are measured end to end against the input, as many as the time limit affords, and beside them the
 graph with every fusion applied wherever it matches, or with the one undoing the cost model prices lower
-(`rlflow.search.fuse_everything`, `AgentConfig.fuse_everything`); the fastest that is measurably faster wins,
-else the input is kept, and the stop reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that the rollouts
-stop in time for that measurement. When not even one candidate fits (a large model), the input is kept too, without a
-rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the final measurement
-of `rlflow.optimize.pipeline` would cost that measurement anyway, outside the limit (BERT-base: 35 s of verification and gate
-after a 5 s search).
+(`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input is kept, and the stop
+reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that
+the rollouts stop in time for that measurement. When not even one candidate fits (a large model), the input is kept
+too, without a rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the
+final measurement of `rlflow.optimize.pipeline` would cost that measurement anyway, outside the limit (BERT-base: 35 s
+of verification and gate after a 5 s search).
 The search is therefore as safe as any other: the policy only decides which few graphs are worth measuring.
 """
 from __future__ import annotations
@@ -85,7 +85,8 @@ class AgentConfig:
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
         fuse_everything: measure the fuse-everything graph (`rlflow.search.fuse_everything`) among the `top_k`, in
-            place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation scores: the policy).
+            place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation
+            scores: the policy).
     """
 
     agent: str | None = None

@@ -2,8 +2,8 @@
 
 Measured beside the rollouts' graphs, it is what greedy measures first, and on an export unlike the agent's training
 set the graph its policy most often misses.  The cost table knows what one measurement against the input cannot show
-among four candidates: on this CPU onnxruntime's SkipLayerNormalization is slower than the Adds and
-LayerNormalization it replaces, and every fusion at once gains 7-10% more on small BERTs with it undone
+among four candidates: on the CPU onnxruntime's SkipLayerNormalization was slower than the Adds and
+LayerNormalization it replaces on every encoder measured, so every fusion at once gains more with it undone
 (docs/results/agent-wide/prior/skip-layernorm.md).
 """
 from __future__ import annotations
