@@ -271,7 +271,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         result.not_reached, result.cost_table = late, table
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
-    fused = (fuse_everything(graph, pool, rules, cost_model, start + config.time_limit)
+    fused = (fuse_everything(Candidate(graph, (), original), pool, rules, cost_model, start + config.time_limit)
              if config.fuse_everything else None)
     if fused is not None:  # second: after the policy's own greedy episode, before what the estimates ranked
         pool = (pool[:1] + [fused] + pool[1:])[: max(config.top_k, 1)]

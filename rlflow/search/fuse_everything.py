@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from rlflow.graph.core import Graph
 from rlflow.rewrites import GROUPS, Rule
 from rlflow.search.candidates import Candidate, all_fusions, everywhere, measuring_until
 
@@ -21,13 +20,13 @@ PRICING_SECONDS = 1.0
 """Seconds of cost-table measurements at most for pricing the variants."""
 
 
-def fuse_everything(graph: Graph, pool: Sequence[Candidate], rules: Sequence[Rule], cost_model,
+def fuse_everything(start: Candidate, pool: Sequence[Candidate], rules: Sequence[Rule], cost_model,
                     deadline: float) -> Candidate | None:
-    """The fuse-everything graph (`all_fusions`), or that graph with one inverse rule among `rules` applied everywhere
-    where the cost model prices that lower; None when it is the input or already in `pool`."""
-    original = graph.fingerprint()
-    taken = {original, *(c.fingerprint for c in pool)}
-    fused = all_fusions(Candidate(graph, (), original), rules, set(taken), deadline)
+    """The fuse-everything graph of `start` (the input, fingerprinted: `all_fusions`), or that graph with one inverse
+    rule among `rules` applied everywhere where the cost model prices that lower; None when it is the input or already
+    in `pool`."""
+    taken = {start.fingerprint, *(c.fingerprint for c in pool)}
+    fused = all_fusions(start, rules, set(taken), deadline)
     if fused is None:
         return None
     inverses = [r for r in rules if r.name in INVERSE_NAMES]

@@ -23,12 +23,13 @@ class _Counting:
 def test_the_undoing_the_cost_model_prefers_and_nothing_already_measured(tmp_path):
     graph = rlflow.load(zoo.build("bert-base-tiny", tmp_path).path)
     deadline = time.monotonic() + 60
-    fused = all_fusions(Candidate(graph, (), graph.fingerprint()))
+    start = Candidate(graph, (), graph.fingerprint())
+    fused = all_fusions(start)
     assert "SkipLayerNormalization" in {n.op for n in fused.graph.gs.nodes}
-    same = fuse_everything(graph, [], RULES, _Counting("Add"), deadline)  # every undoing adds Adds: none preferred
+    same = fuse_everything(start, [], RULES, _Counting("Add"), deadline)  # every undoing adds Adds: none preferred
     assert same.fingerprint == fused.fingerprint
-    undone = fuse_everything(graph, [], RULES, _Counting("SkipLayerNormalization"), deadline)
+    undone = fuse_everything(start, [], RULES, _Counting("SkipLayerNormalization"), deadline)
     assert undone.applied[: len(fused.applied)] == fused.applied
     assert {m.rule for m in undone.applied[len(fused.applied):]} == {"skip-layernorm-unfuse"}
     assert "SkipLayerNormalization" not in {n.op for n in undone.graph.gs.nodes}
-    assert fuse_everything(graph, [fused], RULES, _Counting("Add"), deadline) is None  # already among the pool
+    assert fuse_everything(start, [fused], RULES, _Counting("Add"), deadline) is None  # already among the pool
