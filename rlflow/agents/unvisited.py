@@ -52,9 +52,9 @@ def choose_unvisited(env, logits: torch.Tensor, seen: set[str], *, greedy: bool,
             return action
         logits[action] = NEG
         if child is not None and getattr(env, "scope", "match") == "rule":
-            rule = env.candidates[action].rule
-            for other, match in enumerate(env.candidates):
-                if match.rule == rule:
+            candidates = env.candidates  # a copy of the list: read once
+            for other, match in enumerate(candidates):
+                if match.rule == candidates[action].rule:
                     logits[other] = NEG
 
 
