@@ -229,6 +229,25 @@ def test_rule_scope_applies_the_chosen_rule_everywhere_it_matches(tmp_path, cost
     assert one.fingerprint == everywhere.fingerprint and reward == pytest.approx(100.0 * 4 / 7)
 
 
+def test_rule_scope_builds_a_rule_wide_rewrite_once_for_all_its_locations(tmp_path, cost_model, monkeypatch):
+    """Peeking at the second location of a rule (a rollout refusing a rule that leads back) reuses the first's
+    rewrite, with the second location listed first, as a step from it would apply."""
+    path = tmp_path / "layers.onnx"
+    onnx.save(repeated_layers_model(), str(path))
+    env = small_env(str(path), cost_model, reward=node_count_ms, scope="rule")
+    env.reset(seed=0)
+    rule = env.candidates[0].rule
+    first, second = (i for i, m in enumerate(env.candidates) if m.rule == rule)
+    built = []
+    rewrite = env._rewrite
+    monkeypatch.setattr(env, "_rewrite", lambda graph, match: built.append(match) or rewrite(graph, match))
+    chosen = env.candidates[second]
+    assert env.peek(first) == env.peek(second)
+    assert built == [env.candidates[first]]
+    _, _, _, _, info = env.step(second)
+    assert info["applied"] == [str(chosen), str(built[0])] and len(built) == 1
+
+
 def _walk(env, actions: list[int]) -> list[dict]:
     """Observations along `actions` from a seeded reset (terminate -> reset)."""
     observations = [env.reset(seed=0)[0]]

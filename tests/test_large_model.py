@@ -297,6 +297,28 @@ def test_sessions_sharing_weights_read_one_map_of_the_file(external_model):
     assert options.get_session_config_entry("session.disable_prepacking") == "1"
 
 
+def test_sessions_sharing_weights_take_a_rewrites_new_weights_aside_not_from_the_proto(external_model, monkeypatch):
+    """A candidate's weights made by a rewrite (in the proto, beside the mapped ones) are handed over as arrays, so
+    that onnxruntime neither gets them serialized nor parses them: a packed decoder candidate's sessions took 1-2 s
+    more than the input's.  Small ones stay in the proto, as without shared weights do all."""
+    path, reference = external_model
+    model = load(path).to_model()
+    rng = np.random.default_rng(2)
+    made = {"B": rng.standard_normal((64,)).astype(np.float32), "s": np.float32([0.5])}  # 256 bytes, 4 bytes
+    model.graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in made.items())
+    model.graph.node[0].output[0] = "h"
+    model.graph.node.extend([helper.make_node("Add", ["h", "B"], ["h2"]), helper.make_node("Mul", ["h2", "s"], ["y"])])
+    monkeypatch.setattr(session_module, "_HANDED_MIN_BYTES", 200)
+    x = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+    expected = (x @ numpy_helper.to_array(reference.graph.initializer[0]) + made["B"]) * 0.5
+    shared = create_session(model, session_module.SessionSettings(share_weights=True))
+    np.testing.assert_allclose(run_session(shared, ["y"], {"x": x})[0], expected, rtol=1e-5)
+    assert set(shared.rlflow_handed_weights[0]) == {"B"}  # the rewrite's 256 bytes; the 4 stay in the proto
+    plain = create_session(model, session_module.SessionSettings())
+    np.testing.assert_allclose(run_session(plain, ["y"], {"x": x})[0], expected, rtol=1e-5)
+    assert plain.rlflow_handed_weights[0] == {}
+
+
 def test_large_mapped_weights_make_optimize_share_them_and_report_its_memory(external_model, monkeypatch):
     from rlflow.measure import memory
     from rlflow.optimize.pipeline import optimize

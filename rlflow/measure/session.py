@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from rlflow.errors import InputError, ProviderError
 from rlflow.graph.external_data import external_array, external_info, external_tensors, set_external_data
@@ -200,7 +200,8 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
     Weights in other folders, and in-proto weights of a proto over 2 GB, are handed over as OrtValues
     (`add_external_initializers`; onnxruntime copies those).  With `share_weights`, every external tensor is also
     handed to onnxruntime in place (`add_initializer`, from rlflow's one map of its file, `external_array`), so all
-    sessions of the process read the same pages: three sessions of that model took 2.6 GiB in all, not 7.7.
+    sessions of the process read the same pages: three sessions of that model took 2.6 GiB in all, not 7.7; and the
+    in-proto weights a rewrite made are handed over (copied) as those of an oversized proto are.
     """
     work = onnx.ModelProto()
     work.CopyFrom(model)
@@ -209,7 +210,9 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
     for tensor in external:
         per_folder[os.path.dirname(external_info(tensor)[0])] += external_info(tensor)[2] or 0
     folder = max(per_folder, key=per_folder.get) if per_folder else None
-    oversized = work.ByteSize() > PROTO_LIMIT
+    # with shared weights, a rewrite's new weights (a candidate's packed projections: 335 MB of Qwen3-L8's) are handed
+    # over too: serialized into the proto and parsed again, they took 1-2 s more of every session than the input's
+    aside = share_weights or work.ByteSize() > PROTO_LIMIT
     handed: dict[str, np.ndarray] = {}
     for tensor in work.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -217,7 +220,7 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
             if not os.path.isabs(location) or os.path.dirname(location) == folder:
                 continue
             handed[tensor.name] = external_array(tensor)
-        elif oversized and len(tensor.raw_data) >= _HANDED_MIN_BYTES:
+        elif aside and tensor.HasField("raw_data") and _raw_bytes(tensor) >= _HANDED_MIN_BYTES:
             handed[tensor.name] = numpy_helper.to_array(tensor)
         else:
             continue
@@ -239,6 +242,13 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
     session = _ort().InferenceSession(work.SerializeToString(), sess_options=options, providers=providers)
     session.rlflow_handed_weights = (handed, values, in_place, shared)  # onnxruntime reads them while it lives
     return session
+
+
+def _raw_bytes(tensor: onnx.TensorProto) -> int:
+    """Bytes of an in-proto tensor's raw data, from its shape (reading `raw_data` copies it); 0 for element types
+    numpy has no plain type for (bfloat16, float8, 4-bit), which stay in the proto."""
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    return (int(np.prod(tensor.dims)) if tensor.dims else 1) * dtype.itemsize if dtype.kind in "fiub" else 0
 
 
 def cannot_run(settings: SessionSettings, exc: Exception) -> ProviderError:
