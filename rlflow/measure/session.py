@@ -188,7 +188,7 @@ PROTO_LIMIT = 2**31 - 1 - 2**20
 """Serialized protos above this (protobuf's 2 GB limit, less a margin) never reach onnxruntime whole."""
 
 _HANDED_MIN_BYTES = 2**20
-"""In-proto weights from this size on are handed to onnxruntime separately when the proto is over PROTO_LIMIT."""
+"""In-proto weights from this size on are handed to onnxruntime separately (`_session_with_weights_aside`)."""
 
 
 def _session_with_weights_aside(model: onnx.ModelProto, options, providers, share_weights: bool = False):
@@ -197,11 +197,13 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
     onnxruntime maps the external-data files of one folder itself (the session option
     `session.model_external_initializers_file_folder_path`: no start-up cost; the folder holding most of the weights
     is chosen), but each session holds its own copy (2.5 GiB of dense MatMul weights cost 2.5 GiB per session).
-    Weights in other folders, and in-proto weights of a proto over 2 GB, are handed over as OrtValues
-    (`add_external_initializers`; onnxruntime copies those).  With `share_weights`, every external tensor is also
-    handed to onnxruntime in place (`add_initializer`, from rlflow's one map of its file, `external_array`), so all
-    sessions of the process read the same pages: three sessions of that model took 2.6 GiB in all, not 7.7; and the
-    in-proto weights a rewrite made are handed over (copied) as those of an oversized proto are.
+    Weights in other folders, and the in-proto weights from _HANDED_MIN_BYTES on (those a rewrite made, or all of a
+    proto built in memory), are handed over as OrtValues (`add_external_initializers`; onnxruntime copies those):
+    serialized into the proto and parsed again, a candidate's packed projections (335 MB of Qwen3-L8's) took 1-2 s
+    more of each session than the input's, and a proto over 2 GB cannot be serialized at all.  With `share_weights`,
+    every external tensor is also handed to onnxruntime in place (`add_initializer`, from rlflow's one map of its file,
+    `external_array`), so all sessions of the process read the same pages: three sessions of that model took 2.6 GiB in
+    all, not 7.7.
     """
     work = onnx.ModelProto()
     work.CopyFrom(model)
@@ -210,9 +212,6 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
     for tensor in external:
         per_folder[os.path.dirname(external_info(tensor)[0])] += external_info(tensor)[2] or 0
     folder = max(per_folder, key=per_folder.get) if per_folder else None
-    # with shared weights, a rewrite's new weights (a candidate's packed projections: 335 MB of Qwen3-L8's) are handed
-    # over too: serialized into the proto and parsed again, they took 1-2 s more of every session than the input's
-    aside = share_weights or work.ByteSize() > PROTO_LIMIT
     handed: dict[str, np.ndarray] = {}
     for tensor in work.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -220,7 +219,7 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
             if not os.path.isabs(location) or os.path.dirname(location) == folder:
                 continue
             handed[tensor.name] = external_array(tensor)
-        elif aside and tensor.HasField("raw_data") and _raw_bytes(tensor) >= _HANDED_MIN_BYTES:
+        elif tensor.HasField("raw_data") and _raw_bytes(tensor) >= _HANDED_MIN_BYTES:
             handed[tensor.name] = numpy_helper.to_array(tensor)
         else:
             continue
