@@ -8,7 +8,7 @@ from onnx import TensorProto, helper
 from rlflow.errors import InputError
 from rlflow.graph.input_shapes import fix_dims, parse_fixed_dims
 from rlflow.measure.shape_profiles import parse_profile
-from rlflow.optimize.pipeline import _load
+from rlflow.optimize.pipeline import load_input
 from rlflow.search.candidates import Candidate, all_fusions
 
 
@@ -49,7 +49,7 @@ def test_a_decode_step_fixed_at_batch_1_takes_its_rotary_into_attention(llama_st
     (onnxruntime's kernel would rotate every row's keys by row 0's ids); with batch fixed to 1 it goes in, and the
     given model, the reference every output is verified against, is fixed too."""
     def fused(fixed):
-        graph, given = _load(llama_step, None, None, fixed)
+        graph, given = load_input(llama_step, None, None, fixed)
         return all_fusions(Candidate(graph, (), graph.fingerprint())).graph.op_counts(), given
 
     counts, given = fused(None)
@@ -61,11 +61,11 @@ def test_a_decode_step_fixed_at_batch_1_takes_its_rotary_into_attention(llama_st
 
 
 def test_a_profile_may_repeat_a_fixed_dim_but_not_contradict_it(llama_step):
-    graph, _ = _load(llama_step, None, [parse_profile("batch=1;past_sequence=16;total_sequence=17"),
+    graph, _ = load_input(llama_step, None, [parse_profile("batch=1;past_sequence=16;total_sequence=17"),
                                         parse_profile("batch=1;past_sequence=40;total_sequence=41")], {"batch": 1})
     assert [p.shapes["past_key_values.0.key"][2] for p in graph.profiles] in ([16, 40], [40, 16])
     with pytest.raises(InputError, match="batch, which --fix-dim fixes"):
-        _load(llama_step, None, [parse_profile("batch=2;past_sequence=16;total_sequence=17")], {"batch": 1})
+        load_input(llama_step, None, [parse_profile("batch=2;past_sequence=16;total_sequence=17")], {"batch": 1})
 
 
 def test_optimize_writes_the_fixed_interface_and_says_so(llama_step, tmp_path, capsys):
@@ -100,9 +100,9 @@ def test_bench_fixes_the_dims_for_every_method_and_records_it(llama_step, tmp_pa
 
     graph = _load_profiled(Path(llama_step), [], {"batch": 1})  # what the methods and the peers are handed
     assert all(_dims(vi)[0] == 1 for vi in graph.interface[0])
-    same, given = _load(graph, None, None, {"batch": 1})  # optimize() keeps a graph handed to it fixed
+    same, given = load_input(graph, None, None, {"batch": 1})  # optimize() keeps a graph handed to it fixed
     assert same is graph and all(_dims(vi)[0] == 1 for vi in given.graph.input)
     from rlflow.graph.core import load
 
-    rebuilt, _ = _load(load(llama_step), None, None, {"batch": 1})  # and builds one handed to it dynamic again
+    rebuilt, _ = load_input(load(llama_step), None, None, {"batch": 1})  # and builds one handed to it dynamic again
     assert all(_dims(vi)[0] == 1 for vi in rebuilt.interface[0])

@@ -19,7 +19,6 @@ from rlflow.measure.shape_profiles import (
     instantiate,
     parse_profile,
     read_profiles,
-    slower,
 )
 from rlflow.measure.timing import Ratio
 from rlflow.search.candidates import fastest
@@ -140,7 +139,7 @@ def test_combine_is_the_weighted_geometric_mean_of_speedups_and_bounds():
     both = combine(ratios, [3.0, 1.0])
     assert both.median == pytest.approx(math.exp((3 * math.log(1.2) + math.log(0.9)) / 4))
     assert both.low == pytest.approx(math.exp((3 * math.log(1.1) + math.log(0.85)) / 4))
-    assert slower(ratios[1]) and not slower(ratios[0])
+    assert ratios[1].slower and not ratios[0].slower
     assert both.low > 1.0 and both.slower_at == (1,)
     assert not both.faster  # the mean is above 1, but it is measurably slower at the second profile: the gate's rule
 

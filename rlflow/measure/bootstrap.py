@@ -24,6 +24,7 @@ class Ratio:
 
     @property
     def slower(self) -> bool:
+        """Measurably slower: the whole interval below 1."""
         return self.high < 1.0
 
     def __str__(self) -> str:

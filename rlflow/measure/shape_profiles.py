@@ -309,9 +309,4 @@ def combine(ratios: Sequence[Ratio], weights: Sequence[float]) -> CombinedRatio:
 
     return CombinedRatio(mean([r.median for r in ratios]), mean([r.low for r in ratios]),
                          mean([r.high for r in ratios]), ratios[0].confidence,
-                         tuple(i for i, r in enumerate(ratios) if slower(r)))
-
-
-def slower(ratio: Ratio) -> bool:
-    """Measurably slower: the whole interval below 1."""
-    return ratio.high < 1.0
+                         tuple(i for i, r in enumerate(ratios) if r.slower))

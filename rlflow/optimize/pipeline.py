@@ -55,7 +55,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     progress, agent, finetune, ops = options.progress, options.agent, options.finetune, options.ops
     profiles, cuda_graph = options.profiles, options.cuda_graph
     start = time.monotonic()
-    graph, given = _load(model, input_shapes, profiles, options.fix_dims)
+    graph, given = load_input(model, input_shapes, profiles, options.fix_dims)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     rules = rules_for(rules, ops, resolved)
@@ -260,7 +260,7 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
     return ([fixed] if other == fixed else [fixed, other]) + profiled
 
 
-def _load(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
+def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
           profiles: Sequence[Profile] | None = None,
           fixed: Mapping[str, int] | None = None) -> tuple[Graph, onnx.ModelProto]:
     """The graph to optimise, and the model as the user has it: their file (at an IR version onnxruntime accepts),

@@ -12,7 +12,13 @@ first had refused ran greedy out of time.  What a step makes possible is new and
 changes with each fusion step, and rules matching the new nodes are new matches.
 
 A step is taken on one measurement: measuring the fastest again before stepping (against the dozen candidates a batch
-screens at 95% each) lost true steps to noise on the small BERTs (docs/results/agent-deploy/greedy-kinds/)."""
+screens at 95% each) lost true steps to noise on the small BERTs (docs/results/agent-deploy/greedy-kinds/).  But a step
+never undoes an earlier step of one rule: a rewrite of the other direction (an inverse rule after a fusion or a merge,
+a fusion or a merge after an inverse) on nodes that step made is not measured.  Both measured faster means one of the two was
+noise, and on the decode steps greedy otherwise went round in circles (rotary fused, then unfused; skip-RMSNorm
+unfused, one re-fused, RMSNorm unfused and fused again), each step "faster", the gate finding nothing.  The nodes of
+a step of several rules (every fusion at once) may be undone: every fusion but one kind is a true step on the
+encoders (skip-LayerNormalization, docs/results/agent-wide/prior/skip-layernorm.md)."""
 from __future__ import annotations
 
 import time
@@ -129,6 +135,8 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
 
     starved = False  # a batch was due and the time left could measure none of it
     refused_before: set[frozenset] = set()  # rewrites measured not faster at an earlier step, by their matches
+    made: dict[str, bool] = {}  # node -> whether the one-rule step that made it undid (True) or fused or merged (False)
+    direction = {r.name: r.group == "inverse" for r in rules if r.group in ("inverse", "fusion", "merge")}
 
     def batch_size() -> int | None:
         """Candidates worth building for the next batch: `most`, but no more than the time left can measure (a 30-layer
@@ -149,7 +157,8 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             best, tried = None, False
             for candidates in phases(current, rules, seen, deadline, batch_size):
                 tried = tried or bool(candidates)
-                candidates = [c for c in candidates if _rewrite(c, current) not in refused_before]
+                candidates = [c for c in candidates if _rewrite(c, current) not in refused_before
+                              and not _undoes(c, current, made, direction)]
                 candidates.sort(key=lambda c: len(c.graph))  # fewer nodes first: the cheapest ranking before measuring
                 results = measure_against(current.graph, candidates[: config.max_candidates], settings,
                                           rounds=config.rounds, seed=config.seed, deadline=deadline, pace=pace)
@@ -171,6 +180,8 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 break
             unmeasured = 0
             step = best[0].applied[len(current.applied):]
+            if len({m.rule for m in step}) == 1 and step[0].rule in direction:
+                made.update(dict.fromkeys(_made(current.graph, best[0].graph), direction[step[0].rule]))
             current, ratio = best
             steps.append({"rule": ", ".join(dict.fromkeys(m.rule for m in step)), "location": step[0].root,
                           "step_speedup": ratio.as_dict(), "nodes": len(current.graph), "rewrites": len(step)})
@@ -178,6 +189,22 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             bar.set_postfix_str(f"{steps[-1]['rule']} {ratio}")
     return SearchResult(current.graph, list(current.applied), measured, time.monotonic() - start, stop, steps,
                         candidates_unmeasured=unmeasured, candidates_dropped=refused)
+
+
+def _made(before: Graph, after: Graph) -> set[str]:
+    """The names of the nodes in `after` that `before` lacks (rewrites keep the names of the nodes they leave)."""
+    return {n.name for n in after.gs.nodes} - {n.name for n in before.gs.nodes}
+
+
+def _undoes(candidate: Candidate, base: Candidate, made: dict[str, bool], direction: dict[str, bool]) -> bool:
+    """Whether a rewrite of `candidate` (beyond `base`) takes nodes a one-rule step made with a rule of the other
+    direction (`direction`: rule -> undoes (an inverse) or not (a fusion or a merge); `made`: node -> the direction
+    of the step that made it).  Rules of neither direction (cleanups, layout, algebra) undo nothing."""
+    for match in candidate.applied[len(base.applied):]:
+        undoing = direction.get(match.rule)
+        if undoing is not None and any(made.get(node, undoing) != undoing for node in match.nodes):
+            return True
+    return False
 
 
 def _rewrite(candidate: Candidate, base: Candidate) -> frozenset:

@@ -239,3 +239,40 @@ def test_greedy_does_not_measure_again_a_rewrite_an_earlier_step_refused(bert, m
     first, second = steps
     assert second and not set(second) & set(first)  # the second step measured only what the first had not
     assert len(second) < len(first)
+
+
+@pytest.mark.parametrize("first", ["skip-layernorm-fusion", "every fusion"])
+def test_greedy_never_undoes_a_one_rule_step_but_may_undo_part_of_every_fusion(bert, monkeypatch, first):
+    """The fake measurement finds `first` faster at the first step and skip-LayerNorm unfused faster after it: undoing
+    a step of one rule contradicts its measurement and is not measured; every fusion at once may lose one kind (the
+    encoders' skip-LayerNorm)."""
+    import sys
+
+    from rlflow.measure.session import SessionSettings
+    from rlflow.measure.timing import Ratio
+    from rlflow.search.candidates import Screening
+    from rlflow.search.greedy import GreedyConfig, greedy
+
+    greedy_module = sys.modules["rlflow.search.greedy"]
+    measured: list[set[str]] = []
+
+    def measure(base, candidates, *args, **kwargs):
+        pairs, start = [], len(base.gs.nodes) == len(bert.gs.nodes)
+        for c in candidates:
+            rules = {m.rule for m in c.applied}
+            measured.append(rules)
+            if start:
+                fast = rules == {"skip-layernorm-fusion"} if first != "every fusion" else len(rules) > 2
+            else:
+                fast = c.applied[-1].rule == "skip-layernorm-unfuse"
+            pairs.append((c, Ratio(1.2, 1.1, 1.3, 0.95) if fast else Ratio(1.0, 0.9, 1.1, 0.95)))
+        return Screening(pairs)
+
+    monkeypatch.setattr(greedy_module, "measure_against", measure)
+    result = greedy(bert, SessionSettings(), GreedyConfig(time_limit=1e6, max_steps=3))
+    steps = [s["rule"] for s in result.steps]
+    if first == "every fusion":
+        assert steps[1] == "skip-layernorm-unfuse"
+    else:
+        assert steps == ["skip-layernorm-fusion"] and result.stop_reason == "no rewrite is measurably faster"
+        assert not any("skip-layernorm-unfuse" in rules for rules in measured)

@@ -8,7 +8,6 @@ search's 9-round screening cannot tell.
     python docs/results/decoders/fusions_by_cache.py models   # the decode steps built with rlflow zoo build
 """
 import datetime
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.shape_profiles import parse_profile
+from rlflow.optimize.pipeline import load_input  # as `rlflow optimize` reads a model
 from rlflow.rewrites import RULES
 from rlflow.search.candidates import Candidate, all_fusions
 
@@ -32,13 +32,12 @@ VARIANTS = ("input", "all fusions", "all fusions but attention")
 
 
 def main(models: Path) -> dict:
-    load = importlib.import_module("rlflow.optimize.pipeline")._load  # as `rlflow optimize` reads a model
     out = {"what": f"decode steps fixed at batch 1, CPU, 1 thread, onnxruntime {onnxruntime.__version__}: speedup over "
                    f"the input at each cache length, {ROUNDS} interleaved rounds, median [95% interval]; "
                    f"{datetime.date.today().isoformat()}",
            "environment": environment(SessionSettings(threads=1)), "models": {}}
     for step, profiles in STEPS.items():
-        graph, _ = load(models / f"{step}.onnx", None, [parse_profile(p) for p in profiles], {"batch": 1})
+        graph, _ = load_input(models / f"{step}.onnx", None, [parse_profile(p) for p in profiles], {"batch": 1})
         start = Candidate(graph, (), graph.fingerprint())
         fused = all_fusions(start)
         without_attention = all_fusions(start, [r for r in RULES if "attention" not in r.name])
