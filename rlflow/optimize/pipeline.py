@@ -261,8 +261,8 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
 
 
 def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
-          profiles: Sequence[Profile] | None = None,
-          fixed: Mapping[str, int] | None = None) -> tuple[Graph, onnx.ModelProto]:
+               profiles: Sequence[Profile] | None = None,
+               fixed: Mapping[str, int] | None = None) -> tuple[Graph, onnx.ModelProto]:
     """The graph to optimise, and the model as the user has it: their file (at an IR version onnxruntime accepts),
     else the graph's export; with `fixed` dimensions (--fix-dim), those fixed in both.
 
