@@ -53,8 +53,9 @@ def choose_unvisited(env, logits: torch.Tensor, seen: set[str], *, greedy: bool,
         logits[action] = NEG
         if child is not None and getattr(env, "scope", "match") == "rule":
             candidates = env.candidates  # a copy of the list: read once
+            rule = candidates[action].rule
             for other, match in enumerate(candidates):
-                if match.rule == candidates[action].rule:
+                if match.rule == rule:
                     logits[other] = NEG
 
 

@@ -299,8 +299,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     result.cost_table = table
     if fused is not None and result.graph is fused.graph:
         undone = ", ".join(dict.fromkeys(m.rule for m in fused.applied if m.rule in INVERSE_NAMES))
-        result.stop_reason += (" (the fuse-everything graph" + (f" with {undone} as the cost model prefers it" if undone
-                                                                 else "") + ", not a rollout's)")
+        preferred = f" with {undone} as the cost model prefers it" if undone else ""
+        result.stop_reason += f" (the fuse-everything graph{preferred}, not a rollout's)"
     return result
 
 
