@@ -13,14 +13,15 @@ pytest.importorskip("ray")
 
 
 def _dies_once(marker: str):
-    """`rlflow.train.cluster.play`, whose worker process is killed the first time (a marker file remembers)."""
+    """`rlflow.train.cluster.play`, whose worker process is killed the first time only (a marker file remembers)."""
     from rlflow.train import cluster
 
     def play(*args):
-        if not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(1)
-        return cluster.play(*args)
+        try:  # atomic: both nodes' first tasks start together, and only one of them may die
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return cluster.play(*args)
+        os._exit(1)
 
     return play
 
