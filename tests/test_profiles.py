@@ -202,7 +202,6 @@ def test_a_text_model_given_no_shapes_is_measured_at_the_default_profiles(text_m
 def test_the_search_measures_its_candidates_at_every_profile(text_model, monkeypatch):
     from rlflow.graph.core import Graph
     from rlflow.measure.session import SessionSettings
-    from rlflow.measure.session_spread import FIRST_SESSIONS, SessionSpread
     from rlflow.measure.shape_profiles import attach
     from rlflow.search import candidates
 
@@ -221,9 +220,6 @@ def test_the_search_measures_its_candidates_at_every_profile(text_model, monkeyp
     monkeypatch.setattr(profiled, "compare", counting)
     screening = candidates.measure_against(graph, pool[:1], SessionSettings(threads=1), rounds=3, seed=0)
     assert seen == [(1, 16), (1, 64)] and len(screening.pairs) == 1
-    spreads = [SessionSpread(), SessionSpread()]  # a screening's: each profile's baseline sessions differ its own way
-    candidates.measure_against(graph, pool[:1], SessionSettings(threads=1), rounds=3, seed=0, spreads=spreads)
-    assert [s.df for s in spreads] == [FIRST_SESSIONS - 1] * 2
 
 
 @pytest.mark.parametrize("args, message", [

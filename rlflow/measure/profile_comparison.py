@@ -13,7 +13,6 @@ import onnx
 
 from rlflow.graph.core import Graph
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.session_spread import SessionSpread
 from rlflow.measure.shape_profiles import Profile, combine, instantiate
 from rlflow.measure.timing import Comparison, Pace, Ratio, compare
 
@@ -40,18 +39,15 @@ def export_at(graph: Graph, profile: Profile | None) -> onnx.ModelProto:
 
 def compare_profiled(graphs: Sequence[Graph], settings: SessionSettings, *, rounds: int, seed: int,
                      deadline: float | None = None, pace: Pace | None = None,
-                     labels: Sequence[str] | None = None,
-                     spreads: Sequence[SessionSpread] | None = None) -> ProfiledComparison:
+                     labels: Sequence[str] | None = None) -> ProfiledComparison:
     """`compare` of `graphs` (graph 0 the baseline) at each profile of graph 0, and the combined speedups.
-    `spreads`: a screening's, one per profile (`compare`'s `spread`).
 
     Raises:
         ProviderError: onnxruntime cannot build or run one of the models at some profile.
     """
     profiles = list(graphs[0].profiles) or [None]
-    spreads = list(spreads) if spreads is not None else [None] * len(profiles)
     comparisons = [compare([export_at(g, p) for g in graphs], settings, rounds=rounds, seed=seed, deadline=deadline,
-                           pace=pace, labels=labels, spread=spread) for p, spread in zip(profiles, spreads)]
+                           pace=pace, labels=labels) for p in profiles]
     if profiles == [None]:
         return ProfiledComparison([], comparisons, comparisons[0].ratios)
     weights = [p.weight for p in profiles]

@@ -18,7 +18,6 @@ from rlflow.errors import ProviderError
 from rlflow.measure.bootstrap import Ratio, bootstrap_ratio
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, cannot_run, create_session, ort_feeds, session_source
-from rlflow.measure.session_spread import SessionSpread
 
 MIN_ROUND_SECONDS = 0.01
 """Each model runs enough times per round to take at least this long, so clock resolution never matters."""
@@ -274,8 +273,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
             warmup: int = WARMUP_RUNS, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None,
             labels: Sequence[str] | None = None, confidence: float = 0.95, deadline: float | None = None,
             blocks: int | None = None, pace: Pace | None = None,
-            feeds: Sequence[Mapping[str, np.ndarray]] | None = None,
-            spread: SessionSpread | None = None) -> Comparison:
+            feeds: Sequence[Mapping[str, np.ndarray]] | None = None) -> Comparison:
     """Interleaved comparison of models on the same inputs.
 
     Every round runs each model (in a freshly shuffled order) enough times to take MIN_ROUND_SECONDS; the speedup of
@@ -285,9 +283,9 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     Rounds are grouped in blocks, and every block builds fresh sessions in a shuffled order: two sessions of the very
     same model differ by a percent or two for as long as they live (memory placement), so a single pair of sessions
     gives confidently wrong intervals.  The interval resamples blocks, then rounds within them, and so covers that as
-    far as the blocks show it: one block shows nothing of it (a search's screening measures the baseline in several
-    sessions instead: `spread`), and on a decode step a model was called faster or slower than itself far more often
-    than 5% even with three blocks (placebo trials, docs/results/decoders/first-step-limit-no-undo/).
+    far as the blocks show it: one block (a search's screening) shows nothing of it, and on a decode step a model
+    was called faster or slower than itself far more often than 5% even with three blocks (placebo trials,
+    docs/results/decoders/first-step-limit-no-undo/).
 
     Args:
         models: model 0 is the baseline.
@@ -299,29 +297,25 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
             `Pace.block_seconds`).
         feeds: one input dict per model, for models whose inputs differ (default: random inputs of model 0 at
             `shapes`, fed to every model).
-        spread: a screening's: the baseline is measured in `spread.sessions()` sessions of its own, in one block,
-            and the speedups come from `spread.ratios` (see `rlflow.measure.session_spread`).
     """
     if len(models) < 2:
         raise ValueError("compare needs at least two models")
     settings = settings or SessionSettings()
     labels = list(labels or [f"model{i}" for i in range(len(models))])
-    baselines = spread.sessions() if spread is not None else 1
-    blocks = 1 if spread is not None else blocks or min(5, max(1, rounds // 6))
+    blocks = blocks or min(5, max(1, rounds // 6))
     per_block = max(1, rounds // blocks)
     feeds = list(feeds) if feeds is not None else [random_inputs(models[0], seed, shapes)] * len(models)
     sources = [session_source(m) if isinstance(m, onnx.ModelProto) else m for m in models]  # serialized once
-    sources, feeds = [sources[0]] * (baselines - 1) + sources, [feeds[0]] * (baselines - 1) + feeds
     rng = np.random.default_rng(seed)
-    times: list[list[float]] = [[] for _ in sources]
+    times: list[list[float]] = [[] for _ in models]
     block_of_round: list[int] = []
     runs = None
     for block in range(blocks):
-        ahead = pace.block_seconds(len(sources), warmup=warmup) if pace is not None else 0.0
+        ahead = pace.block_seconds(len(models), warmup=warmup) if pace is not None else 0.0
         if deadline is not None and block > 0 and _ends_after(deadline, ahead):
             break
-        runners: list[Runner | None] = [None] * len(sources)
-        for i in rng.permutation(len(sources)):
+        runners: list[Runner | None] = [None] * len(models)
+        for i in rng.permutation(len(models)):
             start = time.perf_counter()
             runners[i] = Runner(sources[i], settings, feeds[i])
             if pace is not None:
@@ -347,15 +341,10 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         del runners
     base = np.asarray(times[0])
     groups = np.asarray(block_of_round)
-    extra = {"blocks": int(groups.max()) + 1 if len(groups) else 0}
-    if spread is not None:
-        ratios = [Ratio(1.0, 1.0, 1.0, confidence), *spread.ratios(times, baselines, confidence)]
-        times = times[baselines - 1:]
-        extra.update(baseline_sessions=baselines, session_sigma=spread.sigma, session_df=spread.df)
-    else:
-        ratios = [bootstrap_ratio(base, np.asarray(t), confidence, rng, groups=groups) for t in times]
+    ratios = [bootstrap_ratio(base, np.asarray(t), confidence, rng, groups=groups) for t in times]
     timings = [_stats(label, t, warmup, settings) for label, t in zip(labels, times)]
-    return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed, extra=extra)
+    return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed,
+                      extra={"blocks": int(groups.max()) + 1 if len(groups) else 0})
 
 
 def _ends_after(deadline: float, seconds: float) -> bool:

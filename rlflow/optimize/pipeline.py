@@ -23,7 +23,6 @@ from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
 from rlflow.measure.profile_comparison import export_at
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
-from rlflow.measure.session_spread import FIRST_SESSIONS
 from rlflow.measure.shape_profiles import Profile, arrange, attach, default_profiles, without_fixed
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import verify
@@ -163,12 +162,10 @@ def _default_time_limit(method: str, paces: Sequence[Pace], candidates: int) -> 
     the input would not fit in it: each built (about one export: a rule applied everywhere on a 3,646-node decoder
     step took 1.3 s, its export 1.0 s), then at every profile the candidate and the input exported, their sessions
     and one block of `GreedyConfig.rounds` rounds.  Without the exports it predicted eight candidates where a decode
-    step's search measured three to five.  Greedy's first batch builds the input in FIRST_SESSIONS sessions
-    (`rlflow.measure.session_spread`)."""
+    step's search measured three to five."""
     candidate = paces[0].seconds.get("export", 0.0) + sum(p.block_seconds(2, exports=2, rounds=GreedyConfig.rounds)
                                                           for p in paces)
-    baselines = (FIRST_SESSIONS - 1) * sum(p.seconds.get("session", 0.0) for p in paces) if method == "greedy" else 0
-    return max(DEFAULT_TIME_LIMITS[method], candidates * candidate + baselines)
+    return max(DEFAULT_TIME_LIMITS[method], candidates * candidate)
 
 
 def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,

@@ -21,7 +21,6 @@ from rlflow.graph.core import Graph
 from rlflow.measure.memory import candidates_that_fit
 from rlflow.measure.profile_comparison import compare_profiled, profile_count
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.session_spread import SessionSpread
 from rlflow.measure.timing import Pace, Ratio, compare, probe
 from rlflow.rewrites import GROUPS, RULES, Match, Rule, apply, apply_everywhere, find_matches
 
@@ -188,21 +187,18 @@ class Screening:
 
 
 def measure_against(base: Graph, candidates: Sequence[Candidate], settings: SessionSettings, *, rounds: int,
-                    seed: int, deadline: float | None = None, batch: int = 6, pace: Pace | None = None,
-                    spreads: Sequence[SessionSpread] | None = None) -> Screening:
+                    seed: int, deadline: float | None = None, batch: int = 6, pace: Pace | None = None) -> Screening:
     """Speedup of each candidate over `base`, measured interleaved in batches (smaller where memory is short).
 
     A candidate that onnxruntime cannot run is dropped (logged), not fatal.  With a `deadline`, a batch shrinks to
     what `pace` predicts ends before it, and none starts when not even one candidate would; the pace learns from every
-    batch, and from a probe of `base` when it has seen nothing yet.  `spreads` (one per shape profile of `base`, kept
-    by the caller from batch to batch): each batch measures `base` in several sessions and calls a candidate faster
-    only beyond how far those differ (`rlflow.measure.session_spread`).
+    batch, and from a probe of `base` when it has seen nothing yet.
     """
     pending = list(candidates)
     if not pending or (deadline is not None and time.monotonic() > deadline):
         return Screening([], len(pending))
     pace = pace if pace is not None else Pace()
-    spreads = list(spreads) if spreads is not None else None
+    most = candidates_that_fit(base, batch)
     with pace.timed("export"):
         base_model = base.to_model(static=True)
     if deadline is not None and not pace.known:
@@ -211,15 +207,12 @@ def measure_against(base: Graph, candidates: Sequence[Candidate], settings: Sess
     refused: list[tuple[Candidate, str]] = []
     alone = 0  # candidates to measure one at a time: the members of a batch onnxruntime refused
     while pending:
-        baselines = max(s.sessions() for s in spreads) if spreads else 1
-        most = max(1, candidates_that_fit(base, batch + baselines - 1) - (baselines - 1))
-        size = affordable(pace, 1 if alone else min(most, len(pending)), deadline, profiles=profile_count(base),
-                          baselines=baselines)
+        size = affordable(pace, 1 if alone else min(most, len(pending)), deadline, profiles=profile_count(base))
         if not size:
             break
         chunk, pending, alone = pending[:size], pending[size:], max(0, alone - size)
         try:
-            out += _measure_batch(base, base_model, chunk, settings, rounds, seed, deadline, pace, spreads)
+            out += _measure_batch(base, base_model, chunk, settings, rounds, seed, deadline, pace)
         except ProviderError as exc:
             if len(chunk) == 1:
                 log.debug("candidate %s does not run: %s", chunk[0].applied, exc)
@@ -229,14 +222,13 @@ def measure_against(base: Graph, candidates: Sequence[Candidate], settings: Sess
     return Screening(out, len(pending), refused)
 
 
-def affordable(pace: Pace, wanted: int, deadline: float | None, profiles: int = 1, baselines: int = 1) -> int:
-    """How many candidates, at most `wanted`, one batch can measure against the base (in `baselines` sessions)
-    before `deadline` (a batch is measured once per shape profile)."""
+def affordable(pace: Pace, wanted: int, deadline: float | None, profiles: int = 1) -> int:
+    """How many candidates, at most `wanted`, one batch can measure against the base before `deadline` (a batch is
+    measured once per shape profile)."""
     if deadline is None:
         return wanted
     left = deadline - time.monotonic()
-    return next((n for n in range(wanted, 0, -1)
-                 if profiles * pace.block_seconds(n + baselines, exports=n) <= left), 0)
+    return next((n for n in range(wanted, 0, -1) if profiles * pace.block_seconds(n + 1, exports=n) <= left), 0)
 
 
 RESERVE_SHARE = 0.25
@@ -270,8 +262,7 @@ def _probe(model: onnx.ModelProto, settings: SessionSettings, pace: Pace, seed: 
 
 
 def _measure_batch(base: Graph, base_model: onnx.ModelProto, batch: list[Candidate], settings: SessionSettings,
-                   rounds: int, seed: int, deadline: float | None, pace: Pace,
-                   spreads: list[SessionSpread] | None) -> list[tuple[Candidate, Ratio]]:
+                   rounds: int, seed: int, deadline: float | None, pace: Pace) -> list[tuple[Candidate, Ratio]]:
     """One interleaved comparison of the batch with the base (one per shape profile of the base).
 
     Raises:
@@ -279,14 +270,13 @@ def _measure_batch(base: Graph, base_model: onnx.ModelProto, batch: list[Candida
     """
     if profile_count(base) > 1:
         measured = compare_profiled([base, *(c.graph for c in batch)], settings, rounds=rounds, seed=seed,
-                                    deadline=deadline, pace=pace, spreads=spreads)
+                                    deadline=deadline, pace=pace)
         return list(zip(batch, measured.ratios[1:]))
     models = []
     for candidate in batch:
         with pace.timed("export"):
             models.append(candidate.graph.to_model(static=True))
-    comparison = compare([base_model, *models], settings, rounds=rounds, seed=seed, deadline=deadline, pace=pace,
-                         spread=spreads[0] if spreads else None)
+    comparison = compare([base_model, *models], settings, rounds=rounds, seed=seed, deadline=deadline, pace=pace)
     return list(zip(batch, comparison.ratios[1:]))
 
 

@@ -11,10 +11,8 @@ where an unrelated part of the graph changed, and on a 752-node decoder step the
 first had refused ran greedy out of time.  What a step makes possible is new and measured: every fusion at once
 changes with each fusion step, and rules matching the new nodes are new matches.
 
-A step is taken on one measurement, in which the base runs in several sessions of its own and a candidate is faster
-only beyond how far those differ (`rlflow.measure.session_spread`: on a decode step two sessions of one model differ
-by more than a step's gain, and greedy stepped on that); measuring the fastest again before stepping lost true steps
-to noise on the small BERTs (docs/results/agent-deploy/greedy-kinds/).  But a step
+A step is taken on one measurement: measuring the fastest again before stepping (against the dozen candidates a batch
+screens at 95% each) lost true steps to noise on the small BERTs (docs/results/agent-deploy/greedy-kinds/).  But a step
 never undoes an earlier step of one rule: a rewrite of the other direction (an inverse rule after a fusion or a merge,
 a fusion or a merge after an inverse) on nodes that step made is not measured.  Both measured faster means one of the
 two was noise, and on the decode steps greedy otherwise went round in circles (rotary fused, then unfused;
@@ -35,7 +33,6 @@ from rlflow.graph.core import Graph
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import profile_count
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.session_spread import SessionSpread
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import GROUPS, RULES, Rule, find_matches
 from rlflow.search.candidates import (
@@ -134,7 +131,6 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
     seen = {current.fingerprint}
     steps, measured, unmeasured, stop, refused = [], 0, 0, "step limit", []
     pace = Pace()  # shared by the steps: every step's candidates are about the size of the input
-    spreads = [SessionSpread() for _ in range(profile_count(graph))]  # how far the base's sessions differ, learnt
     most = LARGE_MODEL_CANDIDATES if shares_weights(graph) else None
 
     starved = False  # a batch was due and the time left could measure none of it
@@ -147,8 +143,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
         decoder's dozen rules applied everywhere took 12 s to build, and the time left measured four of them)."""
         nonlocal starved
         wanted = most or config.max_candidates
-        fits = (affordable(pace, wanted, deadline, profiles=profile_count(graph), baselines=spreads[0].sessions())
-                if pace.known else wanted)
+        fits = affordable(pace, wanted, deadline, profiles=profile_count(graph)) if pace.known else wanted
         starved = fits == 0
         return most if fits >= wanted else fits
 
@@ -166,8 +161,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                               and not _undoes(c, current, made, direction)]
                 candidates.sort(key=lambda c: len(c.graph))  # fewer nodes first: the cheapest ranking before measuring
                 results = measure_against(current.graph, candidates[: config.max_candidates], settings,
-                                          rounds=config.rounds, seed=config.seed, deadline=deadline, pace=pace,
-                                          spreads=spreads)
+                                          rounds=config.rounds, seed=config.seed, deadline=deadline, pace=pace)
                 refused_before.update(_rewrite(c, current) for c, ratio in results.pairs if not ratio.faster)
                 measured += len(results.pairs)
                 unmeasured = results.unmeasured

@@ -219,10 +219,8 @@ def test_greedy_does_not_measure_again_a_rewrite_an_earlier_step_refused(bert, m
 
     greedy_module = sys.modules["rlflow.search.greedy"]
     steps: list[list[frozenset]] = []
-    spreads = []
 
     def measure(base, candidates, *args, **kwargs):
-        spreads.append(kwargs["spreads"])
         since = int(len(base.gs.nodes) != len(bert.gs.nodes))  # the attention fusion applied: the second step
         if len(steps) <= since:
             steps.append([])
@@ -241,7 +239,6 @@ def test_greedy_does_not_measure_again_a_rewrite_an_earlier_step_refused(bert, m
     first, second = steps
     assert second and not set(second) & set(first)  # the second step measured only what the first had not
     assert len(second) < len(first)
-    assert len(spreads[0]) == 1 and all(s is spreads[0] for s in spreads)  # one session spread learnt by every step
 
 
 @pytest.mark.parametrize("first", ["skip-layernorm-fusion", "every fusion"])

@@ -4,13 +4,16 @@ batch the baseline against three candidates that are the baseline itself, 9 roun
 A calibrated 95% interval is wrong in 5% of calls (2.5% each way); a batch of three has a wrong call in up to 14%.
 
     python docs/results/decoders/session-spread/placebo.py [TRIALS]
+
+Runs at 737ddd3 (the base in 4 sessions in the first batch; placebo.txt) or 06cbfd6 (6), where
+`rlflow.measure.session_spread` exists: `git worktree add /tmp/spread 06cbfd6`, then `PYTHONPATH=/tmp/spread`.
 """
 import sys
 
 from rlflow.graph.core import load
 from rlflow.measure.profile_comparison import export_at
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.session_spread import SessionSpread
+from rlflow.measure.session_spread import FIRST_SESSIONS, LATER_SESSIONS, SessionSpread
 from rlflow.measure.shape_profiles import parse_profile
 from rlflow.measure.timing import compare
 from rlflow.optimize.pipeline import load_input
@@ -39,7 +42,7 @@ if __name__ == "__main__":
             sigmas.append(spread.sigma)
             halves.append(ratios[0].high / ratios[0].median)
         for batch in range(BATCHES):
-            print(f"{path}: batch {batch + 1} ({'4' if batch == 0 else '2'} baseline sessions), {trials} trials of "
+            print(f"{path}: batch {batch + 1} ({FIRST_SESSIONS if batch == 0 else LATER_SESSIONS} baseline sessions), {trials} trials of "
                   f"{CANDIDATES} calls: 'faster' {faster[batch]}, 'slower' {slower[batch]} of {trials * CANDIDATES}; "
                   f"batches with a wrong call {batches_wrong[batch]} of {trials}", flush=True)
         sigmas.sort()
