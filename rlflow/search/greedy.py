@@ -154,7 +154,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             if time.monotonic() > deadline:
                 stop = "time limit"
                 break
-            best, tried = None, False
+            best, tried, closest = None, False, None
             for candidates in phases(current, rules, seen, deadline, batch_size):
                 tried = tried or bool(candidates)
                 candidates = [c for c in candidates if _rewrite(c, current) not in refused_before
@@ -167,6 +167,8 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 unmeasured = results.unmeasured
                 refused += [dropped(c, error, since=len(current.applied)) for c, error in results.dropped]
                 best = fastest(results.pairs)
+                closest = max([*results.pairs, *([closest] if closest else [])], key=lambda p: p[1].median,
+                              default=None)
                 if best is not None or time.monotonic() > deadline:
                     break
             if best is None:
@@ -176,14 +178,16 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 elif not tried:
                     stop = "no rewrite applies"
                 else:
-                    stop = "no rewrite is measurably faster" + (_AT_EVERY_PROFILE if len(graph.profiles) > 1 else "")
+                    stop = ("no rewrite is measurably faster" + (_AT_EVERY_PROFILE if len(graph.profiles) > 1 else "")
+                            + (f"; the closest: {_rules(closest[0], current)} {closest[1]}" if closest else ""))
                 break
             unmeasured = 0
             step = best[0].applied[len(current.applied):]
             if len({m.rule for m in step}) == 1 and step[0].rule in direction:
                 made.update(dict.fromkeys(_made(current.graph, best[0].graph), direction[step[0].rule]))
+            rule = _rules(best[0], current)
             current, ratio = best
-            steps.append({"rule": ", ".join(dict.fromkeys(m.rule for m in step)), "location": step[0].root,
+            steps.append({"rule": rule, "location": step[0].root,
                           "step_speedup": ratio.as_dict(), "nodes": len(current.graph), "rewrites": len(step)})
             bar.update(1)
             bar.set_postfix_str(f"{steps[-1]['rule']} {ratio}")
@@ -205,6 +209,11 @@ def _undoes(candidate: Candidate, base: Candidate, made: dict[str, bool], direct
         if undoing is not None and any(made.get(node, undoing) != undoing for node in match.nodes):
             return True
     return False
+
+
+def _rules(candidate: Candidate, base: Candidate) -> str:
+    """The rules of the rewrites `candidate` makes beyond `base`, each once, as a report names a step."""
+    return ", ".join(dict.fromkeys(m.rule for m in candidate.applied[len(base.applied):]))
 
 
 def _rewrite(candidate: Candidate, base: Candidate) -> frozenset:
