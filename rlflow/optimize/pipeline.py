@@ -149,12 +149,20 @@ more, `step_size`): a 1 GB decoder's candidate takes 10-20 s at two cache length
 four, too few to reach its second step."""
 
 
+GREEDY_PLANNED_STEPS = 2
+"""Steps of the input's size greedy's default time plans for: its usual run on a decoder is a first step won by every
+fusion at once and a second step that measures all of its candidates to find none faster.  Planned for the first
+alone, five of the seven decode steps stopped for time: two in their second step, three in their first, where a
+candidate took about a fifth longer than planned (docs/results/decoders/session-spread/before/)."""
+
+
 def _planned_candidates(method: str, graph: Graph, rules: Sequence[Rule]) -> int:
-    """SEARCH_CANDIDATES, or greedy's first step where it builds more: with eight, greedy ran out of time on 30-layer
-    decoder steps where none of its first 14 candidates was faster, so it never said that none was."""
+    """SEARCH_CANDIDATES, or greedy's first steps where they build more (GREEDY_PLANNED_STEPS): with eight, greedy ran
+    out of time on 30-layer decoder steps where none of its first 14 candidates was faster, so it never said that none
+    was."""
     if method != "greedy":
         return SEARCH_CANDIDATES[method]
-    return max(SEARCH_CANDIDATES[method], step_size(graph, rules))
+    return max(SEARCH_CANDIDATES[method], GREEDY_PLANNED_STEPS * step_size(graph, rules))
 
 
 def _default_time_limit(method: str, paces: Sequence[Pace], candidates: int) -> float:
