@@ -33,7 +33,8 @@ from rlflow.graph.core import Graph
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import profile_count
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.timing import Pace
+from rlflow.measure.shape_profiles import Profile
+from rlflow.measure.timing import Pace, Ratio
 from rlflow.rewrites import GROUPS, RULES, Rule, find_matches
 from rlflow.search.candidates import (
     Candidate,
@@ -179,7 +180,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                     stop = "no rewrite applies"
                 else:
                     stop = ("no rewrite is measurably faster" + (_AT_EVERY_PROFILE if len(graph.profiles) > 1 else "")
-                            + (f"; the closest: {_rules(closest[0], current)} {closest[1]}" if closest else ""))
+                            + (f"; the closest: {_closest(closest, current, graph.profiles)}" if closest else ""))
                 break
             unmeasured = 0
             step = best[0].applied[len(current.applied):]
@@ -209,6 +210,14 @@ def _undoes(candidate: Candidate, base: Candidate, made: dict[str, bool], direct
         if undoing is not None and any(made.get(node, undoing) != undoing for node in match.nodes):
             return True
     return False
+
+
+def _closest(pair: tuple[Candidate, Ratio], base: Candidate, profiles: Sequence[Profile]) -> str:
+    """The candidate that came closest to a step, as the stop reason names it: its rules and speedup, and the profile
+    where it was slower when that is what refused it (its interval may lie above 1 on the profiles' mean)."""
+    candidate, ratio = pair
+    slower = getattr(ratio, "slower_at", ())
+    return f"{_rules(candidate, base)} {ratio}" + (f", slower at {profiles[slower[0]].label}" if slower else "")
 
 
 def _rules(candidate: Candidate, base: Candidate) -> str:

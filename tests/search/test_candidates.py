@@ -279,3 +279,17 @@ def test_greedy_never_undoes_a_one_rule_step_but_may_undo_part_of_every_fusion(b
         assert steps == ["skip-layernorm-fusion"]
         assert result.stop_reason.startswith("no rewrite is measurably faster; the closest: ")
         assert not any("skip-layernorm-unfuse" in rules for rules in measured)
+
+
+def test_the_closest_candidate_names_its_rules_and_the_profile_that_refused_it(bert):
+    from rlflow.measure.shape_profiles import CombinedRatio, parse_profile
+    from rlflow.measure.timing import Ratio
+    from rlflow.search.greedy import _closest
+
+    start = Candidate(bert, (), bert.fingerprint())
+    candidate = next(iter(everywhere(start, [rule("skip-layernorm-fusion")])))
+    profiles = [parse_profile("input_ids=1,8"), parse_profile("input_ids=1,64")]
+    plain = _closest((candidate, Ratio(1.02, 0.99, 1.05, 0.95)), start, [])
+    assert plain == "skip-layernorm-fusion 1.020x [0.990, 1.050]"
+    refused = _closest((candidate, CombinedRatio(1.03, 1.01, 1.04, 0.95, (1,))), start, profiles)
+    assert refused == "skip-layernorm-fusion 1.030x [1.010, 1.040], slower at input_ids=1,64"
