@@ -168,8 +168,7 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
                 unmeasured = results.unmeasured
                 refused += [dropped(c, error, since=len(current.applied)) for c, error in results.dropped]
                 best = fastest(results.pairs)
-                closest = max([*results.pairs, *([closest] if closest else [])], key=lambda p: p[1].median,
-                              default=None)
+                closest = max(results.pairs + ([closest] if closest else []), key=lambda p: p[1].median, default=None)
                 if best is not None or time.monotonic() > deadline:
                     break
             if best is None:
