@@ -145,8 +145,8 @@ def _default_for(provider: str, agent, finetune: int, graph: Graph, rules) -> tu
 
 SEARCH_CANDIDATES = {"agent": 2, "greedy": 8, "taso": 8, "random": 8}
 """Candidates a method's default time leaves room to measure end to end at least (greedy: two steps the size of its
-first, where more, `step_size`): a 1 GB decoder's candidate takes 10-20 s at two cache lengths, and greedy's 60 s then measured
-four, too few to reach its second step."""
+first, where more, `step_size`): a 1 GB decoder's candidate takes 10-20 s at two cache lengths, and greedy's 60 s
+then measured four, too few to reach its second step."""
 
 
 GREEDY_PLANNED_STEPS = 2

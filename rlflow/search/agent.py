@@ -42,6 +42,7 @@ from rlflow.search.candidates import (
     coverage,
     measurement_reserve,
     measuring_until,
+    rule_names,
     select_estimated,
     select_measured,
 )
@@ -298,7 +299,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     result.not_reached[:0] = late
     result.cost_table = table
     if fused is not None and result.graph is fused.graph:
-        undone = ", ".join(dict.fromkeys(m.rule for m in fused.applied if m.rule in INVERSE_NAMES))
+        undone = rule_names(m for m in fused.applied if m.rule in INVERSE_NAMES)
         preferred = f" with {undone} as the cost model prefers it" if undone else ""
         result.stop_reason += f" (the fuse-everything graph{preferred}, not a rollout's)"
     return result

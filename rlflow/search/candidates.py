@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import onnx
 
@@ -69,12 +69,16 @@ class SearchResult:
     candidates_dropped: list[dict] = field(default_factory=list)
 
 
+def rule_names(matches: Iterable[Match]) -> str:
+    """The rules of `matches`, each once and in order, as reports name a step."""
+    return ", ".join(dict.fromkeys(m.rule for m in matches))
+
+
 def dropped(candidate: Candidate, error: str, since: int = 0) -> dict:
     """A candidate onnxruntime could not run, as reports show it: the rules of its rewrites after the first `since`
     (those the step that made it added) and onnxruntime's message.  On CUDA with graph capture this is how a rewrite
     that puts a node on the CPU shows: the capture is refused."""
-    rules = ", ".join(dict.fromkeys(m.rule for m in candidate.applied[since:]))
-    return {"rules": rules, "error": " ".join(error.split())[:300]}
+    return {"rules": rule_names(candidate.applied[since:]), "error": " ".join(error.split())[:300]}
 
 
 def try_apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph | None:

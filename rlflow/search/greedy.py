@@ -46,6 +46,7 @@ from rlflow.search.candidates import (
     everywhere,
     fastest,
     measure_against,
+    rule_names,
 )
 from rlflow.search.frozen_heap import frozen_heap
 from rlflow.search.location_kinds import alike, kinds_of_location
@@ -185,9 +186,8 @@ def greedy(graph: Graph, settings: SessionSettings, config: GreedyConfig | None 
             step = best[0].applied[len(current.applied):]
             if len({m.rule for m in step}) == 1 and step[0].rule in direction:
                 made.update(dict.fromkeys(_made(current.graph, best[0].graph), direction[step[0].rule]))
-            rule = _rules(best[0], current)
             current, ratio = best
-            steps.append({"rule": rule, "location": step[0].root,
+            steps.append({"rule": rule_names(step), "location": step[0].root,
                           "step_speedup": ratio.as_dict(), "nodes": len(current.graph), "rewrites": len(step)})
             bar.update(1)
             bar.set_postfix_str(f"{steps[-1]['rule']} {ratio}")
@@ -216,12 +216,8 @@ def _closest(pair: tuple[Candidate, Ratio], base: Candidate, profiles: Sequence[
     where it was slower when that is what refused it (its interval may lie above 1 on the profiles' mean)."""
     candidate, ratio = pair
     slower = getattr(ratio, "slower_at", ())
-    return f"{_rules(candidate, base)} {ratio}" + (f", slower at {profiles[slower[0]].label}" if slower else "")
-
-
-def _rules(candidate: Candidate, base: Candidate) -> str:
-    """The rules of the rewrites `candidate` makes beyond `base`, each once, as a report names a step."""
-    return ", ".join(dict.fromkeys(m.rule for m in candidate.applied[len(base.applied):]))
+    rules = rule_names(candidate.applied[len(base.applied):])
+    return f"{rules} {ratio}" + (f", slower at {profiles[slower[0]].label}" if slower else "")
 
 
 def _rewrite(candidate: Candidate, base: Candidate) -> frozenset:
