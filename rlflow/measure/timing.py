@@ -285,7 +285,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     gives confidently wrong intervals.  The interval resamples blocks, then rounds within them, and so covers that as
     far as the blocks show it: one block (a search's screening) shows nothing of it, and on a decode step a model
     was called faster or slower than itself far more often than 5% even with three blocks (placebo trials,
-    docs/results/decoders/first-step-limit-no-undo/).
+    docs/results/archive/decoders/first-step-limit-no-undo/).
 
     Args:
         models: model 0 is the baseline.

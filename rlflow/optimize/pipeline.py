@@ -153,7 +153,7 @@ GREEDY_PLANNED_STEPS = 2
 """Steps of the input's size greedy's default time plans for: its usual run on a decoder is a first step won by every
 fusion at once and a second step that measures all of its candidates to find none faster.  Planned for the first
 alone, five of the seven decode steps stopped for time: two in their second step, three in their first, where a
-candidate took about a fifth longer than planned (docs/results/decoders/session-spread/before/)."""
+candidate took about a fifth longer than planned (docs/results/archive/decoders/session-spread/before/)."""
 
 
 def _planned_candidates(method: str, graph: Graph, rules: Sequence[Rule]) -> int:

@@ -2,7 +2,7 @@
 has it, the search's export of it, and the graph of greedy's four steps (each rule everywhere), compared at past 128
 as the gate compares (18 rounds, 3 blocks of sessions) and as a search step does (9 rounds, one block).
 
-    python docs/results/decoders/first-step-limit-no-undo/false_steps.py
+    python docs/results/archive/decoders/first-step-limit-no-undo/false_steps.py
 """
 from rlflow.measure.profile_comparison import export_at
 from rlflow.measure.session import SessionSettings

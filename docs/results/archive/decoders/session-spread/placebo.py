@@ -3,7 +3,7 @@
 batch the baseline against three candidates that are the baseline itself, 9 rounds in one block as greedy screens.
 A calibrated 95% interval is wrong in 5% of calls (2.5% each way); a batch of three has a wrong call in up to 14%.
 
-    python docs/results/decoders/session-spread/placebo.py [TRIALS]
+    python docs/results/archive/decoders/session-spread/placebo.py [TRIALS]
 
 Runs at 737ddd3 (the base in 4 sessions in the first batch; placebo.txt) or 06cbfd6 (6), where
 `rlflow.measure.session_spread` exists: `git worktree add /tmp/spread 06cbfd6`, then `PYTHONPATH=/tmp/spread`.

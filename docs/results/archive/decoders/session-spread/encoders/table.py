@@ -3,7 +3,7 @@
 seeds [lowest, highest], the median search seconds, how many runs rewrote as before did, and the geometric mean of the
 medians.  Before and four-sessions ran back to back per seed; after ran 25 minutes later on the same quiet machine.
 
-    python docs/results/decoders/session-spread/encoders/table.py
+    python docs/results/archive/decoders/session-spread/encoders/table.py
 
 Each folder <version>-seed<N>/: `rlflow bench <six> --methods greedy --threads 1 --rounds 12 --seed N` (the six:
 models/{bert-l2-h128,bert-l4-h256,minilm-l12-h384}-s16-{ts,dynamo}.onnx).

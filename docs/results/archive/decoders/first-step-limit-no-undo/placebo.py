@@ -3,7 +3,7 @@ two sessions, 9 rounds in one block as greedy screens (`GreedyConfig.rounds`), a
 rounds in three blocks and 30 in five, as the gate measures (5 blocks of 6 rounds where its budget allows).  A
 calibrated 95% interval lies wholly above 1 in 2.5% of trials.
 
-    python docs/results/decoders/first-step-limit-no-undo/placebo.py [TRIALS]
+    python docs/results/archive/decoders/first-step-limit-no-undo/placebo.py [TRIALS]
 """
 import sys
 

@@ -3,7 +3,7 @@ both cache lengths: with the base in six sessions and the session-spread interva
 bootstrap of one pair of sessions (every other commit), one trial per seed.  Runs at 06cbfd6 only
 (`git worktree add /tmp/spread 06cbfd6`, then `PYTHONPATH=/tmp/spread`).
 
-    python docs/results/decoders/session-spread/every_fusion.py MODEL fix|dynamic TRIALS
+    python docs/results/archive/decoders/session-spread/every_fusion.py MODEL fix|dynamic TRIALS
 """
 import sys
 

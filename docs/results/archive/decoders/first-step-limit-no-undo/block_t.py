@@ -4,7 +4,7 @@ on the number of blocks less one).  A calibrated 95% interval excludes 1 in 5% o
 candidate is the step with every fusion applied (a true gain at past 128), and what is counted is how often each
 interval calls it faster.
 
-    python docs/results/decoders/first-step-limit-no-undo/block_t.py [TRIALS] [gain]
+    python docs/results/archive/decoders/first-step-limit-no-undo/block_t.py [TRIALS] [gain]
 """
 import math
 import sys

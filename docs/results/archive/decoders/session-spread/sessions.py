@@ -3,8 +3,8 @@
 default session, with pre-packing off (`SessionSettings.share_weights`: every session reads the one mapped copy of
 the weights instead of its own packed copy) and with the CPU memory arena off.
 
-    python docs/results/decoders/session-spread/sessions.py [TRIALS [VARIANT ...]]
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python docs/results/decoders/session-spread/sessions.py 3 default
+    python docs/results/archive/decoders/session-spread/sessions.py [TRIALS [VARIANT ...]]
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python docs/results/archive/decoders/session-spread/sessions.py 3 default
 
 (the second: glibc's large allocations advised to transparent huge pages, which this machine gives only on request)
 """
