@@ -49,6 +49,10 @@ def cli() -> None:
               help="Fix a symbolic input dimension in the output (repeatable), as onnxruntime's "
                    "make_dynamic_shape_fixed does: it then runs at that value only, and rewrites may rely on it "
                    "(batch=1 lets a decoder's attention take its rotary embedding in).")
+@click.option("--fix-value", "fixed_values", multiple=True, metavar="NAME=VALUE",
+              help="Declare every element of an input to be VALUE (repeatable): the output reads a constant of its "
+                   "shape instead, so rewrites may rely on it (attention_mask=1 where nothing is ever padded lets a "
+                   "decoder's attention mask itself).")
 @click.option("--profile", "profile_specs", multiple=True, metavar="NAME=D0,D1;...[@WEIGHT]",
               help="A shape the model will run at, for every dynamic input, with its share of the traffic "
                    "(repeatable): the output is kept only if faster on the weighted mean and slower at no profile "
@@ -66,10 +70,11 @@ def cli() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
 def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, fixed_dims,
-             profile_specs, profiles_file, ops, cuda_graph, json_path, seed, quiet) -> None:
+             fixed_values, profile_specs, profiles_file, ops, cuda_graph, json_path, seed, quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
     from rlflow.graph.input_shapes import parse_fixed_dims, parse_input_shapes
+    from rlflow.graph.input_values import parse_fixed_values
     from rlflow.measure.shape_profiles import given_profiles
     from rlflow.optimize.pipeline import optimize as run
     from rlflow.optimize.report import format_report
@@ -79,7 +84,8 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
     if output.resolve() == model.resolve():
         raise RlflowError("the output path is the input path; rlflow never overwrites its input")
     result = run(model, provider=provider, threads=threads, method=method, time_limit=time_limit,
-                 input_shapes=parse_input_shapes(input_shapes), fix_dims=parse_fixed_dims(fixed_dims), seed=seed,
+                 input_shapes=parse_input_shapes(input_shapes), fix_dims=parse_fixed_dims(fixed_dims),
+                 fix_values=parse_fixed_values(fixed_values), seed=seed,
                  progress=not quiet, agent=agent,
                  finetune=finetune, ops=ops, profiles=given_profiles(profile_specs, profiles_file),
                  cuda_graph=cuda_graph)
@@ -132,6 +138,9 @@ def rules(model, input_shapes) -> None:
 @click.option("--fix-dim", "fixed_dims", multiple=True, metavar="NAME=VALUE",
               help="Fix a symbolic input dimension of every model first (repeatable; as in optimize): the methods, "
                    "the peers and the input they are compared with all have it fixed.")
+@click.option("--fix-value", "fixed_values", multiple=True, metavar="NAME=VALUE",
+              help="Declare every element of an input of every model to be VALUE first (repeatable; as in "
+                   "optimize): the methods, the peers and the input they are compared with all read it so.")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
               help="Run each model as one task on a Ray cluster: at ADDRESS (auto, ray://host:10001), or without one "
                    "on a cluster started here; every node needs --resources '{\"rlflow_measurement\": 1}'.")
@@ -143,15 +152,17 @@ def rules(model, input_shapes) -> None:
                    "(as `rlflow optimize --cuda-graph`).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
 def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, fixed_dims,
-          ray_address, shared_path, cuda_graph, out) -> None:
+          fixed_values, ray_address, shared_path, cuda_graph, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench.run import BenchConfig, find_models, run_bench
     from rlflow.graph.input_shapes import parse_fixed_dims
+    from rlflow.graph.input_values import parse_fixed_values
 
     config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
                          agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address,
-                         shared_path=shared_path, cuda_graph=cuda_graph, fix_dims=parse_fixed_dims(fixed_dims) or None)
+                         shared_path=shared_path, cuda_graph=cuda_graph, fix_dims=parse_fixed_dims(fixed_dims) or None,
+                         fix_values=parse_fixed_values(fixed_values) or None)
     if shared_path and ray_address is None:
         raise click.UsageError("--shared-path is for --ray: without a cluster every model is read here")
     if ray_address is not None:

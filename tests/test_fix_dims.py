@@ -96,9 +96,9 @@ def test_bench_fixes_the_dims_for_every_method_and_records_it(llama_step, tmp_pa
     assert row["status"] == "ok", row
     from pathlib import Path
 
-    from rlflow.bench.run import _load_profiled
+    from rlflow.measure.shape_profiles import load_profiled
 
-    graph = _load_profiled(Path(llama_step), [], {"batch": 1})  # what the methods and the peers are handed
+    graph = load_profiled(Path(llama_step), [], {"batch": 1})  # what the methods and the peers are handed
     assert all(_dims(vi)[0] == 1 for vi in graph.interface[0])
     same, given = load_input(graph, None, None, {"batch": 1})  # optimize() keeps a graph handed to it fixed
     assert same is graph and all(_dims(vi)[0] == 1 for vi in given.graph.input)

@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 import onnx
 from tqdm import tqdm
@@ -26,14 +26,13 @@ from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, run_peer, zo
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
 from rlflow.files import cache_dir
-from rlflow.graph.core import Graph, load
+from rlflow.graph.core import Graph
 from rlflow.graph.flops import count_bytes_read, count_flops, count_params
-from rlflow.graph.input_shapes import fix_dims
-from rlflow.graph.model_file import max_ir_version, read_model
+from rlflow.graph.model_file import max_ir_version
 from rlflow.measure.memory import shares_weights
 from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
-from rlflow.measure.shape_profiles import Profile, arrange, attach, parse_profile, without_fixed
+from rlflow.measure.shape_profiles import load_profiled, parse_profile
 from rlflow.measure.timing import Comparison, Ratio, compare
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import METHODS
@@ -68,6 +67,7 @@ class BenchConfig:
         cuda_graph: CUDA only: every measurement runs the models as captured CUDA graphs (`SessionSettings`).
         fix_dims: symbolic input dimensions fixed in every model before anything runs on it (`--fix-dim`), so the
             methods, the peers and the input they are compared with all have them fixed.
+        fix_values: inputs whose every element is declared one value (`--fix-value`), read so by every model alike.
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -83,6 +83,7 @@ class BenchConfig:
     shared_path: bool = False
     cuda_graph: bool = False
     fix_dims: dict[str, int] | None = None
+    fix_values: dict[str, float] | None = None
 
 
 def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -169,7 +170,8 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
     agent_meta = (agent.parent, agent.stem)
     node = platform.node()
     try:
-        graph = _load_profiled(model, [parse_profile(p) for p in config.profiles], config.fix_dims)
+        graph = load_profiled(model, [parse_profile(p) for p in config.profiles], config.fix_dims,
+                               config.fix_values)
         static = graph.to_model(static=True)
         flops, params, bytes_read = count_flops(static), count_params(static), count_bytes_read(static)
         warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
@@ -206,23 +208,6 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
 def _settings_for(graph: Graph, settings: SessionSettings) -> SessionSettings:
     """The settings with weights shared between sessions where the model's size calls for it, as optimize() does."""
     return replace(settings, share_weights=shares_weights(graph))
-
-
-def _load_profiled(model: Path, profiles: list[Profile], fixed: Mapping[str, int] | None = None) -> Graph:
-    """The model at the heaviest profile's shapes, measured at every profile (none: at the shapes it loads with), with
-    the `fixed` dimensions fixed (`--fix-dim`: the methods and the peers all get it so)."""
-    if not profiles and not fixed:
-        return load(model)
-    proto = read_model(model)
-    if fixed:
-        fix_dims(proto, fixed)
-        profiles = [without_fixed(p, fixed) for p in profiles]
-    if not profiles:
-        return Graph.from_model(proto, None, source=str(model), checked=True)
-    profiles = arrange(profiles, proto)
-    graph = Graph.from_model(proto, profiles[0].shapes, source=str(model), checked=True)
-    attach(graph, profiles)
-    return graph
 
 
 def warm_cost_table(graph: Graph, settings: SessionSettings) -> float | None:
@@ -296,7 +281,7 @@ def _run_method(graph: Graph, method: str, settings: SessionSettings, config: Be
     result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
                       threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
                       agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph,
-                      fix_dims=config.fix_dims)
+                      fix_dims=config.fix_dims, fix_values=config.fix_values)
     seconds = time.monotonic() - start
     comparison, per_profile = result.comparison, []
     if result.rewritten:

@@ -53,6 +53,17 @@ def dynamic_axes(graph: Graph, tensor: gs.Tensor) -> tuple[bool, ...] | None:
     return tuple(a != b for a, b in zip(shape, other))
 
 
+def shape_one_larger(graph: Graph, tensor: gs.Tensor) -> tuple[int, ...] | None:
+    """`tensor`'s shape with every dynamic input dimension one larger (the inference `dynamic_axes` reads), or None
+    when unknown."""
+    shape = graph.shape(tensor)
+    if shape is None or not has_dynamic_inputs(graph):
+        return None if shape is None else tuple(shape)
+    moved = _moved(graph, tensor)
+    other = moved.get(tensor.name) if moved is not None else None
+    return None if other is None or None in other else tuple(other)
+
+
 def _moved(graph: Graph, tensor: gs.Tensor) -> dict[str, tuple] | None:
     """Tensor name -> shape with the dynamic input dimensions one larger, answering `tensor` as well as the
     inferences can (None: the graph refused them), from `graph.lineage_cache` where it can.

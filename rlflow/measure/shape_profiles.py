@@ -20,7 +20,10 @@ from typing import Mapping, Sequence
 import onnx
 
 from rlflow.errors import InputError
-from rlflow.graph.input_shapes import parse_dims
+from rlflow.graph.core import Graph, load
+from rlflow.graph.input_shapes import fix_dims, parse_dims
+from rlflow.graph.input_values import fix_values
+from rlflow.graph.model_file import read_model
 from rlflow.measure.timing import Ratio
 
 TEXT_SEQUENCES = (16, 128)
@@ -310,3 +313,23 @@ def combine(ratios: Sequence[Ratio], weights: Sequence[float]) -> CombinedRatio:
     return CombinedRatio(mean([r.median for r in ratios]), mean([r.low for r in ratios]),
                          mean([r.high for r in ratios]), ratios[0].confidence,
                          tuple(i for i, r in enumerate(ratios) if r.slower))
+
+
+def load_profiled(model: Path, profiles: list[Profile], fixed: Mapping[str, int] | None = None,
+                   values: Mapping[str, float] | None = None) -> Graph:
+    """The model at the heaviest profile's shapes, measured at every profile (none: at the shapes it loads with), with
+    the `fixed` dimensions and input `values` fixed (`--fix-dim`, `--fix-value`: the methods and the peers all get
+    them so)."""
+    if not profiles and not fixed and not values:
+        return load(model)
+    proto = read_model(model)
+    fix_values(proto, values or {})
+    if fixed:
+        fix_dims(proto, fixed)
+        profiles = [without_fixed(p, fixed) for p in profiles]
+    if not profiles:
+        return Graph.from_model(proto, None, source=str(model), checked=True)
+    profiles = arrange(profiles, proto)
+    graph = Graph.from_model(proto, profiles[0].shapes, source=str(model), checked=True)
+    attach(graph, profiles)
+    return graph

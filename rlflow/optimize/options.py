@@ -45,6 +45,10 @@ class Options:
     """Symbolic input dimensions the written model fixes (`batch=1`): it then runs at those values only, and rules may
     rely on them (`rlflow.graph.input_shapes.fix_dims`); the input, so fixed, is what the output is verified and
     measured against."""
+    fix_values: Mapping[str, float] | None = None
+    """Inputs whose every element is one value (`attention_mask=1`: nothing is ever padded): the written model reads
+    a constant of the input's shape instead (`rlflow.graph.input_values.fix_values`), so rules may rely on it; the
+    input, so fixed, is what the output is verified and measured against."""
     seed: int = 0
     """Random inputs and measurement order."""
     rounds: int = 30

@@ -18,6 +18,7 @@ import onnx
 from rlflow.errors import InputError
 from rlflow.graph.core import Graph
 from rlflow.graph.input_shapes import deployed_shapes, fix_dims
+from rlflow.graph.input_values import fix_values
 from rlflow.graph.model_file import max_ir_version, read_model
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
@@ -55,7 +56,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     progress, agent, finetune, ops = options.progress, options.agent, options.finetune, options.ops
     profiles, cuda_graph = options.profiles, options.cuda_graph
     start = time.monotonic()
-    graph, given = load_input(model, input_shapes, profiles, options.fix_dims)
+    graph, given = load_input(model, input_shapes, profiles, options.fix_dims, options.fix_values)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     rules = rules_for(rules, ops, resolved)
@@ -88,6 +89,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                 "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "fixed_dims": dict(options.fix_dims or {}),
+                "fixed_values": dict(options.fix_values or {}),
                 "profiles": [p.as_dict() for p in graph.profiles],
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,
                 "registry_version": REGISTRY_VERSION}
@@ -270,9 +272,10 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
 
 def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
                profiles: Sequence[Profile] | None = None,
-               fixed: Mapping[str, int] | None = None) -> tuple[Graph, onnx.ModelProto]:
+               fixed: Mapping[str, int] | None = None,
+               values: Mapping[str, float] | None = None) -> tuple[Graph, onnx.ModelProto]:
     """The graph to optimise, and the model as the user has it: their file (at an IR version onnxruntime accepts),
-    else the graph's export; with `fixed` dimensions (--fix-dim), those fixed in both.
+    else the graph's export; with `fixed` dimensions (--fix-dim) and input `values` (--fix-value), those fixed in both.
 
     The given model is the reference every output is verified against, so verification also covers rlflow's own
     loading, and it is what is written, unchanged, when no rewrite is kept.  Its external data stays on disk (see
@@ -294,6 +297,10 @@ def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequ
         if graph is not None and any(d.dim_param in fixed for vi in graph.interface[0]
                                      for d in vi.type.tensor_type.shape.dim):
             graph = None  # built again from the fixed model; a graph given fixed (the bench's) is kept
+    if values:
+        fix_values(given, values)
+        if graph is not None and any(n.op != "Shape" for name in values for n in graph.gs.tensors()[name].outputs):
+            graph = None  # as for --fix-dim
     if not isinstance(model, Graph) and not profiles and not input_shapes and not deployed_shapes(given):
         profiles = default_profiles(given)
     if profiles:

@@ -80,7 +80,8 @@ def format_report(result: Result) -> str:
                  f"operators {s.get('ops', 'all')}, "
                  f"seed {s['seed']}, "
                  f"input shapes {_shapes_text(s['input_shapes'])}"
-                 + "".join(f", {name} fixed to {value}" for name, value in (s.get("fixed_dims") or {}).items()))
+                 + "".join(f", {name} fixed to {value}" for name, value in (s.get("fixed_dims") or {}).items())
+                 + "".join(f", every {name} {value:g}" for name, value in (s.get("fixed_values") or {}).items()))
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from rlflow.rewrites import (
     fusion_embedding,
     fusion_gelu,
     fusion_gqa_absorb,
+    fusion_gqa_causal,
     fusion_layernorm,
     fusion_linear,
     fusion_packed_qkv,
@@ -138,6 +139,7 @@ RULES: tuple[Rule, ...] = (
     fusion_decoder_attention.AttentionStandardFusion(group="fusion"),  # 98 attention-standard-fusion
     fusion_gqa_absorb.GroupQueryAttentionRotary(group="fusion"),  # 99 group-query-attention-rotary
     fusion_gqa_absorb.GroupQueryAttentionPackQkv(group="fusion"),  # 100 group-query-attention-pack-qkv
+    fusion_gqa_causal.GroupQueryAttentionCausal(group="fusion"),  # 101 group-query-attention-causal
 )
 """Every rule, in action-id order.  Append only."""
 

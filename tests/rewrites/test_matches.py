@@ -17,6 +17,7 @@ from . import (
     test_fold,
     test_fusion,
     test_gqa_absorb,
+    test_gqa_causal,
     test_inverse,
     test_layout,
     test_merge,
@@ -25,7 +26,7 @@ from . import (
 )
 
 CASE_MODULES = (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm,
-                test_rotary, test_decoder_attention, test_gqa_absorb)
+                test_rotary, test_decoder_attention, test_gqa_absorb, test_gqa_causal)
 """The test modules with a CASES table (rule name -> positive builder, negative builder, reason)."""
 
 CASES = {name: case[0] for module in CASE_MODULES for name, case in module.CASES.items()}

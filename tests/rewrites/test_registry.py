@@ -44,7 +44,8 @@ def test_contrib_flag_matches_what_rules_emit():
                        "attention-fusion", "bias-gelu-unfuse", "attention-pack-qkv", "embed-layernorm-fusion",
                        "rmsnorm-fusion", "skip-rmsnorm-fusion", "skip-rmsnorm-unfuse",
                        "rotary-fusion", "decoder-attention-fusion", "group-query-attention-fusion",
-                       "group-query-attention-rotary", "group-query-attention-pack-qkv"}
+                       "group-query-attention-rotary", "group-query-attention-pack-qkv",
+                       "group-query-attention-causal"}
 
 
 def test_groups_cover_every_rule_once():
@@ -76,7 +77,8 @@ def test_the_registry_tables_comments_name_each_rules_action_id():
 def test_contrib_roots_only_where_declared():
     assert all(r.domains == ("", "ai.onnx") for r in RULES if not r.name.endswith("-unfuse")
                and r.name not in ("bias-gelu-fusion", "bias-fast-gelu-fusion", "attention-pack-qkv",
-                                  "group-query-attention-rotary", "group-query-attention-pack-qkv"))
+                                  "group-query-attention-rotary", "group-query-attention-pack-qkv",
+                                  "group-query-attention-causal"))
 
 
 def test_rule_lookup():
