@@ -192,12 +192,14 @@ def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit
     offered = []
 
     def every_visited(visited, endings, original_cost, original, top_k):
-        offered.extend(candidate for _, candidate in sorted(visited.values(), key=lambda pair: pair[0])[:2])
+        best = [candidate for _, candidate in sorted(visited.values(), key=lambda pair: pair[0])[:2]]
+        offered.extend(c for c in best if all(c.fingerprint != o.fingerprint for o in offered))  # a graph once
         return list(offered)
 
     monkeypatch.setattr(agent_module, "_pool", every_visited)
     monkeypatch.setattr(agent_module, "_affordable", lambda *args: 0)
-    result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, length=4, time_limit=60),
+    result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, length=4, time_limit=60,
+                                                                fuse_everything=False),  # the pool is `offered`
                           cost_model=cost_model, policy=policy)
     assert offered, "the rollouts reached no graph: the test would not test anything"
     assert result.candidates_measured == 0 and result.applied == []
