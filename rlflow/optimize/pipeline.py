@@ -299,7 +299,9 @@ def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequ
             graph = None  # built again from the fixed model; a graph given fixed (the bench's) is kept
     if values:
         fix_values(given, values)
-        if graph is not None and any(n.op != "Shape" for name in values for n in graph.gs.tensors()[name].outputs):
+        tensors = graph.gs.tensors() if graph is not None else {}
+        readers = [n for name in values for n in getattr(tensors.get(name), "outputs", [])]
+        if any(n.op != "Shape" for n in readers):
             graph = None  # as for --fix-dim
     if not isinstance(model, Graph) and not profiles and not input_shapes and not deployed_shapes(given):
         profiles = default_profiles(given)

@@ -12,8 +12,10 @@ The rule takes a bias whose every path to the model's inputs goes through a `Sha
 and proves it causal by computing it: at the graph's shapes and with every dynamic input dimension moved by several
 amounts (the shapes of the tensors its Shapes read are taken affine in that amount, from the shapes at +0 and +1;
 `shape_one_larger`), it must be 0 where key j <= T - S + i and masked (at most `MASK_FILL`, or the type's lowest
-value in float16) elsewhere, as the kernel's own causal mask over a cache of T - S is.  The answer is kept per bias
-subgraph and the shapes it was proved at: the layers of a model share one mask.
+value in float16) elsewhere, as the kernel's own causal mask over a cache of T - S is; and `seqlens_k` and
+`total_sequence_length`, computed with it, must be T - 1 for every row and T (the kernel's mask starts where they
+say the cache ends).  The answer is kept per subgraph and the shapes it was proved at: the layers of a model share
+one mask.
 """
 from __future__ import annotations
 
@@ -32,8 +34,8 @@ from rlflow.rewrites.fusion_attention import MASK_FILL
 from rlflow.rewrites.fusion_gqa_absorb import _plain
 from rlflow.rewrites.queries import MS, has_input, np_dtype
 
-_BIAS = 10
-"""GroupQueryAttention's attention_bias input."""
+_SEQLENS, _TOTAL, _BIAS = 5, 6, 10
+"""GroupQueryAttention's seqlens_k, total_sequence_length and attention_bias inputs."""
 
 _MOVES = (0, 1, 2, 7)
 """How far every dynamic input dimension is moved for the proof (0: the graph's own shapes)."""
@@ -44,9 +46,9 @@ _PROVED: OrderedDict[bytes, str | None] = OrderedDict()
 _KEEP = 64
 
 
-def _subgraph(graph: Graph, bias: gs.Tensor) -> tuple[list[gs.Node], list[gs.Tensor]] | str:
-    """(the nodes computing `bias`, in the graph's order, and the tensors its Shapes read that they do not compute)
-    where nothing else of the model reaches it; else why not."""
+def _subgraph(graph: Graph, tensors: list[gs.Tensor]) -> tuple[list[gs.Node], list[gs.Tensor]] | str:
+    """(the nodes computing `tensors`, in the graph's order, and the tensors their Shapes read that they do not
+    compute) where nothing else of the model reaches them; else why not."""
     nodes, sources, seen = [], {}, set()
 
     def visit(tensor: gs.Tensor) -> str | None:
@@ -68,7 +70,7 @@ def _subgraph(graph: Graph, bias: gs.Tensor) -> tuple[list[gs.Node], list[gs.Ten
         nodes.append(producer)
         return None
 
-    reason = visit(bias)
+    reason = next((r for r in map(visit, tensors) if r), None)
     if reason:
         return reason
     order = {id(n): i for i, n in enumerate(graph.gs.nodes)}
@@ -76,7 +78,8 @@ def _subgraph(graph: Graph, bias: gs.Tensor) -> tuple[list[gs.Node], list[gs.Ten
     return sorted(nodes, key=lambda n: order[id(n)]), [t for name, t in sources.items() if name not in computed]
 
 
-def _probe_model(graph: Graph, nodes: list[gs.Node], sources: list[gs.Tensor], bias: gs.Tensor) -> onnx.ModelProto:
+def _probe_model(graph: Graph, nodes: list[gs.Node], sources: list[gs.Tensor],
+                 outputs: list[gs.Tensor]) -> onnx.ModelProto:
     inputs = [gs.Variable(t.name, dtype=t.dtype, shape=None) for t in sources]
     by_name = {t.name: t for t in inputs}
     copies = []
@@ -86,9 +89,10 @@ def _probe_model(graph: Graph, nodes: list[gs.Node], sources: list[gs.Tensor], b
         copies.append(gs.Node(node.op, node.name, dict(node.attrs), ins, [gs.Variable(t.name) for t in node.outputs],
                               domain=node.domain))
         by_name.update({t.name: out for t, out in zip(node.outputs, copies[-1].outputs)})
-    out = by_name[bias.name]
-    out.dtype = bias.dtype
-    sub = gs.Graph(nodes=copies, inputs=inputs, outputs=[out], opset=graph.opset)
+    outs = [by_name[t.name] for t in outputs]
+    for out, t in zip(outs, outputs):
+        out.dtype = t.dtype
+    sub = gs.Graph(nodes=copies, inputs=inputs, outputs=outs, opset=graph.opset)
     model = gs.export_onnx(sub, do_type_check=False)
     del model.opset_import[:]
     model.opset_import.extend(graph.opset_imports())
@@ -109,10 +113,12 @@ def _probe_shapes(graph: Graph, sources: list[gs.Tensor]) -> list[dict[str, tupl
     return [{n: tuple(int(d) for d in base[n] + k * step[n]) for n in base} for k in moves]
 
 
-def _causal_reason(values: np.ndarray, dtype: np.dtype) -> str | None:
+def _causal_reason(values: np.ndarray, seqlens: np.ndarray, total: np.ndarray, dtype: np.dtype) -> str | None:
     if values.ndim != 4 or values.shape[1] != 1:
         return "the mask is not [B or 1, 1, S, T]"
     s, t = values.shape[2:]
+    if np.any(seqlens != t - 1) or np.any(total != t):
+        return f"seqlens_k is not T - 1 for every row, or total_sequence_length not T (T={t})"
     if t < s:
         return "the mask has fewer keys than queries"
     allowed = np.arange(t)[None, :] <= (t - s) + np.arange(s)[:, None]
@@ -122,21 +128,23 @@ def _causal_reason(values: np.ndarray, dtype: np.dtype) -> str | None:
     return None
 
 
-def _proof(graph: Graph, bias: gs.Tensor) -> str | None:
-    """None where `bias` is causal at every probe, else why not (see the module's docstring)."""
-    found = _subgraph(graph, bias)
+def _proof(graph: Graph, node: gs.Node) -> str | None:
+    """None where the node's bias is causal and its sequence lengths say no padding at every probe, else why not (see
+    the module's docstring)."""
+    tensors = [node.inputs[_BIAS], node.inputs[_SEQLENS], node.inputs[_TOTAL]]
+    found = _subgraph(graph, tensors)
     if isinstance(found, str):
         return found
     nodes, sources = found
     shapes = _probe_shapes(graph, sources)
     if isinstance(shapes, str):
         return shapes
-    model = _probe_model(graph, nodes, sources, bias)
+    model = _probe_model(graph, nodes, sources, tensors)
     key = model.SerializeToString() + repr(shapes).encode()
     if key in _PROVED:
         _PROVED.move_to_end(key)
         return _PROVED[key]
-    reason = _evaluate(model, sources, shapes, np_dtype(bias))
+    reason = _evaluate(model, sources, shapes, np_dtype(tensors[0]))
     _PROVED[key] = reason
     while len(_PROVED) > _KEEP:
         _PROVED.popitem(last=False)
@@ -153,7 +161,7 @@ def _evaluate(model: onnx.ModelProto, sources: list[gs.Tensor], shapes: list[dic
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         for sizes in shapes:
             feeds = {t.name: np.zeros(sizes[t.name], np.dtype(t.dtype)) for t in sources}
-            reason = _causal_reason(np.asarray(session.run(None, feeds)[0]), dtype)
+            reason = _causal_reason(*(np.asarray(v) for v in session.run(None, feeds)), dtype)
             if reason:
                 return reason
     except Exception as exc:  # noqa: BLE001 - onnxruntime's errors: the mask cannot be computed at other sizes
@@ -167,8 +175,9 @@ class GroupQueryAttentionCausal(Rule):
         mask(shapes only) --> GroupQueryAttention(q, k, v, past, seqlens_k, total, ..., attention_bias, causal=0)
           -> GroupQueryAttention(q, k, v, past, seqlens_k, total, ..., causal=1)
 
-    With `seqlens_k` T - 1 for every row (group-query-attention-fusion's), the operator lets query i see keys up to
-    T - S + i, the causal mask over a cache of T - S; the bias must be that mask (see the module's docstring)."""
+    With `seqlens_k` T - 1 for every row and `total_sequence_length` T (group-query-attention-fusion's, computed from
+    shapes; checked with the bias), the operator lets query i see keys up to T - S + i, the causal mask over a cache of
+    T - S; the bias must be that mask (see the module's docstring)."""
 
     name = "group-query-attention-causal"
     root_ops = ("GroupQueryAttention",)
@@ -180,7 +189,7 @@ class GroupQueryAttentionCausal(Rule):
             return self.no(node, "no attention_bias to drop")
         if not _plain(node):
             return self.no(node, "the GroupQueryAttention takes inputs or attributes beyond attention over a cache")
-        reason = _proof(graph, node.inputs[_BIAS])
+        reason = _proof(graph, node)
         return self.no(node, reason) if reason else self.match([node])
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:

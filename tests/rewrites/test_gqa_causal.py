@@ -21,16 +21,18 @@ MS = "com.microsoft"
 I64 = TensorProto.INT64
 
 
-def _prefill(mask: str) -> Graph:
+def _prefill(mask: str, last: str = "last") -> Graph:
     """GroupQueryAttention over S positions, no cache (2 heads, 1 KV head, head size 16, S dynamic at 4), its bias
-    `causal` (a triangle computed from S), `zeros` (every key seen: not causal) or `input` (read from input m)."""
+    `causal` (a triangle computed from S), `zeros` (every key seen: not causal) or `input` (read from input m); its
+    seqlens_k S - 1 (`last`), or S - 2 (`short`: the kernel would mask the last key)."""
     inputs = {"q": [1, "s", 32], "k": [1, "s", 16], "v": [1, "s", 16]}
     consts = {"one": np.ones(1, np.int32), "scalar": np.zeros(0, np.int64), "ones2": ints(1, 1), "zero": ints(0),
               "step": ints(1), "ax0": ints(0), "ax1": ints(1), "ax01": ints(0, 1), "fzero": np.zeros((), np.float32),
               "low": np.array(-np.inf, np.float32)}
     nodes = [node("Shape", ["k"], "s64", start=1, end=2), node("Cast", ["s64"], "s32", to=TensorProto.INT32),
              node("Shape", ["q"], "b", start=0, end=1), node("Sub", ["s32", "one"], "last"),
-             node("Expand", ["last", "b"], "seqlens"), node("Reshape", ["s32", "scalar"], "total")]
+             node("Sub", ["last", "one"], "short"), node("Expand", [last, "b"], "seqlens"),
+             node("Reshape", ["s32", "scalar"], "total")]
     if mask == "causal":
         nodes += [node("Reshape", ["s64", "scalar"], "n"), node("Range", ["zero_s", "n", "one_s"], "pos"),
                   node("Unsqueeze", ["pos", "ax0"], "cols"), node("Unsqueeze", ["pos", "ax1"], "rows"),
@@ -60,10 +62,11 @@ def test_a_causal_mask_computed_from_shapes_is_dropped():
     assert len(gqa.inputs) <= 10 and gqa.attrs["causal"] == 1
 
 
-@pytest.mark.parametrize("mask, reason", [("zeros", "not causal at S=4, T=4"),
-                                          ("input", "reads the values of the model's input m")])
-def test_refuses_a_mask_that_is_not_provably_causal(mask, reason):
-    assert_refuses(_prefill(mask), CAUSAL, reason)
+@pytest.mark.parametrize("mask, last, reason", [("zeros", "last", "not causal at S=4, T=4"),
+                                                ("input", "last", "reads the values of the model's input m"),
+                                                ("causal", "short", "seqlens_k is not T - 1 for every row")])
+def test_refuses_a_mask_that_is_not_provably_causal(mask, last, reason):
+    assert_refuses(_prefill(mask, last), CAUSAL, reason)
 
 
 @pytest.fixture(scope="module")
