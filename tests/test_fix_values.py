@@ -71,3 +71,22 @@ def test_optimize_and_bench_fix_the_value_and_say_so(llama_step, tmp_path, capsy
     results = json.loads((bench / "results.json").read_text())
     assert results["config"]["fix_values"] == {"attention_mask": 1.0}
     assert [row["status"] for row in results["rows"]] == ["ok"]
+
+
+def test_a_peer_output_that_folded_a_fixed_input_away_gets_it_back():
+    """A peer folds the shape-only read of a fixed input away and drops the input; the bench declares it again,
+    unused, so the output runs on the inputs a user's code feeds, and says so."""
+    from rlflow.bench.run import _restore_inputs
+
+    source = _mask_model()
+    fix_values(source, {"mask": 1})
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])
+    folded = helper.make_model(helper.make_graph(
+        [helper.make_node("ConstantOfShape", ["shape"], ["y"], value=helper.make_tensor("v", TensorProto.FLOAT, [1],
+                                                                                         [1.0]))],
+        "g", [], [y], [helper.make_tensor("shape", TensorProto.INT64, [2], [2, 5])]),
+        opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    assert _restore_inputs(source, folded) == ["mask"] and _restore_inputs(source, folded) == []
+    session = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"mask": np.zeros((2, 5), np.int64)})
+    assert (out == 1).all()

@@ -338,6 +338,9 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
             return Row(Path(graph.source or "graph").stem, name, "not applicable", str(exc), "peer")
         seconds = time.monotonic() - start
         tool_settings = peer_settings(output)
+        restored = _restore_inputs(source, output)
+        if restored:
+            tool_settings["inputs_restored"] = ", ".join(restored)
         output.ir_version = min(output.ir_version, max_ir_version())
         verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                               shapes=verification_shapes(graph)[:1])
@@ -354,6 +357,16 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
                speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
                max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings,
                profiles=per_profile, **device)
+
+
+def _restore_inputs(source: onnx.ModelProto, output: onnx.ModelProto) -> list[str]:
+    """Declares again, unused, the inputs a peer's output dropped (one read for its shape alone, as `--fix-value`
+    leaves it, once the peer folds that away), so that it runs on the model's inputs as a user's code feeds them;
+    returns their names."""
+    kept = {vi.name for vi in output.graph.input}
+    dropped = [vi for vi in source.graph.input if vi.name not in kept]
+    output.graph.input.extend(dropped)
+    return [vi.name for vi in dropped]
 
 
 def _device_errors(source: onnx.ModelProto | Graph, output: onnx.ModelProto | Graph, settings: SessionSettings,
