@@ -47,7 +47,7 @@ def fix_values(model: onnx.ModelProto, fixed: Mapping[str, float]) -> None:
     if unknown:
         raise InputError(f"--fix-value names no input of the model: {', '.join(unknown)}; its inputs are "
                          f"{', '.join(sorted(inputs)) or 'none'}")
-    taken = {n.name for n in model.graph.node} | {o for n in model.graph.node for o in n.output} | set(inputs)
+    taken = {n.name for n in model.graph.node} | {o for n in model.graph.node for o in n.output} | set(inputs) | weights
     added = []
     for name, value in fixed.items():
         if all(n.op_type == "Shape" for n in model.graph.node if name in n.input):

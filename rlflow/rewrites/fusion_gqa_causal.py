@@ -26,7 +26,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from rlflow.graph.core import Graph
-from rlflow.graph.dynamic_axes import has_dynamic_inputs, shape_one_larger
+from rlflow.graph.dynamic_axes import shape_one_larger
 from rlflow.graph.model_file import max_ir_version
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.edits import replace_typed
@@ -49,33 +49,26 @@ _KEEP = 64
 def _subgraph(graph: Graph, tensors: list[gs.Tensor]) -> tuple[list[gs.Node], list[gs.Tensor]] | str:
     """(the nodes computing `tensors`, in the graph's order, and the tensors their Shapes read that they do not
     compute) where nothing else of the model reaches them; else why not."""
-    nodes, sources, seen = [], {}, set()
-
-    def visit(tensor: gs.Tensor) -> str | None:
+    nodes, sources, seen, stack = {}, {}, set(), list(tensors)
+    while stack:  # not recursive: a mask made from activations walks the whole model before it meets an input
+        tensor = stack.pop()
         if tensor.name in seen or isinstance(tensor, gs.Constant) or tensor.name == "":
-            return None
+            continue
         seen.add(tensor.name)
         producer = tensor.inputs[0] if len(tensor.inputs) == 1 else None
         if producer is None:
             return f"the mask reads the values of the model's input {tensor.name}"
         if any(isinstance(v, gs.Graph) for v in producer.attrs.values()) or producer.op.startswith("Random"):
             return "the mask is computed by a control-flow or random operator"
+        nodes[id(producer)] = producer  # once, though several of its outputs are read
         if producer.op == "Shape" and (producer.domain or "") in ("", "ai.onnx"):
             sources.setdefault(producer.inputs[0].name, producer.inputs[0])
         else:
-            for t in producer.inputs:
-                reason = visit(t)
-                if reason:
-                    return reason
-        nodes.append(producer)
-        return None
-
-    reason = next((r for r in map(visit, tensors) if r), None)
-    if reason:
-        return reason
+            stack.extend(producer.inputs)
     order = {id(n): i for i, n in enumerate(graph.gs.nodes)}
-    computed = {t.name for n in nodes for t in n.outputs}
-    return sorted(nodes, key=lambda n: order[id(n)]), [t for name, t in sources.items() if name not in computed]
+    computed = {t.name for n in nodes.values() for t in n.outputs}
+    return (sorted(nodes.values(), key=lambda n: order[id(n)]),
+            [t for name, t in sources.items() if name not in computed])
 
 
 def _probe_model(graph: Graph, nodes: list[gs.Node], sources: list[gs.Tensor],
@@ -105,7 +98,7 @@ def _probe_shapes(graph: Graph, sources: list[gs.Tensor]) -> list[dict[str, tupl
     base, step = {}, {}
     for tensor in sources:
         shape = graph.shape(tensor)
-        larger = shape_one_larger(graph, tensor) if shape is not None and has_dynamic_inputs(graph) else shape
+        larger = shape_one_larger(graph, tensor)
         if shape is None or larger is None or len(larger) != len(shape):
             return f"the shape of {tensor.name}, read by the mask, is not known at other sizes"
         base[tensor.name], step[tensor.name] = np.array(shape), np.array(larger) - np.array(shape)
