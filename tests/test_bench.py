@@ -168,11 +168,11 @@ def test_rows_are_held_out_against_the_agent_the_bench_would_play():
 
 
 def test_on_cuda_each_output_is_also_run_on_the_device_beside_its_input(matmul_model, monkeypatch):
-    """`_device_errors` (the CPU standing in for the device: no CUDA here): an output that computes something else
+    """`device_errors` (the CPU standing in for the device: no CUDA here): an output that computes something else
     stands out against its input's own error, and the page says so."""
     import onnx
 
-    import rlflow.bench.run as run
+    import rlflow.bench.method_rows as run
     from rlflow.graph.core import Graph
     from rlflow.measure.session import SessionSettings
 
@@ -182,9 +182,86 @@ def test_on_cuda_each_output_is_also_run_on_the_device_beside_its_input(matmul_m
     other = onnx.ModelProto()
     other.CopyFrom(matmul_model)
     other.graph.node[2].op_type = "Sigmoid"  # not the same function
-    assert run._device_errors(matmul_model, other, SessionSettings(), graph) == {}  # the CPU: nothing to add
-    errors = run._device_errors(matmul_model, other, SessionSettings(provider="CUDAExecutionProvider"), graph)
+    assert run.device_errors(matmul_model, other, SessionSettings(), graph) == {}  # the CPU: nothing to add
+    errors = run.device_errors(matmul_model, other, SessionSettings(provider="CUDAExecutionProvider"), graph)
     assert errors["input_device_error"] == 0.0 and errors["device_error"] > 0.1
     page = "\n".join(_device_lines([{**_row("greedy", "rewritten"), **errors}, _row("onnxsim", "", kind="peer")]))
     assert "## On the device" in page and f"| {errors['device_error']:.1e} | 0.0e+00 |" in page
     assert "onnxsim" not in page  # a row not run on the device
+
+
+def _methods_writing(graphs: dict, monkeypatch):
+    """method_rows with optimize() replaced by one that hands each method the graph `graphs` names, as rewritten;
+    returns how many graphs each comparison took."""
+    from types import SimpleNamespace
+
+    import rlflow.bench.method_rows as module
+
+    def optimize(graph, *, method, **options):
+        return SimpleNamespace(graph=graphs[method], rewritten=True, applied=[method], search_seconds=0.1, gate=None,
+                               verification=SimpleNamespace(ok=True, max_rel_norm=0.0), reason="", outcome="rewritten",
+                               search_stop="", candidates_measured=1)
+
+    calls, real = [], module.compare_profiled
+    monkeypatch.setattr(module, "optimize", optimize)
+    monkeypatch.setattr(module, "compare_profiled", lambda graphs, *a, **k: calls.append(len(graphs)) or
+                        real(graphs, *a, **k))
+    return calls
+
+
+def _variant(model, op_type, domain=""):
+    import onnx
+
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    other.graph.node[2].op_type, other.graph.node[2].domain = op_type, domain
+    if domain:
+        other.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+    return other
+
+
+def test_methods_that_write_the_same_graph_share_one_measurement(matmul_model, monkeypatch):
+    """The methods' outputs are measured in one comparison, each distinct graph once: two methods that reached the same
+    graph (other objects, the same fingerprint) get the same figures, and the page says whose graph it was."""
+    from rlflow.bench.method_rows import method_rows
+    from rlflow.bench.run import BenchConfig
+    from rlflow.graph.core import Graph
+    from rlflow.measure.session import SessionSettings
+
+    shapes = {"x": (2, 8)}
+    graph = Graph.from_model(matmul_model, shapes)
+    calls = _methods_writing({"greedy": Graph.from_model(matmul_model, shapes), "taso": Graph.from_model(
+        matmul_model, shapes), "random": Graph.from_model(_variant(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
+    greedy, taso, random = method_rows(graph, ("greedy", "taso", "random"), SessionSettings(), BenchConfig(rounds=3))
+    assert calls == [3]  # the input and the two distinct outputs, in the same rounds
+    assert (greedy.same_output_as, taso.same_output_as, random.same_output_as) == ("", "greedy", "")
+    figures = ("speedup", "speedup_low", "speedup_high", "baseline_ms", "latency_ms")
+    assert [getattr(taso, f) for f in figures] == [getattr(greedy, f) for f in figures]
+    assert random.latency_ms != greedy.latency_ms and random.baseline_ms == greedy.baseline_ms  # one input timing
+    assert taso.rewrites == ["taso"] and taso.status == "ok"
+    page = markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
+                                           "onnx": "1", "rlflow": "0"},
+                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
+                           "settings": {"threads": 1, "opt_level": "all"},
+                           "rows": [{**vars(r), "model": "m"} for r in (greedy, taso)]})
+    assert "| m | taso (= greedy) | ok |" in page and "| m | greedy | ok |" in page
+
+
+def test_an_output_that_cannot_run_costs_only_its_own_rows(matmul_model, monkeypatch):
+    """Where the joint comparison fails (an output onnxruntime cannot build), each output is measured alone: the others
+    keep their figures, and the one that fails, with every method that wrote it, gets a failed row."""
+    from rlflow.bench.method_rows import method_rows
+    from rlflow.bench.run import BenchConfig
+    from rlflow.graph.core import Graph
+    from rlflow.measure.session import SessionSettings
+
+    shapes = {"x": (2, 8)}
+    broken = Graph.from_model(_variant(matmul_model, "NoSuchOperator", "rlflow.test"), shapes)
+    calls = _methods_writing({"greedy": Graph.from_model(matmul_model, shapes), "taso": broken, "random": broken},
+                             monkeypatch)
+    greedy, taso, random = method_rows(Graph.from_model(matmul_model, shapes), ("greedy", "taso", "random"),
+                                       SessionSettings(), BenchConfig(rounds=3))
+    assert calls == [3, 2, 2]  # together, then each alone
+    assert greedy.status == "ok" and greedy.speedup_low <= greedy.speedup <= greedy.speedup_high
+    assert taso.status == random.status == "failed" and "NoSuchOperator" in taso.error
+    assert random.method == "random" and random.error == taso.error

@@ -37,7 +37,7 @@ class Row:
     rewritten: bool = False
     verified: bool = False
     max_rel_error: float = float("nan")
-    device_error: float = float("nan")  # on CUDA: the output run there against the input on the CPU (`_device_errors`)
+    device_error: float = float("nan")  # on CUDA: the output there against the input on the CPU (`device_errors`)
     input_device_error: float = float("nan")  # the input's own, the floor the device's arithmetic sets
     seconds: float = float("nan")
     search_seconds: float = float("nan")
@@ -56,6 +56,7 @@ class Row:
     peer_settings: dict = field(default_factory=dict)  # what a peer ran with (ort-transformers: type, heads, fusions)
     profiles: list[dict] = field(default_factory=list)  # with several profiles: label, weight, speedup, low, high each
     node: str = ""  # the machine it ran on (a Ray run spreads models over several)
+    same_output_as: str = ""  # an earlier method that wrote the same graph: measured once, so the same figures
 
 
 CSV_FIELDS = [f for f in Row.__dataclass_fields__]
@@ -125,7 +126,9 @@ def markdown_table(results: dict) -> str:
         "",
         "Speedup = input latency / output latency under ORT_ENABLE_ALL, median of interleaved rounds with a 95% "
         "bootstrap interval; **bold** where the interval lies above 1. A rewritten output is measured afresh, apart "
-        "from the measurement optimize() chose it by; a kept input is the input itself (speedup exactly 1). `peak` = "
+        "from the measurement optimize() chose it by, and the methods' outputs of a model together, in the same "
+        "rounds: a graph two methods reached is measured once (`= greedy`: the same graph as greedy's); a kept input "
+        "is the input itself (speedup exactly 1). `peak` = "
         "achieved FLOP/s of the output as a fraction of the measured peak; `memory` = the bytes one run must read "
         "(weights, constants, inputs such as a KV cache) per second of the output, as a fraction of the measured "
         "streaming bandwidth (the roof of a memory-bound model such as a decode step). Error = worst relative-norm error of the "
@@ -143,7 +146,8 @@ def markdown_table(results: dict) -> str:
         speed = f"{r['speedup']:.3f} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]"
         if r["faster"]:
             speed = f"**{speed}**"
-        lines.append(f"| {r['model']}{' †' if r.get('heldout') else ''} | {r['method']} | {r['status']} "
+        same = f" (= {r['same_output_as']})" if r.get("same_output_as") else ""
+        lines.append(f"| {r['model']}{' †' if r.get('heldout') else ''} | {r['method']}{same} | {r['status']} "
                      f"| {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
                      f"| {speed} | {r['peak_fraction']:.1%} | {r.get('memory_fraction', float('nan')):.1%} "
                      f"| {r['max_rel_error']:.1e} "

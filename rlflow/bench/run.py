@@ -1,10 +1,11 @@
 """Batch benchmarking: every method (and peer tool) on every model, measured the same way.
 
 Each row is one model under one method: the method's output measured interleaved against the input in one process
-(speedup with its bootstrap interval), verified on random data, with its optimisation time.  A model that fails under
-one method is reported as failed in that row and the run goes on.  The rows and the files written from them
-(results.json with every setting recorded, results.csv, results.md and two plots) are `rlflow.bench.results`; the
-machine's peak and versions are `rlflow.bench.machine`.
+(speedup with its bootstrap interval), verified on random data, with its optimisation time; the methods' outputs of a
+model are measured together (`rlflow.bench.method_rows`), each peer's against the input on its own.  A model that
+fails under one method is reported as failed in that row and the run goes on.  The rows and the files written from
+them (results.json with every setting recorded, results.csv, results.md and two plots) are `rlflow.bench.results`;
+the machine's peak and versions are `rlflow.bench.machine`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from rlflow.bench.builder_reference import bench_references, bench_row
 from rlflow.bench.machine import environment, measure_peak
+from rlflow.bench.method_rows import Measured, device_errors, failed_row, measure_outputs, method_rows
 from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, run_peer, zoo_hints
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
@@ -30,13 +32,12 @@ from rlflow.graph.core import Graph
 from rlflow.graph.flops import count_bytes_read, count_flops, count_params
 from rlflow.graph.model_file import max_ir_version
 from rlflow.measure.memory import shares_weights
-from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
 from rlflow.measure.shape_profiles import load_profiled, parse_profile
-from rlflow.measure.timing import Comparison, Ratio, compare
+from rlflow.measure.timing import compare
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import METHODS
-from rlflow.optimize.pipeline import optimize, verification_shapes
+from rlflow.optimize.pipeline import verification_shapes
 from rlflow.train.ship import is_held_out
 
 log = logging.getLogger("rlflow")
@@ -180,19 +181,18 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
     except RlflowError as exc:
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
                            for method in (*config.methods, *peers)], loaded=False)
-    rows = []
     settings = _settings_for(graph, settings)
-    for method in (*config.methods, *peers, *references):
+    rows = method_rows(graph, config.methods, settings, config)
+    for method in (*peers, *references):
         try:
             if method in references:
-                row = bench_row(graph, static, settings, config)
-            elif method in peers:
-                row = _run_peer(graph, method, tool_options, settings, config)
+                rows.append(bench_row(graph, static, settings, config))
             else:
-                row = _run_method(graph, method, settings, config)
+                rows.append(_run_peer(graph, method, tool_options, settings, config))
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
             log.debug("%s / %s failed", model.stem, method, exc_info=True)
-            row = Row(model.stem, method, "failed", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            rows.append(failed_row(model.stem, method, exc))
+    for row in rows:
         row.params, row.flops, row.heldout, row.node = params, flops, is_held_out(model.stem, *agent_meta), node
         row.bytes_read = bytes_read
         if row.status == "ok":
@@ -201,7 +201,6 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
             if peak.get("gbs"):
                 row.baseline_memory_fraction = bytes_read / (row.baseline_ms * 1e-3) / (peak["gbs"] * 1e9)
                 row.memory_fraction = bytes_read / (row.latency_ms * 1e-3) / (peak["gbs"] * 1e9)
-        rows.append(row)
     return ModelBench(rows, warmup_seconds=warmup)
 
 
@@ -269,55 +268,6 @@ def _acting_agent(config: BenchConfig, settings: SessionSettings) -> dict | None
     return checkpoint_identity(_agent_path(config, settings))
 
 
-def _run_method(graph: Graph, method: str, settings: SessionSettings, config: BenchConfig) -> Row:
-    """optimize() as a user runs it; a rewritten output is then measured afresh against the input.
-
-    optimize() hands back a rewrite only when its own measurement puts the whole interval above 1, so that measurement
-    is chosen for being favourable (winner's curse); the row reports an independent one, with other inputs and session
-    order, and keeps the gate's median as `gate_speedup` (also when the gate rejected the rewrite; NaN when no
-    verified rewrite reached it) with optimize()'s `reason` and `outcome`.  A kept input is the input: speedup exactly 1.
-    """
-    start = time.monotonic()
-    result = optimize(graph, provider=settings.provider.replace("ExecutionProvider", "").lower(),
-                      threads=settings.threads, method=method, time_limit=config.time_limit, seed=config.seed,
-                      agent=config.agent if method == "agent" else None, cuda_graph=settings.cuda_graph,
-                      fix_dims=config.fix_dims, fix_values=config.fix_values)
-    seconds = time.monotonic() - start
-    comparison, per_profile = result.comparison, []
-    if result.rewritten:
-        comparison, ratio, per_profile = _at_every_profile(graph, result.graph, settings, config.rounds,
-                                                           config.seed + 1)
-    else:
-        ratio = comparison.ratios[1]
-    before, after = comparison.timings
-    verification = result.verification if result.rewritten else None  # else the output is the input itself
-    device = _device_errors(graph, result.graph, settings, graph) if result.rewritten else {}
-    return Row(Path(graph.source or "graph").stem, method, "ok", baseline_ms=before.median_ms,
-               latency_ms=after.median_ms, speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high,
-               faster=ratio.faster, rewritten=result.rewritten,
-               verified=verification.ok if verification else True,
-               max_rel_error=verification.max_rel_norm if verification else 0.0,
-               seconds=seconds, search_seconds=result.search_seconds,
-               gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
-               outcome=result.outcome, search_stop=result.search_stop,
-               candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=per_profile,
-               **device)
-
-
-def _at_every_profile(graph: Graph, output: Graph, settings: SessionSettings, rounds: int,
-                      seed: int) -> tuple[Comparison, Ratio, list[dict]]:
-    """`output` against `graph` at each of `graph`'s profiles: the primary profile's comparison, the combined ratio
-    and a row's per-profile entries."""
-    measured = compare_profiled([graph, output], settings, rounds=rounds, seed=seed)
-    per_profile = [{"label": p.label, "weight": p.weight, **_ratio_fields(c.ratios[1])}
-                   for p, c in zip(measured.profiles, measured.comparisons)]
-    return measured.comparisons[0], measured.ratios[1], per_profile
-
-
-def _ratio_fields(ratio: Ratio) -> dict:
-    return {"speedup": ratio.median, "speedup_low": ratio.low, "speedup_high": ratio.high}
-
-
 def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSettings, config: BenchConfig) -> Row:
     """A peer tool on the model (`run_peer`, with `peer_tools`' keywords `tool_options`), checked and measured exactly
     like rlflow's output: with its measurement shapes fixed, or where the bench has several profiles, as the user has
@@ -328,7 +278,6 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
     source = graph.to_model(static=not profiled)
     scratch = cache_dir("peers")  # on disk: a large model's peer writes its input and output there, not to /tmp
     scratch.mkdir(parents=True, exist_ok=True)
-    per_profile = []
     with tempfile.TemporaryDirectory(prefix="rlflow-peer-", dir=scratch) as folder:
         try:
             source, output = run_peer(name, source, folder, **tool_options)
@@ -345,18 +294,19 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                               shapes=verification_shapes(graph)[:1])
         if profiled:
-            comparison, ratio, per_profile = _at_every_profile(
-                graph, Graph.from_model(output, dict(graph.input_shapes)), settings, config.rounds, config.seed)
+            (measured,) = measure_outputs(graph, [Graph.from_model(output, dict(graph.input_shapes))], settings,
+                                          config.rounds, config.seed)
         else:
             comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
-            ratio = comparison.ratios[1]
-        device = _device_errors(source, output, settings, graph)
+            measured = Measured(comparison.timings[0].median_ms, comparison.timings[1].median_ms,
+                                comparison.ratios[1], [])
+        device = device_errors(source, output, settings, graph)
+    ratio = measured.ratio
     return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
-               verification.message, "peer", baseline_ms=comparison.timings[0].median_ms,
-               latency_ms=comparison.timings[1].median_ms, speedup=ratio.median, speedup_low=ratio.low,
-               speedup_high=ratio.high, faster=ratio.faster, rewritten=True, verified=verification.ok,
-               max_rel_error=verification.max_rel_norm, seconds=seconds, peer_settings=tool_settings,
-               profiles=per_profile, **device)
+               verification.message, "peer", baseline_ms=measured.baseline_ms, latency_ms=measured.latency_ms,
+               speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high, faster=ratio.faster,
+               rewritten=True, verified=verification.ok, max_rel_error=verification.max_rel_norm, seconds=seconds,
+               peer_settings=tool_settings, profiles=measured.per_profile, **device)
 
 
 def _restore_inputs(source: onnx.ModelProto, output: onnx.ModelProto) -> list[str]:
@@ -367,32 +317,3 @@ def _restore_inputs(source: onnx.ModelProto, output: onnx.ModelProto) -> list[st
     dropped = [vi for vi in source.graph.input if vi.name not in kept]
     output.graph.input.extend(dropped)
     return [vi.name for vi in dropped]
-
-
-def _device_errors(source: onnx.ModelProto | Graph, output: onnx.ModelProto | Graph, settings: SessionSettings,
-                   graph: Graph) -> dict[str, float]:
-    """On CUDA, Row's `device_error` and `input_device_error`: the output and the input run on the device, each against
-    the input on the CPU, on random inputs (random positions and masks for a decoder); {} elsewhere (a Graph is
-    exported only then).
-
-    Outputs are verified on the CPU, but a contrib operator's CUDA kernel may compute something else (onnxruntime's
-    notes say GroupQueryAttention's CUDA rotary derives the keys' positions from the cache length): an output whose
-    device error is far above the input's does not compute the same function there."""
-    if settings.provider != "CUDAExecutionProvider":
-        return {}
-    source, output = (m.to_model(static=False) if isinstance(m, Graph) else m for m in (source, output))
-    shapes = verification_shapes(graph)[:1]
-
-    def error(model: onnx.ModelProto) -> float:
-        checked = verify(source, model, seeds=(0,), shapes=shapes, tolerance=float("inf"),
-                         candidate_provider=settings.provider)
-        return checked.max_rel_norm if checked.outputs else float("inf")  # none: it failed to run there
-
-    key = (id(graph), graph.source, settings.provider)  # the input's is the same for every row of a model
-    if key not in _INPUT_DEVICE_ERRORS:
-        _INPUT_DEVICE_ERRORS[key] = error(source)
-    return {"device_error": error(output), "input_device_error": _INPUT_DEVICE_ERRORS[key]}
-
-
-_INPUT_DEVICE_ERRORS: dict[tuple, float] = {}
-"""`_device_errors`' input errors by model: a large decoder's sessions take seconds to build, on a lease's clock."""

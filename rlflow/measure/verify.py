@@ -73,7 +73,7 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
             onnxruntime's own fusions.
         share_weights: the sessions share the weights mapped from their file (`SessionSettings.share_weights`).
         candidate_provider: where the candidate runs (the reference runs on the CPU): on CUDA, a check of what the
-            device's kernels compute, which the CPU's may not (`rlflow.bench.run._device_errors`).
+            device's kernels compute, which the CPU's may not (`rlflow.bench.method_rows.device_errors`).
     """
     settings = SessionSettings(opt_level=opt_level, share_weights=share_weights)
     ref_session = create_session(reference, settings)
