@@ -31,7 +31,7 @@ from rlflow.files import cache_dir
 from rlflow.graph.core import Graph
 from rlflow.graph.flops import count_bytes_read, count_flops, count_params
 from rlflow.graph.model_file import max_ir_version
-from rlflow.measure.memory import shares_weights
+from rlflow.measure.memory import release_freed_memory, shares_weights
 from rlflow.measure.session import SessionSettings, check_capture, resolve_provider
 from rlflow.measure.shape_profiles import load_profiled, parse_profile
 from rlflow.measure.timing import compare
@@ -134,6 +134,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
         try:
             for model, run in finished:
                 rows += run.rows
+                release_freed_memory()  # the next model's searches start from a heap the last one left scattered
                 if run.loaded:
                     warmups[model.stem] = run.warmup_seconds
                 tables = run.cost_tables or tables

@@ -90,3 +90,25 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_freed_memory() -> None:
+    """Collects Python's garbage and hands what the C heap holds free back to the system (glibc's `malloc_trim`; a
+    no-op elsewhere).
+
+    A long run that builds and drops many graphs and sessions (a bench over a zoo, each model searched by several
+    methods) leaves the freed memory scattered through the heap, which glibc keeps: a bench process of agent, greedy
+    and TASO-style search on five encoders was resident at 12.5 GB by its last model, where each model alone peaks
+    at 3-4 GB.  Called between models, it returns that memory (after one model: 1.8 to 0.9 GiB)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return
+    if trim is not None:
+        trim(0)
