@@ -36,6 +36,7 @@ from rlflow.cluster.travel import (
     tables_home,
     travel_size,
 )
+from rlflow.measure.memory import release_freed_memory
 from rlflow.measure.session import SessionSettings
 
 log = logging.getLogger("rlflow")
@@ -75,6 +76,7 @@ def measure_model(job: Job, config: BenchConfig, settings: SessionSettings, tabl
     with tempfile.TemporaryDirectory(prefix="rlflow-task-") as folder, tables_home(ray, tables) as home:
         model, config = job.materialize(Path(folder), config)
         run = bench_model(model, config, settings, measure_peak(settings))
+    release_freed_memory()  # a worker process serves task after task, as a bench over a zoo does
     for row in run.rows:
         row.node = node
     return run, {"node": node, **home}
