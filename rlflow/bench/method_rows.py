@@ -7,6 +7,7 @@ part them by a few percent.  The measuring helpers here serve the peers' rows to
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,8 @@ from rlflow.measure.timing import Comparison, Ratio
 from rlflow.measure.verify import verify
 from rlflow.optimize.pipeline import optimize, verification_shapes
 from rlflow.optimize.result import Result
+
+log = logging.getLogger("rlflow")
 
 
 @dataclass
@@ -58,6 +61,7 @@ def method_rows(graph: Graph, methods: Sequence[str], settings: SessionSettings,
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
             failed[method] = failed_row(model, method, exc)
             continue
+        result.output_model = None  # what optimize would write: the row needs the graph, not this beside it
         finished[method] = (result, time.monotonic() - start)
     first_with: dict[str, str] = {}  # output fingerprint -> the first method that wrote it
     same_as: dict[str, str] = {}
@@ -90,8 +94,8 @@ def _measure(graph: Graph, outputs: dict[str, Graph], settings: SessionSettings,
     try:
         measured = dict(zip(outputs, measure_outputs(graph, list(outputs.values()), settings, config.rounds,
                                                      config.seed + 1)))
-    except Exception:  # noqa: BLE001 - measured one at a time below
-        pass
+    except Exception as exc:  # noqa: BLE001 - measured one at a time below
+        log.debug("%s: the outputs measured together failed (%s); measuring each alone", model, exc)
     for method, output in outputs.items():
         try:
             if method not in measured:
