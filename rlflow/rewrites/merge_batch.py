@@ -35,6 +35,9 @@ class _BatchSharedWeight(Rule):
             return self.no(node, "no other node applies the same weights to another input of the same shape")
         if not lead(node, group):
             return self.no(node, "another node leads this group")
+        if _chained(group):
+            return self.no(node, "one node's input is computed from another's output (weights shared by layers "
+                                 "in sequence): their concatenation would be a cycle")
         if any(dynamic is None or dynamic[axis] for dynamic in (dynamic_axes(graph, n.inputs[0]) for n in group)):
             return self.no(node, "the batching axis is dynamic")
         return self.match(group)
@@ -47,6 +50,24 @@ class _BatchSharedWeight(Rule):
         (merged,) = graph.add_node(group[0].op, [joined, *group[0].inputs[1:]], attrs=dict(group[0].attrs))
         out_axis = self.axis(len(graph.shape(group[0].outputs[0])))
         split_into(graph, merged, group, out_axis, [graph.shape(n.outputs[0])[out_axis] for n in group])
+
+
+def _chained(group: list[gs.Node]) -> bool:
+    """Whether some node of `group` reads, through any path, what another computes (ALBERT's layers apply one set of
+    weights in sequence).  One walk up from all their inputs: a graph has no cycle, so a node met is another's."""
+    members = {id(n) for n in group}
+    seen: set[int] = set()
+    stack = [n.inputs[0] for n in group]
+    while stack:
+        tensor = stack.pop()
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        for producer in tensor.inputs:  # gs: a tensor's inputs are the node that makes it
+            if id(producer) in members:
+                return True
+            stack.extend(producer.inputs)
+    return False
 
 
 class MatMulBatchSharedWeight(_BatchSharedWeight):

@@ -126,3 +126,12 @@ def test_group_merge_down_to_one_group():
 def test_grouped_convs_concatenated_keep_their_groups():
     new = assert_rewrites(_concat_convs(kernels=(3, 3), group=2), "conv-concat-to-group")
     assert [n.attrs["group"] for n in new.gs.nodes if n.op == "Conv"] == [4]
+
+
+def test_weights_shared_by_layers_in_sequence_are_not_batched():
+    """ALBERT applies one set of weights in every layer: a MatMul whose input comes from another's output cannot take
+    part in their concatenation (it would be a cycle; the agent's rule-wide step once built one)."""
+    chained = graph([node("MatMul", ["x", "w"], "h"), node("Relu", ["h"], "r"), node("MatMul", ["r", "w"], "y")],
+                    {"x": [3, 4]}, outputs=["y"], consts={"w": weights(4, 4)})
+    assert_refuses(chained, "matmul-batch-shared-weight", "computed from another's output")
+
