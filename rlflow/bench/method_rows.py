@@ -37,6 +37,12 @@ class Measured:
     ratio: Ratio
     per_profile: list[dict]
 
+    @classmethod
+    def of(cls, comparison: Comparison) -> Measured:
+        """The output of a two-model comparison at one shape, against the input."""
+        before, after = comparison.timings
+        return cls(before.median_ms, after.median_ms, comparison.ratios[1], [])
+
 
 def method_rows(graph: Graph, methods: Sequence[str], settings: SessionSettings, config) -> list[Row]:
     """A row per method (`config` a `rlflow.bench.run.BenchConfig`): optimize() as a user runs it, then every distinct
@@ -110,8 +116,7 @@ def _measure(graph: Graph, outputs: dict[str, Graph], settings: SessionSettings,
 def _row(model: str, method: str, result: Result, seconds: float, measured: Measured | None, device: dict,
          same_output_as: str) -> Row:
     if measured is None:  # the input kept: optimize()'s own comparison, whose output is the input
-        before, after = result.comparison.timings
-        measured = Measured(before.median_ms, after.median_ms, result.comparison.ratios[1], [])
+        measured = Measured.of(result.comparison)
     verification = result.verification if result.rewritten else None  # else the output is the input itself
     ratio = measured.ratio
     return Row(model, method, "ok", baseline_ms=measured.baseline_ms, latency_ms=measured.latency_ms,

@@ -298,9 +298,7 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
             (measured,) = measure_outputs(graph, [Graph.from_model(output, dict(graph.input_shapes))], settings,
                                           config.rounds, config.seed)
         else:
-            comparison = compare([source, output], settings, rounds=config.rounds, seed=config.seed)
-            measured = Measured(comparison.timings[0].median_ms, comparison.timings[1].median_ms,
-                                comparison.ratios[1], [])
+            measured = Measured.of(compare([source, output], settings, rounds=config.rounds, seed=config.seed))
         device = device_errors(source, output, settings, graph)
     ratio = measured.ratio
     return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
