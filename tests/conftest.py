@@ -103,6 +103,17 @@ def matmul_model() -> onnx.ModelProto:
 
 
 @pytest.fixture
+def matmul_with_identity(matmul_model) -> onnx.ModelProto:
+    """`matmul_model` with an Identity between its Add and its Relu: written otherwise, run the same (onnxruntime
+    removes the Identity)."""
+    other = onnx.ModelProto()
+    other.CopyFrom(matmul_model)
+    other.graph.node[2].input[0] = "a_copy"
+    other.graph.node.insert(2, helper.make_node("Identity", ["a"], ["a_copy"], name="copy"))
+    return other
+
+
+@pytest.fixture
 def mlp_and_cnn(tmp_path, matmul_model, cnn_opset9_ir3_path) -> list:
     """Two small models in a folder of their own: mlp.onnx and cnn.onnx (what the cluster tests bench)."""
     import shutil

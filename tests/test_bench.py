@@ -247,6 +247,32 @@ def test_methods_that_write_the_same_graph_share_one_measurement(matmul_model, m
     assert "| m | taso (= greedy) | ok |" in page and "| m | greedy | ok |" in page
 
 
+def test_outputs_onnxruntime_runs_the_same_share_one_measurement(matmul_model, matmul_with_identity, monkeypatch):
+    """Two outputs that differ only by a node onnxruntime removes (an Identity) are measured once, and the page says
+    they are the same as run; an output that differs as run is measured beside them."""
+    from rlflow.bench.method_rows import method_rows
+    from rlflow.bench.run import BenchConfig
+    from rlflow.graph.core import Graph
+    from rlflow.measure.session import SessionSettings
+
+    shapes = {"x": (2, 8)}
+    calls = _methods_writing({"greedy": Graph.from_model(matmul_model, shapes),
+                              "agent": Graph.from_model(matmul_with_identity, shapes),
+                              "random": Graph.from_model(_variant(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
+    greedy, agent, random = method_rows(Graph.from_model(matmul_model, shapes), ("greedy", "agent", "random"),
+                                        SessionSettings(), BenchConfig(rounds=3))
+    assert calls == [3]  # the input, greedy's output (agent's as run) and random's
+    assert (agent.same_output_as, agent.same_as_run) == ("greedy", True)
+    assert (greedy.same_output_as, greedy.same_as_run, random.same_output_as) == ("", False, "")
+    assert agent.speedup == greedy.speedup and random.latency_ms != greedy.latency_ms
+    page = markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
+                                           "onnx": "1", "rlflow": "0"},
+                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
+                           "settings": {"threads": 1, "opt_level": "all"},
+                           "rows": [{**vars(r), "model": "m"} for r in (greedy, agent)]})
+    assert "| m | agent (= greedy as run) | ok |" in page
+
+
 def test_an_output_that_cannot_run_costs_only_its_own_rows(matmul_model, monkeypatch):
     """Where the joint comparison fails (an output onnxruntime cannot build), each output is measured alone: the others
     keep their figures, and the one that fails, with every method that wrote it, gets a failed row."""

@@ -1,9 +1,10 @@
 """The bench's rlflow rows: every method run on a model as a user runs it, then their outputs measured together.
 
 The outputs are measured in one interleaved comparison against the input, each distinct graph once: methods that
-reach the same graph (the agent's fuse-everything candidate is often greedy's first two steps) get the same figure,
-and those that differ are compared within the same rounds and sessions, not across two runs whose drift alone can
-part them by a few percent.  The measuring helpers here serve the peers' rows too (`rlflow.bench.run`).
+reach the same graph (the agent's fuse-everything candidate is often greedy's first two steps), or graphs that differ
+only by what onnxruntime's own optimisations remove (`rlflow.measure.as_run`), get the same figure, and those that
+differ are compared within the same rounds and sessions, not across two runs whose drift alone can part them by a few
+percent.  The measuring helpers here serve the peers' rows too (`rlflow.bench.run`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import onnx
 
 from rlflow.bench.results import Row
 from rlflow.graph.core import Graph
+from rlflow.measure.as_run import fingerprint_as_run
 from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Comparison, Ratio
@@ -69,11 +71,7 @@ def method_rows(graph: Graph, methods: Sequence[str], settings: SessionSettings,
             continue
         result.output_model = None  # what optimize would write: the row needs the graph, not this beside it
         finished[method] = (result, time.monotonic() - start)
-    first_with: dict[str, str] = {}  # output fingerprint -> the first method that wrote it
-    same_as: dict[str, str] = {}
-    for method, (result, _) in finished.items():
-        if result.rewritten:
-            same_as[method] = first_with.setdefault(result.graph.fingerprint(), method)
+    same_as, as_run = _same_outputs({m: r.graph for m, (r, _) in finished.items() if r.rewritten}, settings)
     distinct = [m for m, first in same_as.items() if first == m]
     measured, device = _measure(graph, {m: finished[m][0].graph for m in distinct}, settings, config, failed, model)
     rows = []
@@ -87,8 +85,23 @@ def method_rows(graph: Graph, methods: Sequence[str], settings: SessionSettings,
             rows.append(replace(failed[first], method=method))
             continue
         rows.append(_row(model, method, result, seconds, measured.get(first), device.get(first, {}),
-                         same_output_as=first if first != method else ""))
+                         same_output_as=first if first != method else "", same_as_run=method in as_run))
     return rows
+
+
+def _same_outputs(outputs: dict[str, Graph], settings: SessionSettings) -> tuple[dict[str, str], set[str]]:
+    """method -> the first method whose output is the same graph or, where outputs differ, the same graph once
+    onnxruntime has optimised it; and the methods whose output is the same as that method's only as run."""
+    prints = {method: graph.fingerprint() for method, graph in outputs.items()}
+    first_with: dict[str, str] = {}  # a fingerprint -> the first method whose output has it
+    same_as = {method: first_with.setdefault(key, method) for method, key in prints.items()}
+    if len(first_with) > 1:
+        for method in list(first_with.values()):
+            key = fingerprint_as_run(outputs[method], settings)  # None: it cannot be saved, so it stays apart
+            first_with.setdefault(f"run:{key or method}", method)
+            same_as[method] = first_with[f"run:{key or method}"]
+        same_as = {method: same_as[first] for method, first in same_as.items()}
+    return same_as, {m for m, first in same_as.items() if prints[m] != prints[first]}
 
 
 def _measure(graph: Graph, outputs: dict[str, Graph], settings: SessionSettings, config, failed: dict[str, Row],
@@ -114,7 +127,7 @@ def _measure(graph: Graph, outputs: dict[str, Graph], settings: SessionSettings,
 
 
 def _row(model: str, method: str, result: Result, seconds: float, measured: Measured | None, device: dict,
-         same_output_as: str) -> Row:
+         same_output_as: str, same_as_run: bool) -> Row:
     if measured is None:  # the input kept: optimize()'s own comparison, whose output is the input
         measured = Measured.of(result.comparison)
     verification = result.verification if result.rewritten else None  # else the output is the input itself
@@ -127,7 +140,7 @@ def _row(model: str, method: str, result: Result, seconds: float, measured: Meas
                gate_speedup=result.gate.median if result.gate else float("nan"), reason=result.reason,
                outcome=result.outcome, search_stop=result.search_stop,
                candidates_measured=result.candidates_measured, rewrites=result.applied, profiles=measured.per_profile,
-               same_output_as=same_output_as, **device)
+               same_output_as=same_output_as, same_as_run=same_as_run, **device)
 
 
 def failed_row(model: str, method: str, exc: Exception) -> Row:

@@ -57,6 +57,7 @@ class Row:
     profiles: list[dict] = field(default_factory=list)  # with several profiles: label, weight, speedup, low, high each
     node: str = ""  # the machine it ran on (a Ray run spreads models over several)
     same_output_as: str = ""  # an earlier method that wrote the same graph: measured once, so the same figures
+    same_as_run: bool = False  # with same_output_as: the graphs differ, but not once onnxruntime has optimised them
 
 
 CSV_FIELDS = [f for f in Row.__dataclass_fields__]
@@ -146,7 +147,8 @@ def markdown_table(results: dict) -> str:
         speed = f"{r['speedup']:.3f} [{r['speedup_low']:.3f}, {r['speedup_high']:.3f}]"
         if r["faster"]:
             speed = f"**{speed}**"
-        same = f" (= {r['same_output_as']})" if r.get("same_output_as") else ""
+        same = (f" (= {r['same_output_as']}{' as run' if r.get('same_as_run') else ''})" if r.get("same_output_as")
+                else "")
         lines.append(f"| {r['model']}{' †' if r.get('heldout') else ''} | {r['method']}{same} | {r['status']} "
                      f"| {r['baseline_ms']:.3f} | {r['latency_ms']:.3f} "
                      f"| {speed} | {r['peak_fraction']:.1%} | {r.get('memory_fraction', float('nan')):.1%} "

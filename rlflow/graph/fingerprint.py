@@ -19,16 +19,17 @@ _COMMUTATIVE = {"Add", "Mul", "Max", "Min", "Sum", "Mean", "And", "Or", "Xor", "
 
 
 def fingerprint(graph) -> str:
-    """A structural hash of `graph`: equal for graphs that differ only in node and tensor names (or commutative
-    operand order)."""
+    """A structural hash of `graph` (a Graph, or a graphsurgeon graph): equal for graphs that differ only in node and
+    tensor names (or commutative operand order)."""
+    graph = graph if isinstance(graph, gs.Graph) else graph.gs
     digests: dict[str, bytes] = {}
-    for index, tensor in enumerate(graph.gs.inputs):
+    for index, tensor in enumerate(graph.inputs):
         digests[tensor.name] = _digest("input", index, tensor.dtype, tensor.shape)
-    for tensor in graph.gs.tensors().values():
+    for tensor in graph.tensors().values():
         if isinstance(tensor, gs.Constant):
             digests[tensor.name] = _constant_digest(tensor)
     digests[""] = _digest("absent")
-    for node in graph.gs.nodes:
+    for node in graph.nodes:
         operands = [digests.get(t.name, _digest("unknown", t.name)) for t in node.inputs]
         if node.op in _COMMUTATIVE:
             operands.sort()
@@ -36,7 +37,7 @@ def fingerprint(graph) -> str:
         base = _digest(node.domain, node.op, attrs, *operands)
         for k, tensor in enumerate(node.outputs):
             digests[tensor.name] = _digest(base, k)
-    return hashlib.blake2b(b"".join(digests[t.name] for t in graph.gs.outputs), digest_size=16).hexdigest()
+    return hashlib.blake2b(b"".join(digests[t.name] for t in graph.outputs), digest_size=16).hexdigest()
 
 
 def _digest(*parts) -> bytes:

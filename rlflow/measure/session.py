@@ -97,8 +97,10 @@ class SessionSettings:
         return recorded
 
 
-def session_options(settings: SessionSettings, profile_prefix: str | None = None):
-    """onnxruntime SessionOptions for the settings."""
+def session_options(settings: SessionSettings, profile_prefix: str | None = None, save_optimised: str | None = None,
+                    weights_file: str | None = None):
+    """onnxruntime SessionOptions for the settings; `save_optimised`: a path where onnxruntime writes the graph it
+    runs (its weights in `weights_file` beside it, where given)."""
     ort = _ort()
     levels = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -118,12 +120,18 @@ def session_options(settings: SessionSettings, profile_prefix: str | None = None
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
+    if save_optimised:
+        options.optimized_model_filepath = save_optimised
+        if weights_file:
+            options.add_session_config_entry("session.optimized_model_external_initializers_file_name", weights_file)
+            options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     return options
 
 
 def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings: SessionSettings | None = None,
-                   *, provider: str | None = None, profile_prefix: str | None = None):
-    """An InferenceSession for a model proto, serialized bytes or a path.
+                   *, provider: str | None = None, profile_prefix: str | None = None, save_optimised: str | None = None,
+                   weights_file: str | None = None):
+    """An InferenceSession for a model proto, serialized bytes or a path (`session_options` for the keywords).
 
     A proto whose weights are external data (as rlflow loads them), or that is over protobuf's 2 GB limit, gets its
     weights beside the proto: see `_session_with_weights_aside`.
@@ -133,7 +141,7 @@ def create_session(model: onnx.ModelProto | bytes | str | os.PathLike, settings:
     """
     ort = _ort()
     settings = settings or SessionSettings(provider=provider or "CPUExecutionProvider")
-    options = session_options(settings, profile_prefix)
+    options = session_options(settings, profile_prefix, save_optimised, weights_file)
     first = (settings.provider, {"enable_cuda_graph": "1"}) if settings.cuda_graph else settings.provider
     providers = [first] + (["CPUExecutionProvider"] if settings.provider != "CPUExecutionProvider" else [])
     try:
