@@ -22,11 +22,14 @@ DECODE = [f"{family}-tiny-decode-p16-{exporter}" for family in ("llama", "qwen3"
 
 def test_names_say_the_model_the_step_the_shape_and_the_exporter():
     steps = {"prefill": ["s128"], "decode": ["p128", "p1024"]}  # shapes vary fastest: they share one export
-    assert CPU == [f"{model}-{kind}-{shape}-{exporter}" for model in ("smollm2-135m", "qwen3-0.6b-l8")
-                   for kind in steps for exporter in ("ts", "dynamo") for shape in steps[kind]]
+    cut = {"prefill": ["s128"], "decode": ["p128"]}  # the agents' training cut: one cache length
+    assert CPU == [f"{model}-{kind}-{shape}-{exporter}"
+                   for model, shapes in (("smollm2-135m", steps), ("qwen3-0.6b-l8", steps), ("smollm2-135m-l4", cut))
+                   for kind in shapes for exporter in ("ts", "dynamo") for shape in shapes[kind]]
     assert TINY == [f"{model}-tiny-{step}-{exporter}" for model in ("llama", "qwen3")
                     for step in ("prefill-s16", "decode-p16") for exporter in ("ts", "dynamo")]
-    assert GPU == [f"{name}-fp16" for name in CPU] + [name.replace("-l8", "") + "-fp16" for name in CPU[6:]]
+    assert GPU == [f"{name}-fp16" for name in CPU] + [name.replace("-l8", "") + "-fp16" for name in CPU[6:12]]
+    assert zoo.get("smollm2-135m-l4-decode-p128-ts").config["config"]["hidden_size"] == 576
 
 
 def test_gpu_and_tiny_entries_stay_out_of_the_cpu_lists():

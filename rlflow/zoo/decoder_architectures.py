@@ -87,6 +87,10 @@ DECODERS = (
     DecoderArchitecture("qwen3-0.6b-l8", "Qwen3ForCausalLM", dict(_QWEN3, num_hidden_layers=8),
                         _hints("qwen3", _QWEN3), "Qwen3-0.6B's width, 8 of its 28 layers (H1024, 16 heads, "
                                                  "8 KV heads, head_dim 128, q/k norms, tied embeddings)"),
+    # the agents' training cut of the Llama family: SmolLM2's real width at a depth a training step can afford
+    DecoderArchitecture("smollm2-135m-l4", "LlamaForCausalLM", dict(_SMOLLM2, num_hidden_layers=4),
+                        _hints(_LLAMA_TYPE, _SMOLLM2), "SmolLM2-135M's width, 4 of its 30 layers (the agents' "
+                                                       "training cut)", past=(128,)),
     # the whole model is 2.4 GB in float32, past protobuf's 2 GB that one zoo file holds: float16 only (1.2 GB)
     DecoderArchitecture("qwen3-0.6b", "Qwen3ForCausalLM", dict(_QWEN3, num_hidden_layers=28), _hints("qwen3", _QWEN3),
                         "Qwen3-0.6B (L28/H1024, 16 heads, 8 KV heads, head_dim 128, q/k norms, tied embeddings)",

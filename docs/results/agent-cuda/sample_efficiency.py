@@ -1,14 +1,15 @@
 """The CUDA agent's sample efficiency against the PPO baseline on the same CUDA rewards (issue #49's target: the
 world-model agent reaches PPO's final return in at most a fifth of PPO's real steps, on at least three seeds of four),
-from the committed seedN/worldmodel.json curves and ppo/ppo.json, written to sample-efficiency.md.
+from a run folder's seedN/worldmodel.json curves and ppo/ppo.json, written to its sample-efficiency.md.
 
-    python docs/results/agent-cuda/sample_efficiency.py
+    python docs/results/agent-cuda/sample_efficiency.py [FOLDER]    # default: this folder; decoders/ is the other
 """
 import json
 import statistics
+import sys
 from pathlib import Path
 
-here = Path(__file__).resolve().parent
+here = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent
 ppo = json.loads((here / "ppo" / "ppo.json").read_text())
 final, steps = ppo["train"]["final_mean_return"], ppo["train"]["real_steps"]
 rows, held = [], 0
