@@ -65,3 +65,25 @@ def test_bad_input_gets_one_line_and_no_results(tmp_path, capsys):
     assert "no such model file" in capsys.readouterr().err and not out.exists()
     assert main(["bench-estimate", str(FIXTURE), "--provider", "cpu", "--out", str(out)]) != 0
     assert "runs on this machine" in capsys.readouterr().err and not out.exists()
+
+
+def test_the_cuda_agent_fuses_a_decoder_step_as_the_estimate_prices_it(tmp_path):
+    """The shipped CUDA agent on a decoder step (a tiny Llama-style one, TorchScript export), scored by the CUDA
+    estimate: its rollouts fuse the RMSNorms, the rotary embeddings and the attention with its cache, which the estimate
+    prices at one kernel each where the export launches dozens."""
+    from rlflow import zoo
+    from rlflow.graph.core import load
+    from rlflow.measure.costmodel.gpu_estimate import cost_model_for
+    from rlflow.optimize.options import rules_for
+    from rlflow.rewrites import RULES
+    from rlflow.search.agent import AgentConfig, agent_search, shipped_agent
+
+    step = load(zoo.build("llama-tiny-decode-p16-ts", tmp_path).path)
+    cost_model = cost_model_for("cuda")
+    config = AgentConfig(agent=str(shipped_agent("CUDAExecutionProvider")), time_limit=20, measure=False)
+    result = agent_search(step, cost_model.settings, config, rules_for(RULES, "all", "CUDAExecutionProvider"),
+                          cost_model=cost_model)
+    rules = {m.rule for m in result.applied}
+    assert {"rmsnorm-fusion", "rotary-fusion"} <= rules and rules & {"group-query-attention-fusion",
+                                                                       "decoder-attention-fusion"}
+    assert cost_model.graph_cost(result.graph) < cost_model.graph_cost(step) / 2

@@ -228,7 +228,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     rules = known_rules(actor, rules)
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     generator = torch.Generator().manual_seed(config.seed)
-    visited: dict[str, tuple[float, Candidate]] = {}
+    visited: dict[str, tuple[float, Candidate | None]] = {}
     endings: list[str] = []
     stop, steps = "all rollouts done", 0
     loaded = time.monotonic()
@@ -252,6 +252,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                                       generator=generator, deadline=search_deadline, visited=visited)
                 endings.append(ending)
                 steps += taken
+                _forget_graphs(visited, endings, config.top_k)
                 bar.update(1)
                 now = [c.fingerprint for c in _pool(visited, endings, original_cost, original, config.top_k)]
                 unchanged = unchanged + 1 if now == chosen else 0
@@ -267,8 +268,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         late.append(f"agent: {len(endings)} of {config.rollouts} rollouts played ({steps} rewrites) before the "
                     f"limit{'; the last one cut short' if time.monotonic() > search_deadline and endings else ''}")
     if not config.measure:
-        result = select_estimated(graph, list(visited.values()), original_cost, start=start, stop_reason=stop,
-                                  estimated=len(visited))
+        result = select_estimated(graph, [pair for pair in visited.values() if pair[1] is not None], original_cost,
+                                  start=start, stop_reason=stop, estimated=len(visited))
         result.not_reached, result.cost_table = late, table
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
@@ -339,7 +340,7 @@ def _affordable(seconds_left: float, estimated_ms: float, rounds: int, wanted: i
 
 
 def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: float,
-          visited: dict[str, tuple[float, Candidate]]) -> tuple[str, int]:
+          visited: dict[str, tuple[float, Candidate | None]]) -> tuple[str, int]:
     """One episode; every graph reached goes into `visited` (fingerprint -> (estimated cost, candidate)).
 
     Returns the fingerprint of the graph the episode ended on, and the rewrites it applied.
@@ -360,12 +361,23 @@ def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: 
         done = terminated or truncated
         if env.fingerprint not in seen:
             seen.add(env.fingerprint)
-            visited.setdefault(env.fingerprint, (info["cost"], Candidate(env.graph, tuple(env.applied),
-                                                                         env.fingerprint)))
+            if visited.get(env.fingerprint, (0.0, None))[1] is None:  # new, or its graph dropped (`_forget_graphs`)
+                visited[env.fingerprint] = (info["cost"], Candidate(env.graph, tuple(env.applied), env.fingerprint))
     return env.fingerprint, taken
 
 
-def _pool(visited: dict[str, tuple[float, Candidate]], endings: list[str], original_cost: float,
+def _forget_graphs(visited: dict[str, tuple[float, Candidate | None]], endings: list[str], top_k: int) -> None:
+    """Drops the graphs of visited states neither `_pool` nor `select_estimated` can choose (kept: the episodes' end
+    graphs and the `top_k` estimated cheapest), keeping their costs.  A visited graph holds the weights its rewrites
+    made, and on a 30-layer decoder (SmolLM2's step, in float16) every graph of every rollout held took the CUDA
+    agent's search past 15 GB."""
+    keep = set(endings) | set(sorted(visited, key=lambda fp: visited[fp][0])[:top_k])
+    for fp, (cost, candidate) in visited.items():
+        if candidate is not None and fp not in keep:
+            visited[fp] = (cost, None)
+
+
+def _pool(visited: dict[str, tuple[float, Candidate | None]], endings: list[str], original_cost: float,
           original: str, top_k: int) -> list[Candidate]:
     """What to measure: the episodes' end graphs estimated faster, then the best-estimated others, then, where fewer
     than `top_k` are estimated faster, the other end graphs (the policy's own choice against the cost model's: on a
