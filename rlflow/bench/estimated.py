@@ -113,6 +113,7 @@ def main(argv=None) -> dict:
     from rlflow.errors import InputError
     from rlflow.measure.costmodel.gpu_estimate import EstimatedCostModel, cost_model_for
     from rlflow.measure.costmodel.size_estimate import SHIPPED
+    from rlflow.measure.memory import release_freed_memory
     from rlflow.optimize.options import rules_for
     from rlflow.rewrites import RULES
     from rlflow.search.agent import shipped_agent
@@ -155,6 +156,7 @@ def main(argv=None) -> dict:
                                                  for m in METHODS if m in methods), flush=True)
         write_text_atomic(args.out / "results.json", json.dumps(results, indent=1) + "\n")
         write_text_atomic(args.out / "results.md", markdown(results))
+        release_freed_memory()  # a model's rollouts leave gigabytes freed but scattered (`release_freed_memory`)
     print(f"results in {args.out}/: results.json, results.md")
     return results
 
