@@ -57,13 +57,14 @@ CALL_LIMIT = 64 * 2**20
 MARGIN = 3 * 2**20
 """Room left in every call for files that change between preparing the kit and the calls."""
 
-LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5 '
+LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5 '
               'GPU_BENCH_ARGS="--fix-dim batch=1 --fix-value attention_mask=1" '
               'GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo-fp16 smollm2-135m-decode-p128-dynamo-fp16"')
 """The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's GPU part: the fp16
 decode steps at past 128, captured, fixed at batch 1 (`--fix-dim`) and without padding (`--fix-value`), where the
 rotary embedding goes into GroupQueryAttention, Q/K/V are packed and the mask is dropped (a mask keeps onnxruntime's
-CUDA kernel on its unfused path), as in the builder's graph, greedy and the peers with the builder's graph beside;
+CUDA kernel on its unfused path), as in the builder's graph, the CUDA agent (trained with the decoders since
+2026-11-29: its first measured decoder run) and greedy, measured together, and the peers with the builder's graph beside;
 the rows' device errors (`## On the device`) say whether GroupQueryAttention's CUDA rotary and causal masking compute
 what the CPU's verified.  docs/results/gpu/h200-1128/ measured the same steps unfixed (kit a
 minute, zoo build 2.0 minutes, bench 7.6).  Then issue #49's part with what is left, one model a call (1.4 minutes
