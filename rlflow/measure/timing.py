@@ -25,6 +25,12 @@ MIN_ROUND_SECONDS = 0.01
 WARMUP_RUNS = 5
 """Untimed runs of each fresh session before its rounds (`compare`'s default)."""
 
+SWITCH_RUNS = 3
+"""Untimed runs that start a model's round, where it runs often enough in a round for them to cost at most a quarter
+more (`round_runs`): the first runs after the other models ran are slower by varying amounts (the caches hold the
+other models' weights), and on a model of about a millisecond they alone made a screening's interval several times
+wider than the gain it was screening for (docs/results/round-length/)."""
+
 MIN_ROUNDS = 3
 """Rounds a block of `compare` runs before its deadline may stop it, so that every block says something."""
 
@@ -106,7 +112,7 @@ class Pace:
     def round_seconds(self, models: int) -> float:
         """One round of `compare` over `models` models (each runs for at least MIN_ROUND_SECONDS)."""
         run = self.seconds.get("run", 0.0)
-        return models * math.ceil(MIN_ROUND_SECONDS / run) * run if run > 0 else 0.0
+        return models * sum(round_runs(run)) * run if run > 0 else 0.0
 
     def block_seconds(self, models: int, *, exports: int = 0, warmup: int = WARMUP_RUNS,
                       rounds: int = MIN_ROUNDS) -> float:
@@ -309,7 +315,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     rng = np.random.default_rng(seed)
     times: list[list[float]] = [[] for _ in models]
     block_of_round: list[int] = []
-    runs = None
+    runs, warm = None, 0
     for block in range(blocks):
         ahead = pace.block_seconds(len(models), warmup=warmup) if pace is not None else 0.0
         if deadline is not None and block > 0 and _ends_after(deadline, ahead):
@@ -327,13 +333,14 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         except Exception as exc:  # noqa: BLE001 - a model that builds but cannot run (bad Reshape...) is not measurable
             raise _cannot_run(settings, exc) from None
         if runs is None:
-            slowest = max(r.time(1) for r in runners)
-            runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(slowest, 1e-9)))
+            runs, warm = round_runs(max(r.time(1) for r in runners))
         for done in range(per_block):
             ahead = pace.round_seconds(len(models)) if pace is not None else 0.0
             if deadline is not None and done >= MIN_ROUNDS and _ends_after(deadline, ahead):
                 break
             for i in rng.permutation(len(runners)):
+                for _ in range(warm):
+                    runners[i].run()  # untimed: see SWITCH_RUNS
                 times[i].append(runners[i].time(runs))
                 if pace is not None:
                     pace.observe("run", times[i][-1])
@@ -344,7 +351,14 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     ratios = [bootstrap_ratio(base, np.asarray(t), confidence, rng, groups=groups) for t in times]
     timings = [_stats(label, t, warmup, settings) for label, t in zip(labels, times)]
     return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed,
-                      extra={"blocks": int(groups.max()) + 1 if len(groups) else 0})
+                      extra={"blocks": int(groups.max()) + 1 if len(groups) else 0, "untimed_runs_per_round": warm})
+
+
+def round_runs(run_seconds: float) -> tuple[int, int]:
+    """A model's timed runs in a round of `compare` (enough to take MIN_ROUND_SECONDS) and the untimed ones before
+    them (`SWITCH_RUNS`, at most a quarter of the timed)."""
+    runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(run_seconds, 1e-9)))
+    return runs, min(SWITCH_RUNS, runs // 4)
 
 
 def _ends_after(deadline: float, seconds: float) -> bool:
