@@ -3,8 +3,8 @@
 Two rewritten graphs that differ only by what onnxruntime removes or folds anyway (a Cast to the type a tensor has, a
 Reshape to the shape it has, a shape computation folded to a constant) run the very same kernels: measuring both is
 measuring one model twice, and their figures part by noise alone.  The bench measures such outputs once
-(`rlflow.bench.method_rows`).  On three held-out exports where greedy's output measured 1.2-3% ahead of the agent's,
-greedy's one extra step was such a rewrite (docs/results/agent-wide/joint/as-run.md).
+(`rlflow.bench.method_rows`).  In four cases where greedy's output measured 1.2-5.7% ahead of the agent's on the
+held-out exports, greedy's one extra step was such a rewrite (docs/results/agent-wide/joint/as-run.md).
 """
 from __future__ import annotations
 
