@@ -167,3 +167,23 @@ def test_cuda_graph_capture_is_a_cuda_setting_and_needs_fixed_output_shapes(matm
         value.type.tensor_type.shape.dim[0].dim_value = 2
     session = ort.InferenceSession(fixed.SerializeToString(), providers=["CPUExecutionProvider"])
     assert output_specs(session) == [("y", [2, 4], np.float32)]
+
+
+def test_a_round_starts_with_untimed_runs_where_a_model_runs_often_in_it(mlp, monkeypatch):
+    """A model that runs four times or more in a round starts it with untimed runs (at most SWITCH_RUNS, at most a
+    quarter of its timed runs); the pace counts them, and the comparison records how many."""
+    from rlflow.measure.timing import SWITCH_RUNS, Pace, round_runs
+
+    assert round_runs(0.0008) == (13, SWITCH_RUNS) and round_runs(0.002) == (5, 1) and round_runs(0.004) == (3, 0)
+    assert round_runs(0.1) == (1, 0)
+    pace = Pace()
+    pace.observe("run", 0.0008)
+    assert pace.round_seconds(2) == pytest.approx(2 * (13 + SWITCH_RUNS) * 0.0008)
+    calls = []
+    real_run = timing_module.Runner.run
+    monkeypatch.setattr(timing_module.Runner, "run", lambda self: calls.append(1) or real_run(self))
+    comparison = compare([mlp, mlp], SessionSettings(), rounds=3, blocks=1, warmup=1)
+    timed, untimed = comparison.runs_per_round, comparison.extra["untimed_runs_per_round"]
+    assert untimed == min(SWITCH_RUNS, timed // 4)
+    # warm-up, the calibrating run and, per round, the untimed and the timed runs of each of the two models
+    assert len(calls) == 2 * (1 + 1 + 3 * (untimed + timed))
