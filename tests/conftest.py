@@ -102,6 +102,17 @@ def matmul_model() -> onnx.ModelProto:
         [w, b])
 
 
+def with_op(model: onnx.ModelProto, op_type: str, domain: str = "") -> onnx.ModelProto:
+    """`model` (`matmul_model`, or any whose third node is an activation) with that node's operator replaced; a `domain`
+    is imported at version 1 (an unknown one makes a model onnxruntime cannot build)."""
+    other = onnx.ModelProto()
+    other.CopyFrom(model)
+    other.graph.node[2].op_type, other.graph.node[2].domain = op_type, domain
+    if domain:
+        other.opset_import.append(helper.make_opsetid(domain, 1))
+    return other
+
+
 @pytest.fixture
 def matmul_with_identity(matmul_model) -> onnx.ModelProto:
     """`matmul_model` with an Identity between its Add and its Relu: written otherwise, run the same (onnxruntime

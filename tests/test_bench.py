@@ -13,7 +13,7 @@ from rlflow.bench.results import _device_lines, _outcome_lines, markdown_table, 
 from rlflow.bench.run import find_models
 from rlflow.cli import main
 from rlflow.errors import RlflowError
-from tests.conftest import save
+from tests.conftest import save, with_op
 
 
 def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, capsys):
@@ -209,17 +209,6 @@ def _methods_writing(graphs: dict, monkeypatch):
     return calls
 
 
-def _variant(model, op_type, domain=""):
-    import onnx
-
-    other = onnx.ModelProto()
-    other.CopyFrom(model)
-    other.graph.node[2].op_type, other.graph.node[2].domain = op_type, domain
-    if domain:
-        other.opset_import.append(onnx.helper.make_opsetid(domain, 1))
-    return other
-
-
 def test_methods_that_write_the_same_graph_share_one_measurement(matmul_model, monkeypatch):
     """The methods' outputs are measured in one comparison, each distinct graph once: two methods that reached the same
     graph (other objects, the same fingerprint) get the same figures, and the page says whose graph it was."""
@@ -231,7 +220,7 @@ def test_methods_that_write_the_same_graph_share_one_measurement(matmul_model, m
     shapes = {"x": (2, 8)}
     graph = Graph.from_model(matmul_model, shapes)
     calls = _methods_writing({"greedy": Graph.from_model(matmul_model, shapes), "taso": Graph.from_model(
-        matmul_model, shapes), "random": Graph.from_model(_variant(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
+        matmul_model, shapes), "random": Graph.from_model(with_op(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
     greedy, taso, random = method_rows(graph, ("greedy", "taso", "random"), SessionSettings(), BenchConfig(rounds=3))
     assert calls == [3]  # the input and the two distinct outputs, in the same rounds
     assert (greedy.same_output_as, taso.same_output_as, random.same_output_as) == ("", "greedy", "")
@@ -258,7 +247,7 @@ def test_outputs_onnxruntime_runs_the_same_share_one_measurement(matmul_model, m
     shapes = {"x": (2, 8)}
     calls = _methods_writing({"greedy": Graph.from_model(matmul_model, shapes),
                               "agent": Graph.from_model(matmul_with_identity, shapes),
-                              "random": Graph.from_model(_variant(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
+                              "random": Graph.from_model(with_op(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
     greedy, agent, random = method_rows(Graph.from_model(matmul_model, shapes), ("greedy", "agent", "random"),
                                         SessionSettings(), BenchConfig(rounds=3))
     assert calls == [3]  # the input, greedy's output (agent's as run) and random's
@@ -282,7 +271,7 @@ def test_an_output_that_cannot_run_costs_only_its_own_rows(matmul_model, monkeyp
     from rlflow.measure.session import SessionSettings
 
     shapes = {"x": (2, 8)}
-    broken = Graph.from_model(_variant(matmul_model, "NoSuchOperator", "rlflow.test"), shapes)
+    broken = Graph.from_model(with_op(matmul_model, "NoSuchOperator", "rlflow.test"), shapes)
     calls = _methods_writing({"greedy": Graph.from_model(matmul_model, shapes), "taso": broken, "random": broken},
                              monkeypatch)
     greedy, taso, random = method_rows(Graph.from_model(matmul_model, shapes), ("greedy", "taso", "random"),

@@ -1,6 +1,7 @@
 """A memory guard: how much a measurement needs, and how many candidate sessions fit at once."""
 from __future__ import annotations
 
+import functools
 import os
 
 import onnx_graphsurgeon as gs
@@ -100,15 +101,22 @@ def release_freed_memory() -> None:
     methods) leaves the freed memory scattered through the heap, which glibc keeps: a bench process of agent, greedy
     and TASO-style search on five encoders was resident at 12.5 GB by its last model, where each model alone peaks
     at 3-4 GB.  Called between models, it returns that memory (after one model: 1.8 to 0.9 GiB)."""
-    import ctypes
-    import ctypes.util
     import gc
 
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None elsewhere; looked up once (`find_library` runs ldconfig in a subprocess)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
