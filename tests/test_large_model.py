@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -185,9 +186,14 @@ def test_large_inline_weights_are_put_aside_once_and_mapped(tmp_path, monkeypatc
     assert os.path.isfile(aside) and verify(model, read).ok
     graph = load(path)
     assert is_mapped(graph.tensor_map()["W"].values) and verify(model, graph.to_model()).ok
-    assert read_model(path).graph.initializer[0].external_data[0].value == aside and len(model_file._ASIDE) == 1
+    parsed, parse = [], model_file._parse
+    with monkeypatch.context() as again:  # read again: the aside is reused, the file not even parsed
+        again.setattr(model_file, "_parse", lambda p: parsed.append(p) or parse(p))
+        assert read_model(path).graph.initializer[0].external_data[0].value == aside and len(model_file._ASIDE) == 1
+    assert parsed == [Path(aside).with_suffix("")]  # the aside model file (beside its .data), not the input
     assert path.read_bytes() == before
     monkeypatch.setattr(model_file, "WEIGHTS_ASIDE_BYTES", 1 << 40)
+    monkeypatch.setattr(model_file, "_ASIDE", {})
     assert read_model(path).graph.initializer[0].HasField("raw_data")  # under it: read in, as before
     monkeypatch.setattr(model_file, "WEIGHTS_ASIDE_BYTES", 1024)
     monkeypatch.setattr(model_file, "_ASIDE", {})

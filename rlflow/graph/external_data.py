@@ -19,17 +19,21 @@ _PACKED_4BIT = {getattr(onnx.TensorProto, name) for name in ("INT4", "UINT4", "F
 
 
 def tensor_bytes(tensor: onnx.TensorProto) -> int:
-    """Bytes of a tensor's data: in the proto, or in its file (the recorded length, else computed from its shape)."""
+    """Bytes of a tensor's data: in the proto, or in its file (the recorded length, else computed from its shape).
+
+    In-proto raw data is sized from the shape too: reading `raw_data` copies it (a gigabyte of page faults for a 1 GB
+    model's weights)."""
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         length = external_info(tensor)[2]
         if length is not None:
             return length
-    elif tensor.raw_data:
-        return len(tensor.raw_data)
     count = int(np.prod(tensor.dims)) if tensor.dims else 1
     if tensor.data_type in _PACKED_4BIT:
         return (count + 1) // 2
-    return count * np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    if dtype.kind in "OSU":  # strings: no fixed size
+        return len(tensor.raw_data) if tensor.HasField("raw_data") else sum(len(s) for s in tensor.string_data)
+    return count * dtype.itemsize
 
 
 _MAPPED: dict[int, tuple[weakref.ref, str, int, tuple]] = {}

@@ -64,12 +64,40 @@ def read_model(path: str | os.PathLike, *, external: bool = False) -> onnx.Model
     """Parses and checks an ONNX file; external data is read in, as onnx.load does, unless the weights exceed
     EXTERNAL_DATA_THRESHOLD (or `external` says so): then they stay on disk and the tensors keep references to their
     files, with absolute locations so that the proto is self-contained (sessions, verification and `save_model` find
-    the weights whatever the working directory) and small whatever the weights weigh.
+    the weights whatever the working directory) and small whatever the weights weigh.  Inline weights from
+    WEIGHTS_ASIDE_BYTES on are put aside (`_weights_aside`).
 
     Raises:
         InputError: as `load`.
     """
     path = Path(path)
+    if not external and (aside := _ASIDE.get(_file_key(path))) is not None:
+        return read_model(aside, external=True)  # read, checked and put aside before: not parsed again
+    model = _parse(path)
+    if not external and not external_tensors(model):
+        weights = sum(tensor_bytes(t) for t in _initializers(model.graph))
+        if WEIGHTS_ASIDE_BYTES <= weights <= EXTERNAL_DATA_THRESHOLD:
+            aside = _weights_aside(model, path)
+            if aside is not None:
+                return aside
+            model = _parse(path)  # the failed write may have moved some of its weights out
+    check_model(str(path))  # on the file: handles external data (and refuses data paths outside the model's folder)
+    try:
+        resolve_external_data(model, path.parent)
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    weights = sum(tensor_bytes(t) for t in _initializers(model.graph))
+    if external or weights > EXTERNAL_DATA_THRESHOLD:
+        return model
+    return _with_inline_data(model)
+
+
+def _parse(path: Path) -> onnx.ModelProto:
+    """The file's proto, unchecked; its bytes are dropped once parsed (a 1 GB model would otherwise be held twice).
+
+    Raises:
+        InputError: the file is missing, a folder, unreadable, empty or not ONNX.
+    """
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
@@ -85,34 +113,34 @@ def read_model(path: str | os.PathLike, *, external: bool = False) -> onnx.Model
         model.ParseFromString(data)
     except Exception:  # noqa: BLE001 - protobuf raises DecodeError or RuntimeWarning-like errors
         raise InputError(f"{path}: not an ONNX model (the file cannot be parsed; truncated or another format)") from None
+    del data
     if not model.HasField("graph") or not model.opset_import:
         raise InputError(f"{path}: not an ONNX model (no graph or no opset)")
-    check_model(str(path))  # on the file: handles external data (and refuses data paths outside the model's folder)
+    return model
+
+
+def _file_key(path: Path) -> tuple | None:
+    """(absolute path, modification time, size) of a file: a rewritten file is another key; None where there is none."""
     try:
-        resolve_external_data(model, path.parent)
-    except InputError as exc:
-        raise InputError(f"{path}: {exc}") from None
-    weights = sum(tensor_bytes(t) for t in _initializers(model.graph))
-    if external or weights > EXTERNAL_DATA_THRESHOLD:
-        return model
-    if weights >= WEIGHTS_ASIDE_BYTES and not external_tensors(model):
-        return _weights_aside(model, path)
-    return _with_inline_data(model)
+        stat = path.stat()
+    except OSError:
+        return None
+    return str(path.resolve()), stat.st_mtime_ns, stat.st_size
 
 
-def _weights_aside(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """`model` (read from `path`, its weights inline) with its weights in a data file of this process's folder in
-    rlflow's cache (on disk, where /tmp may be memory), removed when the process ends; written once per file and
-    process.  Where that cannot be written, the weights are read in as they are."""
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    if key not in _ASIDE:
-        try:
-            _ASIDE[key] = save_model(model, _aside_folder() / f"{len(_ASIDE)}-{path.name}", external=True)
-        except OSError as exc:
-            log.warning("could not put %s's weights aside (%s); they are read into memory", path.name, exc)
-            return _with_inline_data(model)
-    return read_model(_ASIDE[key], external=True)
+def _weights_aside(model: onnx.ModelProto, path: Path) -> onnx.ModelProto | None:
+    """`model` (parsed from `path`, its weights inline; it is consumed) with its weights moved to a data file of this
+    process's folder in rlflow's cache (on disk, where /tmp may be memory), removed when the process ends; read back
+    as `read_model` reads a file with external data, which also checks it: the aside is the file's graph, and its
+    small proto is checked in a fraction of the time the inline file took.  None where it cannot be written."""
+    try:
+        aside = save_model(model, _aside_folder() / f"{len(_ASIDE)}-{path.name}", external=True, in_place=True)
+    except OSError as exc:
+        log.warning("could not put %s's weights aside (%s); they are read into memory", path.name, exc)
+        return None
+    read = read_model(aside, external=True)
+    _ASIDE[_file_key(path)] = aside
+    return read
 
 
 def _alive(pid: int) -> bool:
@@ -138,12 +166,15 @@ def _aside_folder() -> Path:
     return Path(folder)
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool = False) -> Path:
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external: bool = False,
+               in_place: bool = False) -> Path:
     """Writes a model atomically: a temporary file in the same folder, then a rename, so nothing is half-written.
 
     Models whose weights exceed EXTERNAL_DATA_THRESHOLD (or all, with `external`: a model handed to another process,
     which maps its weights rather than parse them) are written with their weights in `<name>.data` beside them (one
     tensor at a time, never as one big message); smaller ones are written as one file, external data included.
+    `in_place`: the weights written to the data file are moved out of `model` itself rather than out of a copy, for a
+    caller that discards it (copying a 1 GB proto cost a second gigabyte and seconds of page faults).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +183,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external: boo
         tmp_model = Path(tmp) / path.name
         if external or weight_bytes > EXTERNAL_DATA_THRESHOLD:
             data_name = f"{path.name}.data"
-            _write_with_external_data(model, tmp_model, data_name, final=path.parent / data_name)
+            _write_with_external_data(model, tmp_model, data_name, final=path.parent / data_name, in_place=in_place)
             if (Path(tmp) / data_name).exists():  # absent when every tensor is small
                 os.replace(Path(tmp) / data_name, path.parent / data_name)
         else:
@@ -168,8 +199,10 @@ _ALIGNMENT = 4096
 """Offsets of tensors in a written data file are multiples of this, so that onnxruntime and numpy can map them."""
 
 
-def _write_with_external_data(model: onnx.ModelProto, model_path: Path, data_name: str, final: Path) -> None:
-    """Writes `model_path` and, beside it, its weights to `data_name`: tensor by tensor, never as one big message.
+def _write_with_external_data(model: onnx.ModelProto, model_path: Path, data_name: str, final: Path,
+                              in_place: bool = False) -> None:
+    """Writes `model_path` and, beside it, its weights to `data_name`: tensor by tensor, never as one big message;
+    `in_place`: `model` itself becomes the proto written (see `save_model`).
 
     Weights that are external data already are copied file to file (see `_copy_range`), never through memory.
     """
@@ -177,8 +210,9 @@ def _write_with_external_data(model: onnx.ModelProto, model_path: Path, data_nam
     sources = {Path(external_info(t)[0]).resolve() for t in external_tensors(model)}
     if final in sources:
         raise InputError(f"{final} holds the input's weights; write the output to another name")
-    out = onnx.ModelProto()
-    out.CopyFrom(model)  # cheap when the weights are external references (they are for models over 2 GB)
+    out = model if in_place else onnx.ModelProto()
+    if not in_place:
+        out.CopyFrom(model)  # cheap when the weights are external references (they are for models over 2 GB)
     end = 0
     with open(model_path.parent / data_name, "wb") as data:
         for tensor in _initializers(out.graph):
