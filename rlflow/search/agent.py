@@ -11,8 +11,8 @@ never returns to a graph it has visited (inverse rules would otherwise loop), an
 a row leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs the episodes end on, then those the
 cost model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
 model's groups), are measured end to end against the input, as many as the time limit affords, and beside them the
-graph with every fusion applied wherever it matches, or with the one undoing the cost model prices lower
-(`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input is kept, and the stop
+graph with every fusion applied wherever it matches, or with the one undoing the cost model prices lower, and both
+where it had to estimate (`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input is kept, and the stop
 reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that
 the rollouts stop in time for that measurement. When not even one candidate fits (a large model), the input is kept
 too, without a rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the
@@ -85,8 +85,8 @@ class AgentConfig:
             nothing only costs time.
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
-        fuse_everything: measure the fuse-everything graph (`rlflow.search.fuse_everything`) among the `top_k`, in
-            place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation
+        fuse_everything: measure the fuse-everything graph (`rlflow.search.fuse_everything`; two where the cost
+            model estimated) among the `top_k`, in place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation
             scores: the policy).
     """
 
@@ -274,9 +274,9 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
     fused = (fuse_everything(Candidate(graph, (), original), pool, rules, cost_model, start + config.time_limit)
-             if config.fuse_everything else None)
-    if fused is not None:  # second: after the policy's own greedy episode, before what the estimates ranked
-        pool = (pool[:1] + [fused] + pool[1:])[: max(config.top_k, 1)]
+             if config.fuse_everything else [])
+    if fused:  # after the policy's own greedy episode, before what the estimates ranked
+        pool = (pool[:1] + fused + pool[1:])[: max(config.top_k, 1)]
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster, and every episode ended "
@@ -299,8 +299,9 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                              estimated=len(visited), pace=pace)
     result.not_reached[:0] = late
     result.cost_table = table
-    if fused is not None and result.graph is fused.graph:
-        undone = rule_names(m for m in fused.applied if m.rule in INVERSE_NAMES)
+    won = next((f for f in fused if result.graph is f.graph), None)
+    if won is not None:
+        undone = rule_names(m for m in won.applied if m.rule in INVERSE_NAMES)
         preferred = f" with {undone} as the cost model prefers it" if undone else ""
         result.stop_reason += f" (the fuse-everything graph{preferred}, not a rollout's)"
     return result
