@@ -40,6 +40,13 @@ def fuse_everything(start: Candidate, pool: Sequence[Candidate], rules: Sequence
     if len(variants) == 1:
         return variants
     with measuring_until(cost_model, min(deadline, time.monotonic() + PRICING_SECONDS)):
-        ranked = sorted(variants, key=lambda c: cost_model.graph_cost(c.graph))
+        prices = _prices_apart(cost_model, [c.graph for c in variants])
         priced = coverage(cost_model)
+    ranked = [variants[i] for i in sorted(range(len(variants)), key=prices.__getitem__)]
     return ranked[:2] if priced and priced["estimated"] else ranked[:1]
+
+
+def _prices_apart(cost_model, graphs) -> list[float]:
+    """The graphs' costs, what sets them apart measured first where the cost model can (`CostModel.graph_costs`)."""
+    apart = getattr(cost_model, "graph_costs", None)
+    return apart(graphs) if apart is not None else [cost_model.graph_cost(graph) for graph in graphs]

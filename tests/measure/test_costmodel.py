@@ -62,6 +62,24 @@ def test_two_identical_matmuls_cost_twice_one(tmp_path):
     assert model.stats.measured == 1
 
 
+def test_graph_costs_price_what_sets_graphs_apart_first(tmp_path):
+    """Under a deadline a cold table measures the groups the graphs do not share before those they do (which cancel in
+    a ranking); the costs are `graph_cost`'s."""
+    model = CostModel(cache_dir=tmp_path)
+    graphs = [_matmuls(2), _conv_bn_relu()]
+    passes = []
+    costs = model._costs
+    model._costs = lambda graph, groups: passes.append([g.key for g in groups]) or costs(graph, groups)
+    apart = model.graph_costs(graphs)
+    assert apart == [model.graph_cost(g) for g in graphs]
+    shared = set(passes[0]) & set(passes[1])
+    assert passes[0] and passes[1] and not shared  # the first pass of each graph: its own groups only
+    before = len(passes)
+    same = model.graph_costs([_matmuls(2), _matmuls(3)])  # one configuration in both: nothing apart to price first
+    assert passes[before:before + 2] == [[], []]
+    assert same == [model.graph_cost(_matmuls(2)), model.graph_cost(_matmuls(3))]
+
+
 def test_cache_hit_then_persisted_and_reloaded(tmp_path):
     graph = _matmuls(2)
     model = CostModel(cache_dir=tmp_path)
