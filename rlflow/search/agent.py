@@ -12,8 +12,8 @@ a row leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs
 cost model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
 model's groups), are measured end to end against the input, as many as the time limit affords, and beside them the
 graph with every fusion applied wherever it matches, or with the one undoing the cost model prices lower, and both
-where it had to estimate (`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input is kept, and the stop
-reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that
+where it had to estimate (`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input
+is kept, and the stop reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that
 the rollouts stop in time for that measurement. When not even one candidate fits (a large model), the input is kept
 too, without a rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the
 final measurement of `rlflow.optimize.pipeline` would cost that measurement anyway, outside the limit (BERT-base: 35 s
@@ -86,8 +86,8 @@ class AgentConfig:
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
         fuse_everything: measure the fuse-everything graph (`rlflow.search.fuse_everything`; two where the cost
-            model estimated) among the `top_k`, in place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation
-            scores: the policy).
+            model estimated) among the `top_k`, in place of the rollouts' last; False measures only the rollouts'
+            graphs (what training's evaluation scores: the policy).
     """
 
     agent: str | None = None

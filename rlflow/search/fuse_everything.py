@@ -28,8 +28,9 @@ def fuse_everything(start: Candidate, pool: Sequence[Candidate], rules: Sequence
     lower; and the runner-up too where the cost model priced them partly by estimates (the table lacked groups and
     the time to measure them).  None of them is the input or already in `pool`.
 
-    On a cold table the groups that tell the variants apart are the small ones measured last: BERT L2's fused graph
-    was kept with its skip-LayerNorms at 1.14x where the same graph undone measured 1.31x (docs/results/cold-table/).
+    The groups that tell the variants apart are priced first (`CostModel.graph_costs`): on an empty table the pricing
+    time otherwise went to the largest groups, which the variants share, and the wrong variant was measured
+    (docs/results/cold-table/).
     """
     taken = {start.fingerprint, *(c.fingerprint for c in pool)}
     fused = all_fusions(start, rules, set(taken), deadline)
