@@ -13,7 +13,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from rlflow.errors import InputError, ProviderError
-from rlflow.graph.external_data import external_array, external_info, external_tensors, set_external_data
+from rlflow.graph.external_data import (
+    external_array,
+    external_info,
+    external_tensors,
+    set_external_data,
+    tensor_bytes,
+)
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 OPT_LEVELS = ("disable", "basic", "extended", "all")
@@ -252,10 +258,10 @@ def _session_with_weights_aside(model: onnx.ModelProto, options, providers, shar
 
 
 def _raw_bytes(tensor: onnx.TensorProto) -> int:
-    """Bytes of an in-proto tensor's raw data, from its shape (reading `raw_data` copies it); 0 for element types
-    numpy has no plain type for (bfloat16, float8, 4-bit), which stay in the proto."""
+    """Bytes of an in-proto tensor's raw data (`tensor_bytes`: from its shape); 0 for element types numpy has no plain
+    type for (bfloat16, float8, 4-bit), which stay in the proto."""
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
-    return (int(np.prod(tensor.dims)) if tensor.dims else 1) * dtype.itemsize if dtype.kind in "fiub" else 0
+    return tensor_bytes(tensor) if dtype.kind in "fiub" else 0
 
 
 def cannot_run(settings: SessionSettings, exc: Exception) -> ProviderError:
