@@ -11,8 +11,8 @@ never returns to a graph it has visited (inverse rules would otherwise loop), an
 a row leave the graphs to measure unchanged (`AgentConfig.patience`). The graphs the episodes end on, then those the
 cost model ranks best, only those estimated faster, then the other end graphs (the cost table can misprice a held-out
 model's groups), are measured end to end against the input, as many as the time limit affords, and beside them the
-graph with every fusion applied wherever it matches, or with the one undoing the cost model prices lower, and both
-where it had to estimate (`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input
+graph with every fusion applied wherever it matches and its variant with one fusion undone everywhere, the two the
+cost model prices lowest (`rlflow.search.fuse_everything`); the fastest that is measurably faster wins, else the input
 is kept, and the stop reason says when the fastest was the fuse-everything graph. The input is timed first (`measurement_reserve`), so that
 the rollouts stop in time for that measurement. When not even one candidate fits (a large model), the input is kept
 too, without a rollout, and the reason says what time limit would measure them: handing an unmeasured graph to the
@@ -85,9 +85,9 @@ class AgentConfig:
             nothing only costs time.
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
-        fuse_everything: measure the fuse-everything graph (`rlflow.search.fuse_everything`; two where the cost
-            model estimated) among the `top_k`, in place of the rollouts' last; False measures only the rollouts'
-            graphs (what training's evaluation scores: the policy).
+        fuse_everything: measure two fuse-everything graphs (`rlflow.search.fuse_everything`) among the `top_k`,
+            in place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation
+            scores: the policy).
     """
 
     agent: str | None = None
@@ -242,6 +242,10 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                          max_episode_steps=min(config.length, int(trained.get("max_episode_steps", config.length))),
                          **observation_caps(graph))
         original_cost, original = cost_model.graph_cost(graph), graph.fingerprint()
+        # before the rollouts, so that their pricing and rewriting (1-2 s on MiniLM-L12) comes out of the rollouts'
+        # time rather than the measurement's, which then screened 2 of 4 candidates
+        fused = (fuse_everything(Candidate(graph, (), original), rules, cost_model, search_deadline)
+                 if config.fuse_everything and config.measure else [])
         chosen, unchanged = [], 0  # the graphs the measurement would get, and for how many rollouts they have held
         with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:
             for rollout in range(config.rollouts):
@@ -273,10 +277,8 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         result.not_reached, result.cost_table = late, table
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
-    fused = (fuse_everything(Candidate(graph, (), original), pool, rules, cost_model, start + config.time_limit)
-             if config.fuse_everything else [])
     if fused:  # after the policy's own greedy episode, before what the estimates ranked
-        pool = (pool[:1] + fused + pool[1:])[: max(config.top_k, 1)]
+        pool = _distinct(pool[:1] + fused + pool[1:])[: max(config.top_k, 1)]
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster, and every episode ended "
@@ -376,6 +378,12 @@ def _forget_graphs(visited: dict[str, tuple[float, Candidate | None]], endings: 
     for fp, (cost, candidate) in visited.items():
         if candidate is not None and fp not in keep:
             visited[fp] = (cost, None)
+
+
+def _distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """`candidates` without the graphs met earlier in it (a rollout may end on a fuse-everything graph)."""
+    seen: set[str] = set()
+    return [c for c in candidates if not (c.fingerprint in seen or seen.add(c.fingerprint))]
 
 
 def _pool(visited: dict[str, tuple[float, Candidate | None]], endings: list[str], original_cost: float,

@@ -73,9 +73,9 @@ def test_rollouts_never_revisit_a_graph_and_only_estimated_faster_graphs_are_mea
 @pytest.mark.parametrize("fuse_everything", [True, False])
 def test_the_fuse_everything_graph_is_measured_beside_the_rollouts(zoo_paths, cost_model, policy, monkeypatch,
                                                                    fuse_everything):
-    """Second in the pool (and third, where priced by estimates), which keeps its size (after the greedy episode's
-    end, the policy's own choice), and named in the stop reason when it is the one kept; left out where the config
-    says (training's evaluation scores the policy alone)."""
+    """Second and third in the pool, which keeps its size (after the greedy episode's end, the policy's own choice),
+    and named in the stop reason when it is the one kept; left out where the config says (training's evaluation
+    scores the policy alone)."""
     graph = rlflow.load(zoo_paths["bert-base-tiny"])
     priors = []
     real_prior = agent_module.fuse_everything
@@ -100,6 +100,15 @@ def test_the_fuse_everything_graph_is_measured_beside_the_rollouts(zoo_paths, co
     else:
         assert priors == [] and fingerprints == ["rollout-0", "rollout-1", "rollout-2"]
         assert "fuse-everything" not in result.stop_reason
+
+
+def test_a_graph_both_a_rollout_and_the_fuse_everything_prior_reached_is_measured_once():
+    def candidate(fp, origin):
+        return agent_module.Candidate(origin, (), fp)
+
+    pool = agent_module._distinct([candidate("a", "rollout"), candidate("b", "prior"), candidate("a", "prior"),
+                                   candidate("c", "rollout")])
+    assert [(c.fingerprint, c.graph) for c in pool] == [("a", "rollout"), ("b", "prior"), ("c", "rollout")]
 
 
 def test_the_pool_takes_estimated_faster_graphs_first_then_the_episodes_ends():
