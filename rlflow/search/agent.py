@@ -40,6 +40,7 @@ from rlflow.search.candidates import (
     SearchResult,
     cost_table_lines,
     coverage,
+    distinct,
     measurement_reserve,
     measuring_until,
     rule_names,
@@ -278,7 +279,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         return result
     pool = _pool(visited, endings, original_cost, original, config.top_k)
     if fused:  # after the policy's own greedy episode, before what the estimates ranked
-        pool = _distinct(pool[:1] + fused + pool[1:])[: max(config.top_k, 1)]
+        pool = distinct(pool[:1] + fused + pool[1:])[: max(config.top_k, 1)]
     if not pool:
         return SearchResult(graph, [], 0, time.monotonic() - start,
                             f"{stop}; no graph the agent reached is estimated faster, and every episode ended "
@@ -378,12 +379,6 @@ def _forget_graphs(visited: dict[str, tuple[float, Candidate | None]], endings: 
     for fp, (cost, candidate) in visited.items():
         if candidate is not None and fp not in keep:
             visited[fp] = (cost, None)
-
-
-def _distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """`candidates` without the graphs met earlier in it (a rollout may end on a fuse-everything graph)."""
-    seen: set[str] = set()
-    return [c for c in candidates if not (c.fingerprint in seen or seen.add(c.fingerprint))]
 
 
 def _pool(visited: dict[str, tuple[float, Candidate | None]], endings: list[str], original_cost: float,

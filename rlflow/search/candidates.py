@@ -120,6 +120,12 @@ def expand(parent: Candidate | Graph, rules: Sequence[Rule] = RULES, seen: set[s
     return list(children(parent, rules, seen, deadline))
 
 
+def distinct(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """`candidates` without the graphs met earlier in it (a rollout may end on a fuse-everything graph)."""
+    seen: set[str] = set()
+    return [c for c in candidates if not (c.fingerprint in seen or seen.add(c.fingerprint))]
+
+
 def everywhere(parent: Candidate, rules: Sequence[Rule] = RULES, seen: set[str] | None = None,
                deadline: float | None = None, matches: Sequence[Match] | None = None) -> Iterator[Candidate]:
     """For each rule that matches `parent` in two places or more: the graph with it applied wherever it matches.

@@ -5,10 +5,10 @@ Measured beside the rollouts' graphs, they are what greedy measures first, and o
 training set the graph its policy most often misses.  The cost table knows much that one measurement against the
 input cannot show among four candidates: on the CPU onnxruntime's SkipLayerNormalization was slower than the Adds and
 LayerNormalization it replaces on every encoder measured, so every fusion at once gains more with it undone
-(docs/results/agent-wide/prior/skip-layernorm.md).  But it ranks the variants by groups timed apart, and where those
-mislead, the graph it ranks second is the faster one: on MiniLM-L12 dynamo a filled table priced every fusion 1.239x
-and the same with the skip-LayerNorms undone 1.214x, which measured 1.060x and 1.125x (docs/results/fuse-variants/).
-On an empty table it must estimate the groups that tell the variants apart (docs/results/cold-table/).  So two are
+(docs/results/agent-wide/prior/skip-layernorm.md).  But it prices groups timed apart, and on MiniLM-L12's three
+held-out exports a filled table ranked every fusion first and the same with the skip-LayerNorms undone second, which
+measured faster; its first two held the fastest on all eighteen held-out exports (docs/results/fuse-variants/).  On
+an empty table it must also estimate the groups that tell the variants apart (docs/results/cold-table/).  So two are
 measured, and the measurement decides.
 """
 from __future__ import annotations

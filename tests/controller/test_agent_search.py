@@ -14,6 +14,7 @@ from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
 from rlflow.search import agent as agent_module
 from rlflow.search.agent import AgentConfig, agent_search, load_agent
+from rlflow.search.candidates import distinct
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def test_a_graph_both_a_rollout_and_the_fuse_everything_prior_reached_is_measure
     def candidate(fp, origin):
         return agent_module.Candidate(origin, (), fp)
 
-    pool = agent_module._distinct([candidate("a", "rollout"), candidate("b", "prior"), candidate("a", "prior"),
+    pool = distinct([candidate("a", "rollout"), candidate("b", "prior"), candidate("a", "prior"),
                                    candidate("c", "rollout")])
     assert [(c.fingerprint, c.graph) for c in pool] == [("a", "rollout"), ("b", "prior"), ("c", "rollout")]
 
