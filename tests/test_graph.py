@@ -278,6 +278,24 @@ def test_shapes_computed_from_the_inputs_shape_are_known_at_the_fixed_shape():
     assert graph.to_model(static=False).graph.output[0].type.tensor_type.shape.dim[1].dim_param == "s"  # still dynamic
 
 
+def test_symbolic_shape_inference_does_not_import_torch():
+    """onnxruntime's `tools` package imports torch where it is installed (a second of every greedy run); rlflow loads
+    the one module it needs without it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rlflow.graph.shape_inference import symbolic_shapes\n"
+            "from onnx import TensorProto, helper\n"
+            "x = helper.make_tensor_value_info('x', TensorProto.FLOAT, ['b', 4])\n"
+            "g = helper.make_graph([helper.make_node('Relu', ['x'], ['y'])], 'g', [x], "
+            "[helper.make_empty_tensor_value_info('y')])\n"
+            "m = symbolic_shapes(helper.make_model(g, opset_imports=[helper.make_opsetid('', 17)], ir_version=8))\n"
+            "print([d.dim_param or d.dim_value for d in m.graph.output[0].type.tensor_type.shape.dim], "
+            "'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["['b',", "4]", "False"]
+
+
 def test_shape_inference_that_cannot_finish_writes_nothing_and_keeps_what_it_found(tmp_path, monkeypatch):
     """onnxruntime's symbolic inference saves `sym_shape_infer_temp.onnx` in the working directory when it cannot
     finish; loading a model must never write there."""

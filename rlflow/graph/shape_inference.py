@@ -8,7 +8,11 @@ Whole graphs go through onnx's inference, then onnxruntime's symbolic one where 
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import logging
+import sys
+from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -144,11 +148,28 @@ def symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto:
     the working directory: a tool must not write there, and a partial answer is still worth having.  So its steps
     are run here one by one (they are not public API: a change in them is caught by the caller, and shapes stay open).
     """
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-    inference = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    inference = _symbolic_shape_infer().SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
     inference._preprocess(skeleton)
     while inference.run_:
         inference._infer_impl()
     inference._update_output_from_vi()
     return inference.out_mp_
+
+
+def _symbolic_shape_infer():
+    """onnxruntime's `tools/symbolic_shape_infer.py`, loaded from its file (under a name of rlflow's) unless already
+    imported: importing it as `onnxruntime.tools.symbolic_shape_infer` runs the package's `__init__`, which imports
+    torch where torch is installed, a second of every greedy or TASO-style run that never uses torch."""
+    official, own = "onnxruntime.tools.symbolic_shape_infer", "_rlflow_symbolic_shape_infer"
+    for name in (official, own):
+        if name in sys.modules:
+            return sys.modules[name]
+    import onnxruntime
+
+    path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+    if not path.is_file():
+        return importlib.import_module(official)
+    spec = importlib.util.spec_from_file_location(own, path)
+    module = sys.modules[own] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
