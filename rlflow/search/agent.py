@@ -32,12 +32,15 @@ from tqdm import tqdm
 
 from rlflow.errors import InputError
 from rlflow.graph.core import Graph
+from rlflow.measure.profile_comparison import profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
 from rlflow.search.candidates import (
+    RESERVE_SLACK,
     Candidate,
     SearchResult,
+    affordable,
     cost_table_lines,
     coverage,
     distinct,
@@ -217,8 +220,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
     config = config or AgentConfig()
     start = time.monotonic()
     pace = Pace()  # the input probed first: the measurement's share is then known, and it need not probe again
-    reserve = max((1 - ROLLOUT_SHARE) * config.time_limit,
-                  measurement_reserve(graph, settings, config.time_limit, pace, config.seed)) if config.measure else 0.0
+    reserve = _measurement_share(graph, settings, config, pace) if config.measure else 0.0
     search_deadline = start + config.time_limit - reserve
     if time.monotonic() >= search_deadline:  # a large model: measuring one candidate takes all the limit or more
         return SearchResult(graph, [], 0, time.monotonic() - start,
@@ -285,20 +287,18 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                             f"{stop}; no graph the agent reached is estimated faster, and every episode ended "
                             "where it began",
                             candidates_estimated=len(visited), not_reached=late, cost_table=table)
-    seconds_left = start + config.time_limit - time.monotonic()
-    input_ms = _input_ms(pace, original_cost)
-    affordable = _affordable(seconds_left, input_ms, config.rounds, len(pool))
-    if not affordable:  # a large model: measuring even one candidate would overrun the limit
-        needed = _screen_seconds(input_ms, config.rounds, len(pool))
+    deadline, profiles = start + config.time_limit, profile_count(graph)
+    if not affordable(pace, len(pool), deadline, profiles):  # a large model: even one candidate would overrun
+        one, needed = (profiles * pace.block_seconds(n + 1, exports=n) for n in (1, len(pool)))
         late.append(f"measurement: none of {len(pool)} candidates measured end to end before the limit")
         return SearchResult(graph, [], 0, time.monotonic() - start,
-                            f"{stop}; no time left to measure a candidate (one takes about "
-                            f"{_screen_seconds(input_ms, config.rounds, 1):.0f} s, {max(seconds_left, 0):.0f} s "
-                            f"were left; a time limit of about {2 * needed:.0f} s would measure {len(pool)})",
+                            f"{stop}; no time left to measure a candidate (one takes about {one:.0f} s, "
+                            f"{max(deadline - time.monotonic(), 0):.0f} s were left; a time limit of about "
+                            f"{2 * needed:.0f} s would measure {len(pool)})",
                             candidates_estimated=len(visited), candidates_unmeasured=len(pool), not_reached=late,
                             cost_table=table)
-    result = select_measured(graph, pool[:affordable], settings, rounds=config.rounds, seed=config.seed,
-                             deadline=start + config.time_limit, start=start, stop_reason=stop,
+    result = select_measured(graph, pool, settings, rounds=config.rounds, seed=config.seed,
+                             deadline=deadline, start=start, stop_reason=stop,
                              estimated=len(visited), pace=pace)
     result.not_reached[:0] = late
     result.cost_table = table
@@ -312,7 +312,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
 
 ROLLOUT_SHARE = 0.5
 """Share of the time limit, from the search's start, in which rollouts start; the rest measures their graphs (more
-where a probe of the input says measuring one candidate takes more: `measurement_reserve`)."""
+where the measurement needs more: `_measurement_share`)."""
 
 COST_TABLE_SHARE = 0.5
 """Share of the rollout time left once the agent is loaded in which groups the cost table lacks are measured; past it
@@ -320,27 +320,18 @@ they are estimated from their size (`CostModel.measuring_until`), so that on a m
 the rest: a cold table of BERT L6/H384 takes 6 s to fill (and loading the agent 2-3 s of a 10 s limit)."""
 
 
-SCREEN_OVERHEAD_RUNS = 10
-"""Runs per model a screening comparison costs beyond its rounds: warm-up and session building (measured on GPT-2)."""
+MEASURE_SHARE = 0.7
+"""Share of the time limit the measurement may take where measuring the `top_k` candidates needs more than half."""
 
 
-def _input_ms(pace: Pace, estimated_ms: float) -> float:
-    """Milliseconds of one run of the input: as probed before the rollouts (`measurement_reserve`), else the cost
-    model's estimate.  The estimate sums groups timed with their weights in cache, and on a model whose weights do
-    not fit the cache it is far below the run (MiniLM L12/H384: 4.2 ms estimated, 9.3 ms run), which let the
-    measurement of four candidates overrun a 10 s limit by 1.3 s."""
-    run = pace.seconds.get("run")
-    return 1000.0 * run if run else estimated_ms
-
-
-def _screen_seconds(estimated_ms: float, rounds: int, candidates: int) -> float:
-    """Seconds to screen `candidates` against the input from its latency (`_input_ms`; the input counts as one more)."""
-    return (candidates + 1) * max(estimated_ms, 1e-3) / 1000.0 * (rounds + SCREEN_OVERHEAD_RUNS)
-
-
-def _affordable(seconds_left: float, estimated_ms: float, rounds: int, wanted: int) -> int:
-    """How many candidates, at most `wanted`, can be screened against the input in `seconds_left`."""
-    return next((n for n in range(wanted, 0, -1) if _screen_seconds(estimated_ms, rounds, n) <= seconds_left), 0)
+def _measurement_share(graph: Graph, settings: SessionSettings, config: AgentConfig, pace: Pace) -> float:
+    """Seconds of the limit kept for measuring: half of it, more where a probe of the input says one candidate takes
+    more (`measurement_reserve`), and up to MEASURE_SHARE of it where the `top_k` take more, as the pace predicts
+    the screening (MiniLM-L12 at 10 s: five sessions and four exports did not fit in the 5 s left, and the candidate
+    left unmeasured was the faster fuse-everything variant)."""
+    one = measurement_reserve(graph, settings, config.time_limit, pace, config.seed)
+    top = RESERVE_SLACK * profile_count(graph) * pace.block_seconds(config.top_k + 1, exports=config.top_k)
+    return max((1 - ROLLOUT_SHARE) * config.time_limit, one, min(top, MEASURE_SHARE * config.time_limit))
 
 
 def _play(env, actor, *, greedy: bool, temperature: float, generator, deadline: float,

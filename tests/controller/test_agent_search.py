@@ -180,20 +180,25 @@ def test_peek_does_not_move_the_environment(zoo_paths, cost_model):
     assert env.peek(env.terminate_action) is None and env.peek(-1) is None
 
 
-def test_screening_fits_the_time_left():
-    assert agent_module._affordable(10.0, 1.0, 15, 4) == 4  # a 1 ms model: every candidate fits
-    assert agent_module._affordable(10.0, 300.0, 15, 4) == 0  # a 300 ms model: 7.5 s per model, not even one pair
-    assert agent_module._affordable(20.0, 300.0, 15, 4) == 1
-    assert agent_module._affordable(-1.0, 1.0, 15, 4) == 0
-
-
-def test_the_measurement_budget_reads_the_probed_input_before_the_estimate():
+def test_the_measurement_keeps_what_screening_the_top_k_takes_up_to_a_share_of_the_limit(zoo_paths, monkeypatch):
+    """Half the limit, or what one candidate takes where more (`measurement_reserve`), or what the `top_k` take as
+    the probed pace predicts, up to MEASURE_SHARE of the limit."""
     from rlflow.measure.timing import Pace
 
-    assert agent_module._input_ms(Pace(), 4.2) == 4.2  # not probed: the cost model's estimate
-    probed = Pace()
-    probed.observe("run", 0.0093)
-    assert agent_module._input_ms(probed, 4.2) == pytest.approx(9.3)
+    graph = rlflow.load(zoo_paths["bert-base-tiny"])
+    config = AgentConfig(time_limit=10, top_k=4)
+
+    def share(one: float, session: float) -> float:
+        pace = Pace()
+        pace.seconds.update(export=0.0, session=session, run=0.0)
+        monkeypatch.setattr(agent_module, "measurement_reserve", lambda *args: one)
+        return agent_module._measurement_share(graph, SessionSettings(), config, pace)
+
+    assert share(1.0, 0.01) == 5.0  # a small model: half the limit
+    assert share(6.0, 0.01) == 6.0  # one candidate takes more
+    top = agent_module.RESERVE_SLACK * 5 * 1.0  # five sessions of a second (the input and four candidates)
+    assert share(1.0, 1.0) == pytest.approx(min(top, 7.0))
+    assert share(1.0, 10.0) == pytest.approx(agent_module.MEASURE_SHARE * 10)  # the rollouts keep the rest
 
 
 def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit_would_do(zoo_paths, cost_model,
@@ -207,7 +212,7 @@ def test_without_time_to_screen_the_input_is_kept_and_the_reason_says_what_limit
         return list(offered)
 
     monkeypatch.setattr(agent_module, "_pool", every_visited)
-    monkeypatch.setattr(agent_module, "_affordable", lambda *args: 0)
+    monkeypatch.setattr(agent_module, "affordable", lambda *args: 0)
     result = agent_search(graph, SessionSettings(), AgentConfig(rollouts=2, length=4, time_limit=60,
                                                                 fuse_everything=False),  # the pool is `offered`
                           cost_model=cost_model, policy=policy)
@@ -230,12 +235,6 @@ def test_a_model_whose_measurement_takes_the_whole_limit_plays_no_rollout(zoo_pa
     assert result.stop_reason.startswith("no time for rollouts: measuring one candidate against the input takes "
                                          "about 12 s")
     assert "a time limit of about 24 s" in result.stop_reason
-
-
-def test_screening_cost_counts_the_input_as_one_more_model():
-    per_model = 300.0 / 1000 * (15 + agent_module.SCREEN_OVERHEAD_RUNS)
-    assert agent_module._screen_seconds(300.0, 15, 1) == pytest.approx(2 * per_model)
-    assert agent_module._screen_seconds(300.0, 15, 4) == pytest.approx(5 * per_model)
 
 
 def test_the_agent_plays_the_scope_its_checkpoint_was_trained_in(tmp_path, zoo_paths, cost_model, policy, monkeypatch):
