@@ -148,7 +148,8 @@ def symbolic_shapes(skeleton: onnx.ModelProto) -> onnx.ModelProto:
     the working directory: a tool must not write there, and a partial answer is still worth having.  So its steps
     are run here one by one (they are not public API: a change in them is caught by the caller, and shapes stay open).
     """
-    inference = _symbolic_shape_infer().SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    inference = _symbolic_shape_infer().SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True,
+                                                               guess_output_rank=False, verbose=0)
     inference._preprocess(skeleton)
     while inference.run_:
         inference._infer_impl()

@@ -90,7 +90,7 @@ class AgentConfig:
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
         fuse_everything: measure two fuse-everything graphs (`rlflow.search.fuse_everything`) among the `top_k`,
-            in place of the rollouts' last; False measures only the rollouts' graphs (what training's evaluation
+            in place of the rollouts' last two; False measures only the rollouts' graphs (what training's evaluation
             scores: the policy).
     """
 
