@@ -36,17 +36,23 @@ def fuse_everything(start: Candidate, rules: Sequence[Rule], cost_model, deadlin
     The groups that tell the variants apart are priced first (`CostModel.graph_costs`): on an empty table the pricing
     time otherwise went to the largest groups, which the variants share (docs/results/cold-table/).
     """
-    fused = all_fusions(start, rules, {start.fingerprint}, deadline)
-    if fused is None:
-        return []
-    inverses = [r for r in rules if r.name in INVERSE_NAMES]
-    variants = [fused, *everywhere(fused, inverses, {start.fingerprint, fused.fingerprint}, deadline)]
-    if len(variants) == 1:
+    variants = fuse_variants(start, rules, deadline)
+    if len(variants) < 2:
         return variants
     with measuring_until(cost_model, min(deadline, time.monotonic() + PRICING_SECONDS)):
         prices = _prices_apart(cost_model, [c.graph for c in variants])
     ranked = sorted(range(len(variants)), key=prices.__getitem__)
     return [variants[i] for i in ranked[:VARIANTS_MEASURED]]
+
+
+def fuse_variants(start: Candidate, rules: Sequence[Rule], deadline: float | None = None) -> list[Candidate]:
+    """Every fusion among `rules` applied to `start` wherever it matches (`all_fusions`), then that graph with each
+    inverse rule applied everywhere; none where no two fusion rules match."""
+    fused = all_fusions(start, rules, {start.fingerprint}, deadline)
+    if fused is None:
+        return []
+    inverses = [r for r in rules if r.name in INVERSE_NAMES]
+    return [fused, *everywhere(fused, inverses, {start.fingerprint, fused.fingerprint}, deadline)]
 
 
 def _prices_apart(cost_model, graphs) -> list[float]:

@@ -16,16 +16,13 @@ from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import compare
 from rlflow.rewrites import RULES
-from rlflow.search.candidates import Candidate, all_fusions, everywhere
-from rlflow.search.fuse_everything import INVERSE_NAMES, VARIANTS_MEASURED
+from rlflow.search.candidates import Candidate
+from rlflow.search.fuse_everything import VARIANTS_MEASURED, fuse_variants
 
 
 def variants(path: str) -> tuple[rlflow.Graph, list[tuple[str, Candidate]]]:
     graph = rlflow.load(path)
-    start = Candidate(graph, (), graph.fingerprint())
-    fused = all_fusions(start, RULES, {start.fingerprint})
-    inverses = [r for r in RULES if r.name in INVERSE_NAMES]
-    undone = everywhere(fused, inverses, {start.fingerprint, fused.fingerprint})
+    fused, *undone = fuse_variants(Candidate(graph, (), graph.fingerprint()), RULES)
     return graph, [("every fusion", fused), *((f"with {c.applied[-1].rule}", c) for c in undone)]
 
 
