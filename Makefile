@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test lint fuzz bench agent agent-wide agent-cuda ppo-agent ppo-agent-cuda genai-builder clean
+.PHONY: install demo test lint fuzz bench agent agent-wide agent-cuda agent-decoders ppo-agent ppo-agent-cuda ppo-agent-decoders genai-builder clean
 
 install: $(STAMP)
 
@@ -116,6 +116,21 @@ ppo-agent-cuda: $(STAMP)
 ppo-agent: $(STAMP)
 	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --out $(PPO_RESULTS) --run-dir build/ppo-agent/run
 	$(BIN)/rlflow ship --checkpoint build/ppo-agent/run/ppo.pt --results $(PPO_RESULTS)/ppo.json
+
+# The CPU agent trained with the decoders too (issue #49; not shipped, docs/results/agent-deploy/decoders/): the CPU
+# recipe on the eight encoders and the CUDA agent's decoder cut without its float16 step (SmolLM2's width at 4 of its
+# layers: the decode step from both exporters, the dynamo prefill), against this machine's CPU cost table, beside a
+# PPO baseline on the same models and rewards; Qwen3 and BERT held out.  15-18 minutes a seed, 9 for PPO, on 2 cores.
+AGENT_CPU_DECODER_CUT := smollm2-135m-l4-decode-p128-dynamo,smollm2-135m-l4-decode-p128-ts,smollm2-135m-l4-prefill-s128-dynamo
+AGENT_DECODERS_RESULTS := docs/results/agent-deploy/decoders
+agent-decoders: $(STAMP)
+	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --models $(AGENT_MODELS),$(AGENT_CPU_DECODER_CUT) \
+		--seed $(AGENT_SEED) --out $(AGENT_DECODERS_RESULTS)/seed$(AGENT_SEED) \
+		--run-dir build/agent-decoders/run$(AGENT_SEED) --ppo-results $(AGENT_DECODERS_RESULTS)/ppo/ppo.json
+
+ppo-agent-decoders: $(STAMP)
+	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --models $(AGENT_MODELS),$(AGENT_CPU_DECODER_CUT) \
+		--out $(AGENT_DECODERS_RESULTS)/ppo --run-dir build/ppo-agent-decoders/run
 
 # onnxruntime-genai's model builder, the hand-built reference beside the peers for the decoders (issue #50;
 # rlflow/bench/genai_builder.py runs it as a subprocess).  A venv of its own: onnxruntime-genai pulls the newest

@@ -93,15 +93,17 @@ def test_the_default_method_is_the_agent_on_the_provider_it_was_trained_for_else
     assert default_method("CPUExecutionProvider", cuda)[0] == "greedy"
 
 
-def test_the_default_method_is_greedy_where_rules_the_agent_never_learnt_match():
-    """The CPU agent was trained before the decoder fusions existed and never plays them: on a model they match
-    (an RMSNorm) the default is greedy search, which measures them, and says why; where only rules it knows match,
-    the agent."""
+def test_the_default_method_is_greedy_where_rules_the_agent_never_learnt_match(monkeypatch):
+    """An agent trained before a rule existed never plays it (the shipped CPU agent knows no decoder fusion): on a
+    model such a rule matches (an RMSNorm) the default is greedy search, which measures it, and says why; where only
+    rules it knows match, the agent.  The agent's rules are narrowed here, so that the test holds whichever agent
+    ships."""
     from rlflow.optimize.options import default_method
-    from rlflow.search.agent import agent_rules
+    from rlflow.search import agent as module
     from tests.rewrites.test_rmsnorm import rms
 
-    assert "rmsnorm-fusion" not in agent_rules()
+    known = [name for name in module.agent_rules() if name != "rmsnorm-fusion"]
+    monkeypatch.setattr(module, "agent_rules", lambda path=None: known)
     method, reason = default_method("CPUExecutionProvider", graph=rms())
     assert method == "greedy" and reason.startswith("the shipped agent never learnt rmsnorm-fusion")
     no_norm = rms(centred=True)  # a LayerNorm-like centring: no RMSNorm to fuse

@@ -176,6 +176,9 @@ class MatMulTransposeFusion(Rule):
 
     A model that multiplies by a transposed tensor writes this, through either exporter: the zoo's GPT-2
     (TorchScript) computes its tied language-model head as `wte @ h^T`, to keep one copy of the embedding table.
+    A transposed constant is left alone: onnxruntime folds that Transpose when it loads the model, so fusing it saves
+    nothing, and on the CPU FusedMatMul over the folded table ran slower than MatMul (Qwen3's tied head in its dynamo
+    decode step, `table @ h` with the table transposed: 0.86x, docs/results/fuse-variants/qwen3-decode/).
     """
 
     name = "matmul-transpose-fusion"
@@ -186,17 +189,20 @@ class MatMulTransposeFusion(Rule):
         shapes = [graph.shape(t) for t in node.inputs]
         if any(s is None or len(s) < 2 for s in shapes) or not is_float(node.outputs[0]):
             return self.no(node, "operands of unknown rank, rank below 2, or not float")
-        flags, parts = [], []
+        flags, parts, constant = [], [], False
         for i in (0, 1):
             t = private_producer(graph, node, i, "Transpose")
             rank = len(shapes[i])
             swaps = t is not None and perm_of(t, rank) == (*range(rank - 2), rank - 1, rank - 2) and len(
                 graph.shape(t.inputs[0]) or ()) == rank
+            if swaps and isinstance(t.inputs[0], gs.Constant):
+                swaps, constant = False, True
             flags.append(int(swaps))
             if swaps:
                 parts.append(t)
         if not parts:
-            return self.no(node, "no operand is a private Transpose of its last two axes")
+            return self.no(node, "the transposed operand is a constant, whose Transpose onnxruntime folds at load"
+                           if constant else "no operand is a private Transpose of its last two axes")
         return self.match([node, *parts], trans_a=flags[0], trans_b=flags[1])
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:

@@ -146,6 +146,8 @@ def main(argv: typing.Sequence[str] | None = None) -> dict:
         meta = ship_worldmodel(args.checkpoint, args.results, args.out, args.name or "default")
     else:
         meta = ship(args.checkpoint, args.results, args.out, args.name or "ppo")
+    held = meta["held_out"]  # every zoo model not trained on: over a hundred names, listed in the JSON beside it
     print(f"shipped {args.out / meta['checkpoint']} ({meta['bytes'] / 1e6:.2f} MB, registry "
-          f"{meta['registry_version']}, held out: {', '.join(meta['held_out'])})")
+          f"{meta['registry_version']}, trained on {len(meta['trained_on'])} models, {len(held)} zoo models held out: "
+          f"{args.out / Path(meta['checkpoint']).with_suffix('.json').name})")
     return meta

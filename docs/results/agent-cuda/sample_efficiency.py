@@ -1,6 +1,7 @@
-"""The CUDA agent's sample efficiency against the PPO baseline on the same CUDA rewards (issue #49's target: the
+"""A world-model agent's sample efficiency against the PPO baseline on the same rewards (issue #49's target: the
 world-model agent reaches PPO's final return in at most a fifth of PPO's real steps, on at least three seeds of four),
-from a run folder's seedN/worldmodel.json curves and ppo/ppo.json, written to its sample-efficiency.md.
+from a run folder's seedN/worldmodel.json curves and ppo/ppo.json, written to its sample-efficiency.md.  Any
+provider's run: the CUDA agent's folders here, the CPU agent's ../agent-deploy/decoders/.
 
     python docs/results/agent-cuda/sample_efficiency.py [FOLDER]    # default: this folder; decoders/ is the other
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 here = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent
 ppo = json.loads((here / "ppo" / "ppo.json").read_text())
 final, steps = ppo["train"]["final_mean_return"], ppo["train"]["real_steps"]
+provider = "CUDA" if ppo["config"].get("provider") == "cuda" else "CPU"
 rows, held = [], 0
 for seed in sorted(here.glob("seed[0-9]")):
     result = json.loads((seed / "worldmodel.json").read_text())
@@ -25,7 +27,7 @@ for seed in sorted(here.glob("seed[0-9]")):
                 f"{'holds' if ok else 'no'} |")
 finals = [json.loads((s / "worldmodel.json").read_text())["curve"][-1]["eval_mean_return"]
           for s in sorted(here.glob("seed[0-9]"))]
-lines = ["# The CUDA agent's sample efficiency against PPO on the same CUDA rewards", "",
+lines = [f"# The {provider} agent's sample efficiency against PPO on the same {provider} rewards", "",
          f"PPO (`ppo/ppo.json`): final mean return {final:+.2f} (its last {3 * len(ppo['config']['models'])} training "
          f"episodes) after {steps} real steps; a fifth of them is {steps / 5:.0f}.", "",
          "| seed | world model's final greedy return | its real steps | real steps to reach PPO's final | "

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import rlflow
 from rlflow.measure.costmodel.model import CostModel
+from rlflow.measure.memory import shares_weights
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import compare
 from rlflow.rewrites import RULES
@@ -28,6 +30,7 @@ def variants(path: str) -> tuple[rlflow.Graph, list[tuple[str, Candidate]]]:
 
 def row(path: str, settings: SessionSettings, rounds: int) -> dict:
     graph, named = variants(path)
+    settings = replace(settings, share_weights=shares_weights(graph))  # a 1 GiB decoder: as `rlflow optimize` runs it
     cost_model = CostModel(settings)
     prices = cost_model.graph_costs([graph] + [c.graph for _, c in named])
     cost_model.save()
