@@ -344,12 +344,14 @@ def test_the_report_gives_a_decoder_s_cache_shapes_once():
 
 def test_a_default_time_limit_leaves_room_for_enough_candidates():
     """A model slow to measure (a 1 GB decoder's step at two cache lengths) gets more than the default search time,
-    enough for greedy's whole first step; a fast one keeps it."""
+    enough for greedy's whole first step and for every candidate the agent's pool holds; a fast one keeps it."""
     from pathlib import Path
 
     from rlflow.measure.timing import Pace
     from rlflow.optimize.pipeline import SEARCH_CANDIDATES, _default_time_limit, _planned_candidates
     from rlflow.rewrites import RULES
+    from rlflow.search.agent import MEASURE_SHARE
+    from rlflow.search.fuse_everything import VARIANTS_MEASURED
     from rlflow.search.greedy import step_size
 
     fast = Pace({"session": 0.05, "run": 0.001, "export": 0.01})
@@ -359,7 +361,11 @@ def test_a_default_time_limit_leaves_room_for_enough_candidates():
     assert candidate > Pace({"session": 3.0, "run": 0.06}).block_seconds(2, rounds=9) + 2.9
     built = 1.5  # building it: about one export
     assert _default_time_limit("greedy", [slow, slow], 16) == pytest.approx(16 * (2 * candidate + built))
-    assert _default_time_limit("agent", [slow], 2) == pytest.approx(2 * (candidate + built)) and 2 * candidate > 10
+    # the agent's measurement gets MEASURE_SHARE of its limit, and its pool holds the policy's graph and both
+    # fuse-everything variants: its default affords them all
+    assert SEARCH_CANDIDATES["agent"] == 1 + VARIANTS_MEASURED
+    agent = _default_time_limit("agent", [slow], SEARCH_CANDIDATES["agent"])
+    assert MEASURE_SHARE * agent == pytest.approx(SEARCH_CANDIDATES["agent"] * (candidate + built)) and agent > 10
     bert = load(Path(__file__).parent / "fixtures" / "exports" / "bert-tiny-dynamo.onnx", {"input_ids": (1, 8), "attention_mask": (1, 8)})
     assert _planned_candidates("greedy", bert, RULES) == 2 * step_size(bert, RULES) > SEARCH_CANDIDATES["greedy"]
     assert _planned_candidates("taso", bert, RULES) == SEARCH_CANDIDATES["taso"]

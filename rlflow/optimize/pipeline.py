@@ -31,6 +31,7 @@ from rlflow.optimize.options import DEFAULT_TIME_LIMITS, Options, default_method
 from rlflow.optimize.result import Result
 from rlflow.rewrites import REGISTRY_VERSION, Rule
 from rlflow.search.candidates import SearchResult
+from rlflow.search.fuse_everything import VARIANTS_MEASURED
 from rlflow.search.greedy import GreedyConfig, greedy, step_size
 from rlflow.search.random_walk import RandomConfig, random_walk
 from rlflow.search.taso import TasoConfig, taso
@@ -145,10 +146,11 @@ def _default_for(provider: str, agent, finetune: int, graph: Graph, rules) -> tu
     return method, reason
 
 
-SEARCH_CANDIDATES = {"agent": 2, "greedy": 8, "taso": 8, "random": 8}
-"""Candidates a method's default time leaves room to measure end to end at least (greedy: two steps the size of its
-first, where more, `step_size`): a 1 GB decoder's candidate takes 10-20 s at two cache lengths, and greedy's 60 s
-then measured four, too few to reach its second step."""
+SEARCH_CANDIDATES = {"agent": 1 + VARIANTS_MEASURED, "greedy": 8, "taso": 8, "random": 8}
+"""Candidates a method's default time leaves room to measure end to end at least (the agent: its policy's graph and
+the fuse-everything variants measured beside it, `VARIANTS_MEASURED`; greedy: two steps the size of its first, where
+more, `step_size`): a 1 GB decoder's candidate takes 10-20 s at two cache lengths, and greedy's 60 s then measured
+four, too few to reach its second step."""
 
 
 GREEDY_PLANNED_STEPS = 2
@@ -175,7 +177,13 @@ def _default_time_limit(method: str, paces: Sequence[Pace], candidates: int) -> 
     step's search measured three to five."""
     candidate = paces[0].seconds.get("export", 0.0) + sum(p.block_seconds(2, exports=2, rounds=GreedyConfig.rounds)
                                                           for p in paces)
-    return max(DEFAULT_TIME_LIMITS[method], candidates * candidate)
+    measuring = candidates * candidate
+    if method == "agent":  # its rollouts take the rest of its limit: planned for two candidates whole, the agent's
+        # limit measured one of four on Qwen3's 1 GiB decode step (docs/results/agent-deploy/decoders/)
+        from rlflow.search.agent import MEASURE_SHARE
+
+        measuring /= MEASURE_SHARE
+    return max(DEFAULT_TIME_LIMITS[method], measuring)
 
 
 def _time_input(graph: Graph, given: onnx.ModelProto, settings: SessionSettings,
