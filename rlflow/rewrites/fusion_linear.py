@@ -177,8 +177,8 @@ class MatMulTransposeFusion(Rule):
     A model that multiplies by a transposed tensor writes this, through either exporter: the zoo's GPT-2
     (TorchScript) computes its tied language-model head as `wte @ h^T`, to keep one copy of the embedding table.
     A transposed constant is left alone: onnxruntime folds that Transpose when it loads the model, so fusing it saves
-    nothing, and on the CPU FusedMatMul over the folded table ran slower than MatMul (Qwen3's tied head in its dynamo
-    decode step, `table @ h` with the table transposed: 0.86x, docs/results/fuse-variants/qwen3-decode/).
+    nothing, and on the CPU FusedMatMul over the table ran slower than the MatMul over the folded one (Qwen3's tied
+    head in its dynamo decode step: docs/results/fuse-variants/qwen3-decode/).
     """
 
     name = "matmul-transpose-fusion"
