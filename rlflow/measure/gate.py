@@ -5,8 +5,10 @@ real gain is confirmed is how many blocks it gets.  A fixed plan of 5 blocks of 
 100-350 ms model (RoBERTa-base, MiniLM-L12 at sequence 128) one or two blocks, each mostly session builds and warm-up
 runs: gains of 8-13% went unconfirmed.  So the plan here is made from the input's measured session and run times:
 fewer rounds per block and fewer warm-up runs before fewer blocks, within a budget that grows with the search's own
-time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS).  A graph
-measured at several shape profiles splits the budget between them.
+time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS), and on a model
+slow to load up to what the whole plan takes: on a 1 GiB decoder step 30 s afforded two or three blocks, whose
+interval missed a gain the bench then measured at 1.10x.  A graph measured at several shape profiles splits the budget
+between them.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ GATE_SECONDS = 15.0
 pace predicts would end late, beyond the plan's least (MIN_BLOCKS blocks of MIN_ROUNDS rounds)."""
 
 GATE_MAX_SECONDS = 30.0
-"""The budget's ceiling: it is half the search's time limit between GATE_SECONDS and this."""
+"""The budget's ceiling where the whole plan fits under it: it is half the search's time limit between GATE_SECONDS and
+this."""
 
 MIN_BLOCKS = 2
 """Blocks the gate always plans: one block's sessions say nothing about how much sessions differ."""
@@ -50,9 +53,14 @@ class GatePlan:
     seconds: float
 
 
-def gate_budget(time_limit: float) -> float:
-    """Seconds the gate may take after a search limited to `time_limit` seconds."""
-    return min(GATE_MAX_SECONDS, max(GATE_SECONDS, time_limit / 2))
+def gate_budget(time_limit: float, paces: Sequence[Pace] = (), rounds: int = 30) -> float:
+    """Seconds the gate may take after a search limited to `time_limit` seconds: half the limit between GATE_SECONDS
+    and GATE_MAX_SECONDS, or, up to half the limit, what the whole plan of `rounds` takes at every profile by the
+    input's `paces`.  Fewer blocks are both wider (a real gain goes unconfirmed) and less calibrated (a step called
+    faster than itself: docs/results/archive/decoders/first-step-limit-no-undo/placebo.txt)."""
+    budget = min(GATE_MAX_SECONDS, max(GATE_SECONDS, time_limit / 2))
+    whole = sum(plan_gate(pace, rounds, math.inf).seconds for pace in paces)
+    return max(budget, min(time_limit / 2, whole))
 
 
 def warmup_runs(run_seconds: float) -> int:

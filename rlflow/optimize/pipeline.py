@@ -77,7 +77,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     input_timing = input_timings[0]
     if time_limit is None:
         time_limit = _default_time_limit(method, paces, _planned_candidates(method, graph, rules))
-    gate_seconds = gate_budget(time_limit)
+    gate_seconds = gate_budget(time_limit, paces, rounds)
 
     policy, adapted = None, None
     if finetune:

@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 
 from rlflow.graph.core import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.edits import emit, replace_typed
+from rlflow.rewrites.edits import emit, gemm_bias, gemm_weight, replace_typed
 from rlflow.rewrites.queries import (
     MS,
     broadcast_shape,
@@ -72,20 +72,9 @@ class GemmToMatMulAdd(Rule):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
-        b = node.inputs[1]
-        weight = constant_input(node, 1)
-        if weight is not None:
-            value = weight.T if node.attrs.get("transB", 0) else weight
-            value = (value.astype(np.float64) * float(node.attrs.get("alpha", 1.0))).astype(weight.dtype)
-            b = graph.add_constant(np.ascontiguousarray(value), f"{node.name}_B")
-        out = emit(graph, "MatMul", [node.inputs[0], b])
+        out = emit(graph, "MatMul", [node.inputs[0], gemm_weight(graph, node)])
         if has_input(node, 2):
-            c = node.inputs[2]
-            bias = constant_input(node, 2)
-            if bias is not None:
-                c = graph.add_constant((bias.astype(np.float64) * float(node.attrs.get("beta", 1.0))).astype(bias.dtype),
-                                       f"{node.name}_C")
-            out = emit(graph, "Add", [out, c])
+            out = emit(graph, "Add", [out, gemm_bias(graph, node)])
         graph.replace_uses(node.outputs[0], out)
 
 

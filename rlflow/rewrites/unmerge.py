@@ -9,7 +9,7 @@ import onnx_graphsurgeon as gs
 from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.edits import emit, replace_all
+from rlflow.rewrites.edits import emit, gemm_bias, gemm_weight, replace_all
 from rlflow.rewrites.queries import (
     broadcast_shape,
     constant_input,
@@ -195,12 +195,8 @@ class GemmReshapeToMatMul(Rule):
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node, gemm, rows = (nodes[n] for n in match.nodes)
-        weight = constant_input(gemm, 1)
-        value = weight.T if gemm.attrs.get("transB", 0) else weight
-        value = (value.astype(np.float64) * float(gemm.attrs.get("alpha", 1.0))).astype(weight.dtype)
-        out = emit(graph, "MatMul", [rows.inputs[0], graph.add_constant(np.ascontiguousarray(value), f"{gemm.name}_W")])
+        out = emit(graph, "MatMul", [rows.inputs[0], gemm_weight(graph, gemm)])
         if has_input(gemm, 2):
             bias = constant_input(gemm, 2)
-            bias = (bias.astype(np.float64) * float(gemm.attrs.get("beta", 1.0))).astype(bias.dtype)
-            out = emit(graph, "Add", [out, graph.add_constant(bias.reshape(-1), f"{gemm.name}_b")])
+            out = emit(graph, "Add", [out, gemm_bias(graph, gemm, (bias.size,))])
         graph.replace_uses(node.outputs[0], out)

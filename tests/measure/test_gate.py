@@ -1,6 +1,8 @@
 """The final measurement's plan: as many blocks of fresh sessions as the model's size allows within the budget."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -31,6 +33,17 @@ def test_the_budget_grows_with_the_search_limit_between_its_bounds():
     assert gate_budget(10.0) == GATE_SECONDS  # the default agent
     assert gate_budget(2 * GATE_SECONDS + 10) == GATE_SECONDS + 5
     assert gate_budget(600.0) == GATE_MAX_SECONDS
+
+
+def test_a_model_slow_to_load_gets_its_whole_plan_within_half_the_search_limit():
+    slow = _pace(session=4.5, run=0.06)  # a 1 GiB decoder step: a session takes seconds, a run milliseconds
+    whole = plan_gate(slow, rounds=30, budget=math.inf)
+    assert (whole.blocks, whole.rounds_per_block) == (5, 6) and whole.seconds > GATE_MAX_SECONDS
+    assert gate_budget(342.0, [slow, slow], rounds=30) == pytest.approx(2 * whole.seconds)  # one plan a profile
+    assert gate_budget(80.0, [slow], rounds=30) == 40.0  # never more than half the search's limit
+    assert gate_budget(10.0, [slow], rounds=30) == GATE_SECONDS  # nor less than the least
+    fast = _pace(session=0.02, run=0.002)
+    assert gate_budget(600.0, [fast], rounds=30) == GATE_MAX_SECONDS
 
 
 def test_a_fast_model_gets_every_round_and_full_warm_up():
