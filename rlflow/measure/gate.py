@@ -6,9 +6,8 @@ real gain is confirmed is how many blocks it gets.  A fixed plan of 5 blocks of 
 runs: gains of 8-13% went unconfirmed.  So the plan here is made from the input's measured session and run times:
 fewer rounds per block and fewer warm-up runs before fewer blocks, within a budget that grows with the search's own
 time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS), and on a model
-slow to load up to what the whole plan takes: on a 1 GiB decoder step 30 s afforded two or three blocks, whose
-interval missed a gain the bench then measured at 1.10x.  A graph measured at several shape profiles splits the budget
-between them.
+slow to load up to what the whole plan takes, where a fixed ceiling left a 1 GiB decoder step two to four blocks
+(docs/results/gate-budget/).  A graph measured at several shape profiles splits the budget between them.
 """
 from __future__ import annotations
 
