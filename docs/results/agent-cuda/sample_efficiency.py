@@ -10,6 +10,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from rlflow.train.worldmodel.result import steps_to_reach
+
 here = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else Path(__file__).resolve().parent
 ppo = json.loads((here / "ppo" / "ppo.json").read_text())
 final, steps = ppo["train"]["final_mean_return"], ppo["train"]["real_steps"]
@@ -18,7 +20,7 @@ rows, held = [], 0
 for seed in sorted(here.glob("seed[0-9]")):
     result = json.loads((seed / "worldmodel.json").read_text())
     same = result["registry_version"] == ppo["registry_version"]
-    reached = next((p["real_steps"] for p in result["curve"] if p["eval_mean_return"] >= final), None)
+    reached = steps_to_reach(result["curve"], final)
     ok = same and reached is not None and reached <= steps / 5
     held += ok
     rows.append(f"| {seed.name} | {result['curve'][-1]['eval_mean_return']:+.2f} | {result['real_steps_worldmodel']} | "

@@ -39,6 +39,12 @@ def _load_ppo(path: str) -> dict | None:
         return None
 
 
+def steps_to_reach(curve: list[dict], final: float | None) -> int | None:
+    """Real steps until a greedy evaluation of the `curve` first reached `final` (PPO's final mean return), else None:
+    issue #49's sample-efficiency figure, here for training and for docs/results/agent-cuda/sample_efficiency.py."""
+    return next((p["real_steps"] for p in curve if final is not None and p["eval_mean_return"] >= final), None)
+
+
 def build_result(config: Config, points: list[dict], history: list[dict], real_steps: int, registry_version: str,
                  n_rules: int, seconds: float) -> dict:
     """What worldmodel.json holds: the headline keys, the acceptance checks, the curves and the quality history."""
@@ -47,8 +53,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
     final_ppo = ppo["train"]["final_mean_return"] if ppo else None
     steps_ppo = ppo["train"]["real_steps"] if ppo else None
     final_wm = points[-1]["eval_mean_return"] if points else None
-    reached = next((p["real_steps"] for p in points if final_ppo is not None and p["eval_mean_return"] >= final_ppo),
-                   None)
+    reached = steps_to_reach(points, final_ppo)
     ppo_greedy = None
     if ppo and ppo.get("eval"):
         rows = [r for r in ppo["eval"] if not r["heldout"]]
