@@ -2,6 +2,8 @@
 FusedGemm, a transposed operand into FusedMatMul."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -158,6 +160,11 @@ class GemmActivationFusion(Rule):
         replace_typed(graph, node.outputs[0], emit(graph, "FusedGemm", list(gemm.inputs), attrs, domain=MS))
 
 
+FUSED_CONSTANT_MIN_ROWS = 32
+"""Rows of A from which `matmul-transpose-fusion` fuses a transposed constant B: between the 1 where it lost and the
+128 where it paid; rows in between are not measured."""
+
+
 class MatMulTransposeFusion(Rule):
     """Replaces `MatMul(Transpose(A), B)` (last two axes swapped, either operand) with `FusedMatMul(A, B, transA)`.
 
@@ -165,9 +172,10 @@ class MatMulTransposeFusion(Rule):
 
     A model that multiplies by a transposed tensor writes this, through either exporter: the zoo's GPT-2
     (TorchScript) computes its tied language-model head as `wte @ h^T`, to keep one copy of the embedding table.
-    A transposed constant is left alone: onnxruntime folds that Transpose when it loads the model, so fusing it saves
-    nothing, and on the CPU FusedMatMul over the table ran slower than the MatMul over the folded one (Qwen3's tied
-    head in its dynamo decode step: docs/results/fuse-variants/qwen3-decode/).
+    A transposed constant B is fused only for products of at least FUSED_CONSTANT_MIN_ROWS rows: onnxruntime folds
+    that Transpose when it loads the model, and on the CPU FusedMatMul over the table ran slower than the MatMul over
+    the folded one for the one row of a decode step, faster for the 128 of a prefill (Qwen3's tied head:
+    docs/results/fuse-variants/qwen3-decode/).  A transposed constant A is left alone.
     """
 
     name = "matmul-transpose-fusion"
@@ -184,13 +192,15 @@ class MatMulTransposeFusion(Rule):
             rank = len(shapes[i])
             swaps = t is not None and perm_of(t, rank) == (*range(rank - 2), rank - 1, rank - 2) and len(
                 graph.shape(t.inputs[0]) or ()) == rank
-            if swaps and isinstance(t.inputs[0], gs.Constant):
+            if swaps and isinstance(t.inputs[0], gs.Constant) and (
+                    i == 0 or math.prod(d if isinstance(d, int) else 0 for d in shapes[0][:-1]) < FUSED_CONSTANT_MIN_ROWS):
                 swaps, constant = False, True
             flags.append(int(swaps))
             if swaps:
                 parts.append(t)
         if not parts:
-            return self.no(node, "the transposed operand is a constant, whose Transpose onnxruntime folds at load"
+            return self.no(node, "the transposed operand is a constant, whose Transpose onnxruntime folds at load "
+                           f"(fused only as B for {FUSED_CONSTANT_MIN_ROWS} rows or more)"
                            if constant else "no operand is a private Transpose of its last two axes")
         return self.match([node, *parts], trans_a=flags[0], trans_b=flags[1])
 

@@ -391,5 +391,6 @@ def test_matmul_transpose_fusion_leaves_a_transposed_constant_alone():
     table = {"table": weights(7, 4)}
     head = [node("Transpose", ["table"], "t", perm=[1, 0]), node("MatMul", ["h", "t"])]
     assert_refuses(graph(head, {"h": [2, 3, 4]}, consts=table), "matmul-transpose-fusion", "is a constant")
+    assert_rewrites(graph(head, {"h": [1, 128, 4]}, consts=table), "matmul-transpose-fusion")  # a prefill's rows
     activation = [node("Transpose", ["k"], "t", perm=[1, 0]), node("MatMul", ["h", "t"])]
     assert_rewrites(graph(activation, {"h": [2, 3, 4], "k": [7, 4]}), "matmul-transpose-fusion")
