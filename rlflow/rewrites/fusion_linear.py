@@ -187,13 +187,13 @@ class MatMulTransposeFusion(Rule):
         if any(s is None or len(s) < 2 for s in shapes) or not is_float(node.outputs[0]):
             return self.no(node, "operands of unknown rank, rank below 2, or not float")
         flags, parts, constant = [], [], False
+        rows = math.prod(shapes[0][:-1])  # of the product: a decode step's 1, a prefill's sequence
         for i in (0, 1):
             t = private_producer(graph, node, i, "Transpose")
             rank = len(shapes[i])
             swaps = t is not None and perm_of(t, rank) == (*range(rank - 2), rank - 1, rank - 2) and len(
                 graph.shape(t.inputs[0]) or ()) == rank
-            if swaps and isinstance(t.inputs[0], gs.Constant) and (
-                    i == 0 or math.prod(d if isinstance(d, int) else 0 for d in shapes[0][:-1]) < FUSED_CONSTANT_MIN_ROWS):
+            if swaps and isinstance(t.inputs[0], gs.Constant) and (i == 0 or rows < FUSED_CONSTANT_MIN_ROWS):
                 swaps, constant = False, True
             flags.append(int(swaps))
             if swaps:
