@@ -1,8 +1,9 @@
 """Fusions around the linear operators: a bias into Gemm (and back), an activation into onnxruntime's FusedConv and
-FusedGemm, a transposed operand into FusedMatMul."""
+FusedGemm, a transposed operand into FusedMatMul, a tied head onto its embedding table."""
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -160,9 +161,11 @@ class GemmActivationFusion(Rule):
         replace_typed(graph, node.outputs[0], emit(graph, "FusedGemm", list(gemm.inputs), attrs, domain=MS))
 
 
-FUSED_CONSTANT_MIN_ROWS = 32
-"""Rows of A from which `matmul-transpose-fusion` fuses a transposed constant B: between the 1 where it lost and the
-128 where it paid; rows in between are not measured."""
+FUSED_CONSTANT_MIN_ROWS = 2
+"""Rows of A from which a transposed constant B is read through `FusedMatMul(transB)`: where onnxruntime does not
+pre-pack weights (rlflow's sessions of models of 1 GiB of weights or more, which share them), it ran 1.36-1.47x faster
+than the MatMul over the transposed table from 2 rows on and 0.49-0.68x for one row (a tied head at the decoders'
+widths); pre-packed, the two ran alike (docs/results/fuse-variants/tied-head-rows/)."""
 
 
 class MatMulTransposeFusion(Rule):
@@ -172,10 +175,9 @@ class MatMulTransposeFusion(Rule):
 
     A model that multiplies by a transposed tensor writes this, through either exporter: the zoo's GPT-2
     (TorchScript) computes its tied language-model head as `wte @ h^T`, to keep one copy of the embedding table.
-    A transposed constant B is fused only for products of at least FUSED_CONSTANT_MIN_ROWS rows: onnxruntime folds
-    that Transpose when it loads the model, and on the CPU FusedMatMul over the table ran slower than the MatMul over
-    the folded one for the one row of a decode step, faster for the 128 of a prefill (Qwen3's tied head:
-    docs/results/fuse-variants/qwen3-decode/).  A transposed constant A is left alone.
+    A transposed constant B (onnxruntime folds its Transpose at load) is fused only for products of at least
+    FUSED_CONSTANT_MIN_ROWS rows: for the one row of a batch-1 decode step the MatMul over the folded table ran faster.
+    A transposed constant A is left alone.
     """
 
     name = "matmul-transpose-fusion"
@@ -210,3 +212,62 @@ class MatMulTransposeFusion(Rule):
         inputs = [standard_producer(t).inputs[0] if flag else t for t, flag in zip(node.inputs, flags)]
         out = emit(graph, "FusedMatMul", inputs, {"transA": flags[0], "transB": flags[1], "alpha": 1.0}, domain=MS)
         replace_typed(graph, node.outputs[0], out)
+
+
+class TiedHeadFusion(Rule):
+    """Replaces `MatMul(X, T)` by `FusedMatMul(X, E, transB=1)` where T is a copy of the embedding table E transposed.
+
+    E is a constant a Gather of the graph reads, T a constant equal to its transpose:
+
+        E --> Gather(., ids) ...        X --> MatMul(., T)      (T == E^T, both constants)
+
+    A model with tied embeddings computes its language-model head over the embedding table; the TorchScript exporter
+    writes that table twice, E for the Gather and E^T for the head (622 MB more on Qwen3-0.6B).  Reading E itself
+    keeps one copy; as for `matmul-transpose-fusion`, only from FUSED_CONSTANT_MIN_ROWS rows of X.
+    """
+
+    name = "tied-head-fusion"
+    root_ops = ("MatMul",)
+    contrib = True
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        head, shape = node.inputs[1], graph.shape(node.inputs[0])
+        if not isinstance(head, gs.Constant) or len(head.shape) != 2 or shape is None or len(shape) < 2 or not \
+                is_float(node.outputs[0]):
+            return self.no(node, "B is not a constant matrix, or A is of unknown rank or not float")
+        if math.prod(shape[:-1]) < FUSED_CONSTANT_MIN_ROWS:
+            return self.no(node, "one row of A, where the MatMul over the transposed table ran faster")
+        table = next((g.inputs[0] for g in graph.gs.nodes if g.op == "Gather" and _is_transpose(g.inputs[0], head)),
+                     None)
+        if table is None:
+            return self.no(node, "B is not the transpose of an embedding table a Gather reads")
+        return self.match([node], table=table.name)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        table = graph.gs.tensors()[match.param("table")]
+        out = emit(graph, "FusedMatMul", [node.inputs[0], table], {"transA": 0, "transB": 1, "alpha": 1.0},
+                   domain=MS)
+        replace_typed(graph, node.outputs[0], out)
+
+
+_transposes: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, bool]] = {}
+
+
+def _is_transpose(table: gs.Tensor, head: gs.Constant) -> bool:
+    """Whether the constant `head` equals the constant `table` transposed; cached per pair of value arrays (graph
+    clones share them, and comparing a vocabulary-sized table takes a fraction of a second), by weak references that
+    keep no dropped graph's weights alive."""
+    if not isinstance(table, gs.Constant) or tuple(table.shape) != tuple(head.shape)[::-1] or table.dtype != head.dtype:
+        return False
+    key = (id(table.values), id(head.values))
+    cached = _transposes.get(key)
+    if cached is not None and cached[0]() is table.values and cached[1]() is head.values:
+        return cached[2]
+    a, b = np.asarray(table.values), np.asarray(head.values)
+    equal = bool(np.array_equal(a[:8].T, b[:, :8]) and np.array_equal(a.T, b))
+    try:
+        _transposes[key] = (weakref.ref(table.values), weakref.ref(head.values), equal)
+    except TypeError:  # values without weak references (lazily loaded ones): compared again next time
+        pass
+    return equal

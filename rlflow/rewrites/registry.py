@@ -140,6 +140,7 @@ RULES: tuple[Rule, ...] = (
     fusion_gqa_absorb.GroupQueryAttentionRotary(group="fusion"),  # 99 group-query-attention-rotary
     fusion_gqa_absorb.GroupQueryAttentionPackQkv(group="fusion"),  # 100 group-query-attention-pack-qkv
     fusion_gqa_causal.GroupQueryAttentionCausal(group="fusion"),  # 101 group-query-attention-causal
+    fusion_linear.TiedHeadFusion(group="fusion"),                   # 102 tied-head-fusion
 )
 """Every rule, in action-id order.  Append only."""
 

@@ -147,6 +147,17 @@ def _embeddings(lookups=3, shared=False, shape_reader=False, table_input=False):
     return graph(nodes, inputs, opset=17, consts=consts)
 
 
+def _tied_head(hidden: list, untied: bool = False) -> Graph:
+    """An embedding table read by a Gather, and a head over its transpose kept as a second constant, as the
+    TorchScript exporter writes a tied language-model head (`untied`: the head's table differs in one element)."""
+    table = weights(7, 4)
+    head = np.ascontiguousarray(table.T)
+    if untied:
+        head[0, 0] += 1.0
+    nodes = [node("Gather", ["table", "ids"], "e"), node("MatMul", ["h", "head"], "y")]
+    return graph(nodes, {"ids": ([1, 2], TensorProto.INT64), "h": hidden}, outputs=("e", "y"),
+                 consts={"table": table, "head": head})
+
 
 CASES = {
     "matmul-add-to-gemm": (
@@ -190,6 +201,8 @@ CASES = {
                                "two or three embedding lookups"),
     "attention-fusion": (lambda: attention(), lambda: attention(mask=True, mask_shape=(5,)),
                          "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"),
+    "tied-head-fusion": (lambda: _tied_head([1, 32, 4]), lambda: _tied_head([1, 32, 4], untied=True),
+                         "not the transpose of an embedding table a Gather reads"),
 }
 
 
@@ -384,13 +397,30 @@ def test_embed_layernorm_takes_a_shape_of_a_lookup_from_its_ids():
     assert "Gather" in new.op_counts() and all(n.inputs[0].name != "we" for n in new.gs.nodes if n.op == "Shape")
 
 
-def test_matmul_transpose_fusion_fuses_a_transposed_constant_only_for_many_rows():
-    """A tied language-model head transposes its embedding table, a constant that onnxruntime folds at load: over a
-    few rows (a decode step) FusedMatMul measured slower on the CPU, over a prefill's 128 faster; the same head over a
-    transposed activation always fuses."""
+def test_matmul_transpose_fusion_fuses_a_transposed_constant_only_for_several_rows():
+    """A tied language-model head transposes its embedding table, a constant that onnxruntime folds at load: for the
+    one row of a batch-1 decode step FusedMatMul measured slower on the CPU, from two rows faster; the same head over
+    a transposed activation always fuses."""
     table = {"table": weights(7, 4)}
     head = [node("Transpose", ["table"], "t", perm=[1, 0]), node("MatMul", ["h", "t"])]
-    assert_refuses(graph(head, {"h": [2, 3, 4]}, consts=table), "matmul-transpose-fusion", "is a constant")
-    assert_rewrites(graph(head, {"h": [1, 128, 4]}, consts=table), "matmul-transpose-fusion")  # a prefill's rows
+    assert_refuses(graph(head, {"h": [1, 1, 4]}, consts=table), "matmul-transpose-fusion", "is a constant")
+    assert_rewrites(graph(head, {"h": [2, 1, 4]}, consts=table), "matmul-transpose-fusion")  # a batch-2 step
+    assert_rewrites(graph(head, {"h": [1, 128, 4]}, consts=table), "matmul-transpose-fusion")  # a prefill
     activation = [node("Transpose", ["k"], "t", perm=[1, 0]), node("MatMul", ["h", "t"])]
     assert_rewrites(graph(activation, {"h": [2, 3, 4], "k": [7, 4]}), "matmul-transpose-fusion")
+
+
+@pytest.mark.parametrize("hidden", [[1, 128, 4], [2, 1, 4], [64, 4]])
+def test_tied_head_fusion_reads_the_table_once_over_many_rows(hidden):
+    """The head reads the Gather's table through FusedMatMul(transB), its transposed copy gone, at several shapes."""
+    fused_graph = assert_rewrites(_tied_head(hidden), "tied-head-fusion")
+    assert "FusedMatMul" in fused_graph.op_counts() and "head" not in {t.name for t in fused_graph.to_model(
+        ).graph.initializer}
+
+
+def test_tied_head_fusion_refuses_a_decode_steps_row_and_a_table_of_another_shape():
+    assert_refuses(_tied_head([1, 1, 4]), "tied-head-fusion", "one row of A")
+    other = graph([node("Gather", ["table", "ids"], "e"), node("MatMul", ["h", "head"], "y")],
+                  {"ids": ([1, 2], TensorProto.INT64), "h": [1, 32, 4]}, outputs=("e", "y"),
+                  consts={"table": weights(4, 7), "head": weights(4, 7)})
+    assert_refuses(other, "tied-head-fusion", "not the transpose of an embedding table")
