@@ -226,6 +226,22 @@ def test_every_fusion_leaves_no_norm_rotary_or_attention_unfused(tiny, name):
     assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok
 
 
+
+def test_a_torchscript_prefill_reads_its_tied_table_once(tiny):
+    """The TorchScript exporter writes a tied head's embedding table twice (E for the Gather, E^T for the head):
+    `tied-head-fusion` reads E through FusedMatMul(transB) on the prefill's 16 rows, and the copy is gone."""
+    from rlflow.graph.core import load
+    from rlflow.measure.verify import verify
+    from rlflow.rewrites import apply, rule
+
+    graph = load(tiny[1]["llama-tiny-prefill-s16-ts"].path)
+    matches = rule("tied-head-fusion").find(graph)
+    assert len(matches) == 1
+    fused = apply(graph, matches[0])
+    before, after = (sum(t.raw_data.__len__() for t in g.to_model().graph.initializer) for g in (graph, fused))
+    assert before - after == 256 * 64 * 4 and fused.op_counts().get("FusedMatMul") == 1
+    assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok
+
 def test_a_decode_step_that_ignores_its_cache_is_refused(monkeypatch, tmp_path):
     """transformers before 5.24 took the cache as `past_key_values` and ignored `cache` in its **kwargs: the export
     then never read its cache (seen on the GPU machine's transformers 5.17), and its own reference agreed with it."""

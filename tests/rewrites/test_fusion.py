@@ -147,7 +147,7 @@ def _embeddings(lookups=3, shared=False, shape_reader=False, table_input=False):
     return graph(nodes, inputs, opset=17, consts=consts)
 
 
-def _tied_head(hidden: list, untied: bool = False) -> Graph:
+def _tied_head(hidden: list, untied: bool = False):
     """An embedding table read by a Gather, and a head over its transpose kept as a second constant, as the
     TorchScript exporter writes a tied language-model head (`untied`: the head's table differs in one element)."""
     table = weights(7, 4)
