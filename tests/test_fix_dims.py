@@ -60,6 +60,16 @@ def test_a_decode_step_fixed_at_batch_1_takes_its_rotary_into_attention(llama_st
     onnx.checker.check_model(given)
 
 
+
+def test_a_step_deployed_at_batch_1_can_be_fixed_at_batch_2(llama_step):
+    """The zoo's steps say in their metadata that they are deployed at batch 1; fixed at 2, the shapes measured and
+    written follow the fixed batch (they had contradicted it: "dimension 0 is fixed to 2 in the model, not 1")."""
+    from rlflow.graph.input_shapes import deployed_shapes
+
+    graph, given = load_input(llama_step, None, None, {"batch": 2})
+    assert all(shape[0] == 2 for shape in deployed_shapes(given).values())
+    assert graph.shape(graph.gs.inputs[0])[0] == 2
+
 def test_a_profile_may_repeat_a_fixed_dim_but_not_contradict_it(llama_step):
     graph, _ = load_input(llama_step, None, [parse_profile("batch=1;past_sequence=16;total_sequence=17"),
                                         parse_profile("batch=1;past_sequence=40;total_sequence=41")], {"batch": 1})

@@ -94,6 +94,14 @@ def fix_dims(model: onnx.ModelProto, fixed: Mapping[str, int]) -> None:
     if unknown:
         raise InputError(f"--fix-dim names no dimension of the model's inputs: {', '.join(unknown)}; its dynamic "
                          f"dimensions are {', '.join(sorted(known)) or 'none'}")
+    deployed = deployed_shapes(model)
+    for vi in model.graph.input:  # the shapes the metadata says it is deployed at follow (a batch-1 export fixed at 2)
+        if vi.name in deployed and len(deployed[vi.name]) == len(vi.type.tensor_type.shape.dim):
+            deployed[vi.name] = tuple(fixed.get(d.dim_param, size) if d.dim_param else size
+                                      for d, size in zip(vi.type.tensor_type.shape.dim, deployed[vi.name]))
+    for prop in model.metadata_props:
+        if prop.key == DEPLOYED_SHAPES_KEY and deployed:
+            prop.value = format_input_shapes(deployed)
     for vi in [*model.graph.input, *model.graph.output, *model.graph.value_info]:
         for dim in vi.type.tensor_type.shape.dim:
             if dim.dim_param in fixed:
