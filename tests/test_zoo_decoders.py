@@ -238,7 +238,7 @@ def test_a_torchscript_prefill_reads_its_tied_table_once(tiny):
     matches = rule("tied-head-fusion").find(graph)
     assert len(matches) == 1
     fused = apply(graph, matches[0])
-    before, after = (sum(t.raw_data.__len__() for t in g.to_model().graph.initializer) for g in (graph, fused))
+    before, after = (sum(len(t.raw_data) for t in g.to_model().graph.initializer) for g in (graph, fused))
     assert before - after == 256 * 64 * 4 and fused.op_counts().get("FusedMatMul") == 1
     assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok
 

@@ -163,9 +163,10 @@ class GemmActivationFusion(Rule):
 
 FUSED_CONSTANT_MIN_ROWS = 2
 """Rows of A from which a transposed constant B is read through `FusedMatMul(transB)`: where onnxruntime does not
-pre-pack weights (rlflow's sessions of models of 1 GiB of weights or more, which share them), it ran 1.36-1.47x faster
-than the MatMul over the transposed table from 2 rows on and 0.49-0.68x for one row (a tied head at the decoders'
-widths); pre-packed, the two ran alike (docs/results/fuse-variants/tied-head-rows/)."""
+pre-pack weights (rlflow's sessions of models of 1 GiB of weights or more, which share them), it ran faster than the
+MatMul over the transposed table from 2 rows on (1.39-1.47x at 2-4 rows, 1.06-1.07x at 128) and slower for one row
+(0.58-0.69x), a tied head at the decoders' widths; pre-packed, the two ran alike
+(docs/results/fuse-variants/tied-head-rows/)."""
 
 
 class MatMulTransposeFusion(Rule):

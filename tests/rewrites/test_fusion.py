@@ -411,7 +411,7 @@ def test_matmul_transpose_fusion_fuses_a_transposed_constant_only_for_several_ro
 
 
 @pytest.mark.parametrize("hidden", [[1, 128, 4], [2, 1, 4], [64, 4]])
-def test_tied_head_fusion_reads_the_table_once_over_many_rows(hidden):
+def test_tied_head_fusion_reads_the_table_once_over_more_than_one_row(hidden):
     """The head reads the Gather's table through FusedMatMul(transB), its transposed copy gone, at several shapes."""
     fused_graph = assert_rewrites(_tied_head(hidden), "tied-head-fusion")
     assert "FusedMatMul" in fused_graph.op_counts() and "head" not in {t.name for t in fused_graph.to_model(
