@@ -238,18 +238,21 @@ class TiedHeadFusion(Rule):
             return self.no(node, "B is not a constant matrix, or A is of unknown rank or not float")
         if math.prod(shape[:-1]) < FUSED_CONSTANT_MIN_ROWS:
             return self.no(node, "one row of A, where the MatMul over the transposed table ran faster")
-        table = next((g.inputs[0] for g in graph.gs.nodes if g.op == "Gather" and _is_transpose(g.inputs[0], head)),
-                     None)
-        if table is None:
+        if _tied_table(graph, head) is None:
             return self.no(node, "B is not the transpose of an embedding table a Gather reads")
-        return self.match([node], table=table.name)
+        return self.match([node])
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
-        table = graph.gs.tensors()[match.param("table")]
-        out = emit(graph, "FusedMatMul", [node.inputs[0], table], {"transA": 0, "transB": 1, "alpha": 1.0},
-                   domain=MS)
+        out = emit(graph, "FusedMatMul", [node.inputs[0], _tied_table(graph, node.inputs[1])],
+                   {"transA": 0, "transB": 1, "alpha": 1.0}, domain=MS)
         replace_typed(graph, node.outputs[0], out)
+
+
+def _tied_table(graph: Graph, head: gs.Constant) -> gs.Constant | None:
+    """The embedding table a Gather of `graph` reads whose transpose `head` is, else None (`_is_transpose` caches the
+    comparison, so the rewrite finds it again for the cost of a walk over the nodes)."""
+    return next((g.inputs[0] for g in graph.gs.nodes if g.op == "Gather" and _is_transpose(g.inputs[0], head)), None)
 
 
 _transposes: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, bool]] = {}

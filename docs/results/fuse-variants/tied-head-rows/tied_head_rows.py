@@ -57,9 +57,9 @@ def main() -> None:
             results.append({"model": name, "hidden": hidden, "vocab": vocab, "rows": rows, "fused_speedup": {
                 "median": ratio.median, "low": ratio.low, "high": ratio.high}})
             print(f"{name} rows {rows}: FusedMatMul(transB) {ratio}", flush=True)
-    here = Path(__file__).parent
-    (here / f"rows-{'no-prepacking' if args.no_prepacking else 'prepacked'}.json").write_text(json.dumps({"settings": settings.as_dict(), "rounds": args.rounds,
-                                                "results": results}, indent=1) + "\n")
+    out = Path(__file__).with_name(f"rows-{'no-prepacking' if args.no_prepacking else 'prepacked'}.json")
+    out.write_text(json.dumps({"settings": settings.as_dict(), "rounds": args.rounds, "results": results}, indent=1)
+                   + "\n")
     lines = ["| rows | " + " | ".join(WIDTHS) + " |", "| ---: |" + " --- |" * len(WIDTHS)]
     for rows in args.rows:
         cells = [next(r["fused_speedup"] for r in results if r["model"] == m and r["rows"] == rows) for m in WIDTHS]
