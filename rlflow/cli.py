@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from rlflow.bench.peers import PEERS
 from rlflow.errors import RlflowError
 
 EXIT_BAD_INPUT = 2
@@ -120,8 +121,12 @@ def rules(model, input_shapes) -> None:
 @click.option("--methods", default="agent,greedy,taso,random", show_default=True,
               help="Comma-separated search methods.")
 @click.option("--peers", is_flag=True,
-              help="Also run onnxsim, onnxoptimizer, onnxslim, the onnxscript optimizer and onnxruntime's transformers "
-                   "optimizer (optimum's O2; transformers only, its settings recorded in the results).")
+              help="Also run every peer: onnxsim, onnxoptimizer, onnxslim, the onnxscript optimizer, it with its "
+                   "onnxruntime fusions (onnxscript-ort) and onnxruntime's transformers optimizer (optimum's O2; "
+                   "transformers only), their settings recorded in the results; and, for a zoo decoder, "
+                   "onnxruntime-genai's builder's graph when `make genai-builder` installed it.")
+@click.option("--peer", "peer_names", multiple=True, type=click.Choice(PEERS), metavar="NAME",
+              help="Run this peer only (repeatable; instead of --peers): " + ", ".join(PEERS) + ".")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None,
@@ -151,14 +156,17 @@ def rules(model, input_shapes) -> None:
               help="CUDA only: every measurement, rlflow's and the peers', runs the models as captured CUDA graphs "
                    "(as `rlflow optimize --cuda-graph`).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
-def bench(models, methods, peers, provider, threads, time_limit, rounds, seed, agent, profile_specs, fixed_dims,
+def bench(models, methods, peers, peer_names, provider, threads, time_limit, rounds, seed, agent, profile_specs, fixed_dims,
           fixed_values, ray_address, shared_path, cuda_graph, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench.run import BenchConfig, find_models, run_bench
     from rlflow.graph.input_shapes import parse_fixed_dims
     from rlflow.graph.input_values import parse_fixed_values
 
-    config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()), peers=peers,
+    if peers and peer_names:
+        raise click.UsageError("--peers runs every peer: give it or --peer NAME, not both")
+    config = BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+                         peers=PEERS if peers else tuple(dict.fromkeys(peer_names)), references=peers,
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
                          agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address,
                          shared_path=shared_path, cuda_graph=cuda_graph, fix_dims=parse_fixed_dims(fixed_dims) or None,

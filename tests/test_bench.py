@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import rlflow
+from rlflow.bench.peers import PEERS
 from rlflow.bench.results import _device_lines, _outcome_lines, markdown_table, outcome
 from rlflow.bench.run import find_models
 from rlflow.cli import main
@@ -48,7 +49,7 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
         assert results["environment"]["commit"].split("-")[0] == head.stdout.strip()
     assert sorted(results["cost_table_warmup_seconds"]) == ["nasrnn", "resnet-18"]
     rows = {(r["model"], r["method"]): r for r in results["rows"]}
-    assert len(rows) == 3 * 7  # 3 models x (greedy + agent + 5 peers)
+    assert len(rows) == 3 * 8  # 3 models x (greedy + agent + 6 peers)
     assert all(r["status"] == "failed" and "load" in r["error"] for (m, _), r in rows.items() if m == "broken")
     trained = {m.removesuffix("-tiny") for m in json.loads(DEFAULT_AGENT.with_suffix(".json").read_text())["trained_on"]}
     for model in ("nasrnn", "resnet-18"):
@@ -62,12 +63,12 @@ def test_bench_writes_every_report(tmp_path, matmul_model, cnn_opset9_ir3_path, 
             assert row["outcome"] in ("rewritten", "gate rejected", "not verified", "out of time", "nothing found"), \
                 row["reason"]
             assert row["search_stop"]  # why the search ended, also where a rewrite was kept
-        for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript"):
+        for peer in ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "onnxscript-ort"):
             assert rows[(model, peer)]["status"] in ("ok", "failed", "wrong output")
         # zoo names: an rnn and a cnn, which onnxruntime's transformers optimizer is not for
         assert rows[(model, "ort-transformers")]["status"] == "not applicable"
     with open(out / "results.csv") as handle:
-        assert len(list(csv.DictReader(handle))) == 21
+        assert len(list(csv.DictReader(handle))) == 24
     table = (out / "results.md").read_text()
     mark = {model: " †" if model not in trained else "" for model in ("nasrnn", "resnet-18")}  # † marks held out
     assert f"| nasrnn{mark['nasrnn']} | greedy | ok |" in table and "1 thread(s)" in table
@@ -143,6 +144,23 @@ def test_cuda_graph_without_cuda_is_one_clear_error_and_writes_nothing(tmp_path,
     assert capsys.readouterr().err.splitlines() == [
         "error: --cuda-graph needs the CUDA provider; this run's is CPUExecutionProvider"]
     assert not out.exists()
+
+
+def test_peer_runs_the_peers_named_and_no_other(tmp_path, matmul_model, monkeypatch, capsys):
+    from rlflow.bench import run
+
+    seen = []
+    monkeypatch.setattr(run, "run_bench", lambda models, config, out: seen.append(config) or {"rows": [], "seconds": 0})
+    save(matmul_model, tmp_path / "m.onnx")
+    assert main(["bench", str(tmp_path), "--peer", "onnxscript-ort", "--peer", "onnxsim", "--peer", "onnxscript-ort",
+                 "--out", str(tmp_path / "out")]) == 0
+    assert seen[0].peers == ("onnxscript-ort", "onnxsim") and not seen[0].references
+    assert main(["bench", str(tmp_path), "--peers", "--out", str(tmp_path / "out")]) == 0
+    assert seen[1].peers == PEERS and seen[1].references
+    capsys.readouterr()
+    assert main(["bench", str(tmp_path), "--peers", "--peer", "onnxsim", "--out", str(tmp_path / "out")]) == 2
+    assert "--peers runs every peer" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path), "--peer", "onnxruntime", "--out", str(tmp_path / "out")]) == 2
 
 
 def test_the_table_says_when_it_was_measured_with_cuda_graph_capture():

@@ -5,6 +5,7 @@ import json
 import os
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,6 +19,7 @@ from rlflow.bench.peers import (
     graph_heads_and_hidden,
     graph_model_type,
     has_attention,
+    onnxscript_ort,
     ort_transformers,
     peer_settings,
     peer_tools,
@@ -32,6 +34,8 @@ from rlflow.graph.external_data import external_tensors
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.verify import verify
 from tests.conftest import save, tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures" / "exports"
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,25 @@ def tiny_bert_path(tmp_path_factory) -> str:
 
 
 def test_registry_keeps_the_peers_and_adds_ort_transformers():
-    assert PEERS == ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "ort-transformers")
+    assert PEERS == ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "onnxscript-ort", "ort-transformers")
     assert list(peer_tools()) == list(PEERS)
+
+
+def test_onnxscript_ort_fuses_a_decoder_export_and_verifies():
+    """onnxscript's fusions for onnxruntime take the dynamo export's sdpa with its KV cache (GPT-2's decode step)
+    into MultiHeadAttention; the input is left as it was and the fusions it reported travel with the output."""
+    model = onnx.load(FIXTURES / "gpt2-tiny-decode-dynamo.onnx")
+    before = model.SerializeToString()
+    output = onnxscript_ort(model)
+    assert model.SerializeToString() == before
+    ops = {(n.domain, n.op_type) for n in output.graph.node}
+    assert ("com.microsoft", "MultiHeadAttention") in ops and ("", "Softmax") not in ops
+    settings = peer_settings(output)
+    assert settings["fused"]["sdpa"] >= 1 and output.ir_version <= 10
+    shapes = [{"input_ids": (b, 1), "attention_mask": (b, past + 1),
+               **{f"past_key_values.0.{kv}": (b, 2, past, 16) for kv in ("key", "value")}} for b, past in ((1, 8), (2, 5))]
+    result = verify(model, output, seeds=(0, 1), shapes=shapes)
+    assert result.ok, result.message
 
 
 def test_settings_read_from_the_graph(transformer_path):

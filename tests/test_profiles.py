@@ -268,10 +268,9 @@ def test_bench_hands_a_peer_the_dynamic_model_and_measures_it_at_every_profile(t
         given.append(model)
         return model, model
 
-    monkeypatch.setattr(module, "PEERS", ("onnxsim",))
     monkeypatch.setattr(module, "run_peer", identity_peer)
     save(text_model, tmp_path / "m.onnx")
-    config = module.BenchConfig(methods=(), peers=True, rounds=3, profiles=(S16, S64))
+    config = module.BenchConfig(methods=(), peers=("onnxsim",), rounds=3, profiles=(S16, S64))
     (row,) = module.run_bench([tmp_path / "m.onnx"], config, tmp_path / "out", progress=False)["rows"]
     assert row["method"] == "onnxsim" and row["status"] == "ok", row
     assert [p["label"] for p in row["profiles"]] == [S16, S64]

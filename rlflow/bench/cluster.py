@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from rlflow.bench.machine import measure_peak
-from rlflow.bench.peers import PEERS
 from rlflow.bench.results import Row
 from rlflow.bench.run import BenchConfig, ModelBench, bench_model, run_bench
 from rlflow.cluster.connection import MEASUREMENT_SLOT, RETRIES, connected, node_label
@@ -133,5 +132,5 @@ def _jobs(ray, models: Sequence[Path], config: BenchConfig) -> list[Job]:
 
 def _failed(model: Path, config: BenchConfig, exc: Exception) -> ModelBench:
     reason = f"ray: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-    methods = (*config.methods, *(PEERS if config.peers else ()))
+    methods = (*config.methods, *config.peers)
     return ModelBench([Row(model.stem, method, "failed", reason, node="") for method in methods], loaded=False)

@@ -1,6 +1,9 @@
 """The peer tools `rlflow bench --peers` measures rlflow against: each a function ModelProto -> ModelProto.
 
-onnxsim, onnxoptimizer, onnxslim and the onnxscript optimizer take nothing but the model.  `ort-transformers` is
+onnxsim, onnxoptimizer, onnxslim and the onnxscript optimizer take nothing but the model, and so does
+`onnxscript-ort`: that optimizer followed by onnxscript's fusions for onnxruntime (`onnxscript.rewriter.ort_fusions`:
+RMSNorm, rotary embeddings, sdpa into MultiHeadAttention or GroupQueryAttention), the peer that knows decoder LLMs'
+patterns.  `ort-transformers` is
 onnxruntime's transformers optimizer (`onnxruntime.transformers.optimizer.optimize_model`) with the settings of
 `optimum-cli export onnx --optimize O2`; it needs the model type, head count and hidden size, taken from the zoo
 entry's hints when there are some, else read from the graph.  What it was run with (and which fusions it reported)
@@ -28,7 +31,7 @@ from rlflow.graph.model_file import max_ir_version, read_model, save_model
 
 PeerTool = Callable[[onnx.ModelProto], onnx.ModelProto]
 
-PEERS = ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "ort-transformers")
+PEERS = ("onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "onnxscript-ort", "ort-transformers")
 """Every peer, in the order the bench runs them."""
 
 PEER_SETTINGS_KEY = "rlflow.peer.settings"
@@ -87,7 +90,7 @@ def peer_tools(*, use_gpu: bool = False, transformer: Mapping | None = None,
         return ort_transformers(model, hints=transformer, family=family, use_gpu=use_gpu)
 
     tools = {"onnxsim": onnxsim, "onnxoptimizer": onnxoptimizer, "onnxslim": onnxslim, "onnxscript": onnxscript,
-             "ort-transformers": ort}
+             "onnxscript-ort": onnxscript_ort, "ort-transformers": ort}
     return {name: tools[name] for name in PEERS}
 
 
@@ -189,6 +192,23 @@ def ort_transformers(model: onnx.ModelProto, *, hints: Mapping | None = None, fa
     for k in reversed(range(len(output.metadata_props))):
         if output.metadata_props[k].key == PEER_SETTINGS_KEY:
             del output.metadata_props[k]
+    output.metadata_props.add(key=PEER_SETTINGS_KEY, value=json.dumps(settings, sort_keys=True))
+    return output
+
+
+def onnxscript_ort(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxscript's optimizer, then its fusions for onnxruntime (`optimize_for_ort`, the default configuration);
+    the input is left untouched and the fusions it reported travel in the output's `PEER_SETTINGS_KEY`."""
+    import onnx_ir as ir
+    from onnxscript import optimizer
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    graph = ir.from_proto(model)
+    optimizer.optimize(graph)
+    graph, fused = optimize_for_ort(graph)
+    output = ir.to_proto(graph)
+    output.ir_version = min(output.ir_version, max_ir_version())
+    settings = {"fused": {name: n for name, n in sorted(fused.items()) if n}}
     output.metadata_props.add(key=PEER_SETTINGS_KEY, value=json.dumps(settings, sort_keys=True))
     return output
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from rlflow.bench.builder_reference import bench_references, bench_row
 from rlflow.bench.machine import environment, measure_peak
 from rlflow.bench.method_rows import Measured, device_errors, failed_row, measure_outputs, method_rows
-from rlflow.bench.peers import PEERS, NotApplicable, peer_settings, run_peer, zoo_hints
+from rlflow.bench.peers import NotApplicable, peer_settings, run_peer, zoo_hints
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
 from rlflow.files import cache_dir
@@ -49,8 +49,9 @@ class BenchConfig:
 
     Attributes:
         methods: rlflow search methods to run on every model.
-        peers: also run the peer tools (`rlflow.bench.peers.PEERS`: onnxsim, onnxoptimizer, onnxslim, the onnxscript
-            optimizer, onnxruntime's transformers optimizer) when installed.
+        peers: the peer tools to run too, by name (`rlflow.bench.peers.PEERS`), those installed.
+        references: also time onnxruntime-genai's builder's graph of a zoo decoder (`rlflow.bench.builder_reference`),
+            when its venv exists.
         provider: execution provider (`auto`, `cpu`, `cuda`).
         threads: onnxruntime intra-op threads.
         time_limit: seconds of search per model and method (None: each method's default,
@@ -72,7 +73,8 @@ class BenchConfig:
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
-    peers: bool = False
+    peers: tuple[str, ...] = ()
+    references: bool = False
     provider: str = "auto"
     threads: int = 1
     time_limit: float | None = None
@@ -121,7 +123,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     check_capture(provider, config.cuda_graph)
     settings = SessionSettings(provider=provider, threads=config.threads, cuda_graph=config.cuda_graph)
     peak = measure_peak(settings)
-    runs_per_model = len(config.methods) + (len(PEERS) if config.peers else 0)
+    runs_per_model = len(config.methods) + len(config.peers)
     rows: list[Row] = []
     warmups: dict[str, float | None] = {}
     tables: dict | None = None
@@ -166,7 +168,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
 
     A method that fails gets a failed row; the others still run.  Rows record the machine they ran on.
     """
-    peers = PEERS if config.peers else ()
+    peers = config.peers
     # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
     agent = _agent_path(config, settings)
     agent_meta = (agent.parent, agent.stem)
@@ -178,7 +180,7 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
         flops, params, bytes_read = count_flops(static), count_params(static), count_bytes_read(static)
         warmup = warm_cost_table(graph, replace(settings, cuda_graph=False))  # the cost table is not captured
         tool_options = dict(use_gpu=settings.provider == "CUDAExecutionProvider", **zoo_hints(static, model))
-        references = bench_references(static, model) if config.peers else ()  # the genai builder's, for decoders
+        references = bench_references(static, model) if config.references else ()  # the genai builder's, for decoders
     except RlflowError as exc:
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
                            for method in (*config.methods, *peers)], loaded=False)
