@@ -227,6 +227,21 @@ def test_every_fusion_leaves_no_norm_rotary_or_attention_unfused(tiny, name):
 
 
 
+def test_onnxscript_ort_leaves_a_decoder_export_as_it_was(tiny):
+    """The peer onnxscript-ort fuses the dynamo decode step's norms and attention without writing into the model it
+    was given (its fusions write into the protos onnxscript's IR reads: the peer runs on a copy)."""
+    from rlflow.bench.peers import onnxscript_ort
+    from rlflow.measure.verify import verify
+
+    name = "llama-tiny-decode-p16-dynamo"
+    path = tiny[1][name].path
+    model = onnx.load(path)
+    output = onnxscript_ort(model)
+    assert model.SerializeToString() == onnx.load(path).SerializeToString()
+    assert {"SimplifiedLayerNormalization", "MultiHeadAttention"} <= {n.op_type for n in output.graph.node}
+    assert verify(model, output, seeds=(0,), shapes=[zoo.get(name).input_shapes]).ok
+
+
 def test_a_torchscript_prefill_reads_its_tied_table_once(tiny):
     """The TorchScript exporter writes a tied head's embedding table twice (E for the Gather, E^T for the head):
     `tied-head-fusion` reads E through FusedMatMul(transB) on the prefill's 16 rows, and the copy is gone."""
@@ -241,6 +256,7 @@ def test_a_torchscript_prefill_reads_its_tied_table_once(tiny):
     before, after = (sum(len(t.raw_data) for t in g.to_model().graph.initializer) for g in (graph, fused))
     assert before - after == 256 * 64 * 4 and fused.op_counts().get("FusedMatMul") == 1
     assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok
+
 
 def test_a_decode_step_that_ignores_its_cache_is_refused(monkeypatch, tmp_path):
     """transformers before 5.24 took the cache as `past_key_values` and ignored `cache` in its **kwargs: the export

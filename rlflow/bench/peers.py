@@ -198,12 +198,15 @@ def ort_transformers(model: onnx.ModelProto, *, hints: Mapping | None = None, fa
 
 def onnxscript_ort(model: onnx.ModelProto) -> onnx.ModelProto:
     """onnxscript's optimizer, then its fusions for onnxruntime (`optimize_for_ort`, the default configuration);
-    the input is left untouched and the fusions it reported travel in the output's `PEER_SETTINGS_KEY`."""
+    the fusions it reported travel in the output's `PEER_SETTINGS_KEY`.  It runs on a copy: on a dynamo export of
+    a Llama-style decoder its fusions write into the protos the IR was read from."""
     import onnx_ir as ir
     from onnxscript import optimizer
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
-    graph = ir.from_proto(model)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = ir.from_proto(copy)
     optimizer.optimize(graph)
     graph, fused = optimize_for_ort(graph)
     output = ir.to_proto(graph)
