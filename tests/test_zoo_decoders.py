@@ -23,13 +23,18 @@ DECODE = [f"{family}-tiny-decode-p16-{exporter}" for family in ("llama", "qwen3"
 def test_names_say_the_model_the_step_the_shape_and_the_exporter():
     steps = {"prefill": ["s128"], "decode": ["p128", "p1024"]}  # shapes vary fastest: they share one export
     cut = {"prefill": ["s128"], "decode": ["p128"]}  # the agents' training cut: one cache length
+    window = {"prefill": ["s128"], "decode": ["p128", "p448"]}  # Gemma3: under its 512-token sliding window
     assert CPU == [f"{model}-{kind}-{shape}-{exporter}"
-                   for model, shapes in (("smollm2-135m", steps), ("qwen3-0.6b-l8", steps), ("smollm2-135m-l4", cut))
+                   for model, shapes in (("smollm2-135m", steps), ("qwen3-0.6b-l8", steps), ("smollm2-135m-l4", cut),
+                                         ("gemma3-270m", window))
                    for kind in shapes for exporter in ("ts", "dynamo") for shape in shapes[kind]]
     assert TINY == [f"{model}-tiny-{step}-{exporter}" for model in ("llama", "qwen3")
                     for step in ("prefill-s16", "decode-p16") for exporter in ("ts", "dynamo")]
     assert GPU == [f"{name}-fp16" for name in CPU] + [name.replace("-l8", "") + "-fp16" for name in CPU[6:12]]
     assert zoo.get("smollm2-135m-l4-decode-p128-ts").config["config"]["hidden_size"] == 576
+    gemma = zoo.get("gemma3-270m-decode-p448-dynamo")
+    assert gemma.input_shapes["past_key_values.17.value"] == (1, 1, 448, 256)
+    assert gemma.config["config"]["sliding_window"] > gemma.input_shapes["attention_mask"][1]
 
 
 def test_gpu_and_tiny_entries_stay_out_of_the_cpu_lists():

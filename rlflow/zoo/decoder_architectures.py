@@ -6,7 +6,8 @@ not this table, so adding a row leaves every other build up to date.
 
 Each row is exported twice per exporter: as a prefill (the prompt in, logits and the KV cache out) and as a one-token
 decode step (the KV cache in and out).  Rows at real models' shapes use those models' configurations (read from
-their ``config.json`` on the Hugging Face Hub: HuggingFaceTB/SmolLM2-135M, Qwen/Qwen3-0.6B); the weights are random.
+their ``config.json`` on the Hugging Face Hub: HuggingFaceTB/SmolLM2-135M, Qwen/Qwen3-0.6B, google/gemma-3-270m);
+the weights are random.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ _QWEN3 = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_a
               num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True,
               bos_token_id=151643, eos_token_id=151645)
+# five sliding-window layers (512 tokens, rotary base 10,000) to one global one (base 1,000,000); the exporters write
+# the window's cache as a Slice whose bounds hold below the window only, so its decode steps stay under 512 tokens
+_GEMMA3_270M = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+                    rms_norm_eps=1e-6, sliding_window=512, query_pre_attn_scalar=256,
+                    layer_types=[("full_attention" if i % 6 == 5 else "sliding_attention") for i in range(18)],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                    tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
              bos_token_id=0, eos_token_id=0)
@@ -91,6 +101,9 @@ DECODERS = (
     DecoderArchitecture("smollm2-135m-l4", "LlamaForCausalLM", dict(_SMOLLM2, num_hidden_layers=4),
                         _hints(_LLAMA_TYPE, _SMOLLM2), "SmolLM2-135M's width, 4 of its 30 layers (the agents' "
                                                        "training cut)", past=(128,)),
+    DecoderArchitecture("gemma3-270m", "Gemma3ForCausalLM", _GEMMA3_270M, _hints(_LLAMA_TYPE, _GEMMA3_270M),
+                        "Gemma-3-270M (L18/H640, 4 heads, 1 KV head, head_dim 256, q/k norms, sliding-window "
+                        "layers, tied embeddings)", past=(128, 448)),
     # the whole model is 2.4 GB in float32, past protobuf's 2 GB that one zoo file holds: float16 only (1.2 GB)
     DecoderArchitecture("qwen3-0.6b", "Qwen3ForCausalLM", dict(_QWEN3, num_hidden_layers=28), _hints("qwen3", _QWEN3),
                         "Qwen3-0.6B (L28/H1024, 16 heads, 8 KV heads, head_dim 128, q/k norms, tied embeddings)",
