@@ -168,7 +168,6 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
 
     A method that fails gets a failed row; the others still run.  Rows record the machine they ran on.
     """
-    peers = config.peers
     # the agent's provenance file (<checkpoint stem>.json beside it) says which models it never trained on
     agent = _agent_path(config, settings)
     agent_meta = (agent.parent, agent.stem)
@@ -183,10 +182,10 @@ def bench_model(model: Path, config: BenchConfig, settings: SessionSettings, pea
         references = bench_references(static, model) if config.references else ()  # the genai builder's, for decoders
     except RlflowError as exc:
         return ModelBench([Row(model.stem, method, "failed", f"load: {exc}", node=node)
-                           for method in (*config.methods, *peers)], loaded=False)
+                           for method in (*config.methods, *config.peers)], loaded=False)
     settings = _settings_for(graph, settings)
     rows = method_rows(graph, config.methods, settings, config)
-    for method in (*peers, *references):
+    for method in (*config.peers, *references):
         try:
             if method in references:
                 rows.append(bench_row(graph, static, settings, config))
