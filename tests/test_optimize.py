@@ -111,6 +111,20 @@ def test_the_default_method_is_greedy_where_rules_the_agent_never_learnt_match(m
     assert default_method("CPUExecutionProvider", graph=no_norm) == ("agent", None)
 
 
+def test_a_fold_rule_the_agent_never_learnt_leaves_it_the_default(monkeypatch):
+    """`shape-dim-fold` matches most exports (a dimension read from a Shape): a fold rule the agent never learnt does
+    not turn the default to greedy, a fusion it never learnt does."""
+    from rlflow.optimize.options import default_method
+    from rlflow.search import agent as module
+    from tests.rewrites.test_fold import _reshape_by_dim
+
+    graph = _reshape_by_dim(2)
+    assert rule("shape-dim-fold").find(graph)
+    known = [name for name in module.agent_rules() if name != "shape-dim-fold"]
+    monkeypatch.setattr(module, "agent_rules", lambda path=None: known)
+    assert default_method("CPUExecutionProvider", graph=graph) == ("agent", None)
+
+
 def test_a_shipped_cuda_agent_is_the_default_on_cuda_only(tmp_path, monkeypatch):
     """`make agent-cuda` ships rlflow/checkpoints/cuda.pt: installed, it is what method agent plays on CUDA (and what
     the default method picks there); the CPU keeps default.pt."""

@@ -263,6 +263,33 @@ def test_a_torchscript_prefill_reads_its_tied_table_once(tiny):
     assert verify(graph.to_model(static=True), fused.to_model(static=True)).ok
 
 
+def test_a_phi3_torchscript_step_folds_its_rotary_width():
+    """Phi-3's TorchScript export reads the rotary width as `Shape(cos)[-1]` and passes the rest of each head (empty:
+    Phi-3 rotates all of it) through a Slice and a Concat; once every fusion is made, `shape-dim-fold` and
+    `concat-empty-elim` with the cleanups leave nothing of the cos/sin computation, at batch 1 and 2."""
+    pytest.importorskip("transformers")
+    from rlflow.graph.core import Graph
+    from rlflow.measure.verify import verify
+    from rlflow.rewrites import apply_everywhere, rule
+    from rlflow.search.candidates import Candidate, all_fusions
+    from rlflow.zoo import decoder_architectures
+
+    config = dict(decoder_architectures._TINY, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0)
+    arch = decoder_architectures.DecoderArchitecture("phi3-tiny", "Phi3ForCausalLM", config, {}, "Phi-3", tiny=True)
+    model = onnx.load_from_string(decoders.export_decoder(arch, "decode", "ts")[0])
+    deployed = decoders.input_shapes(arch, "decode", 16)
+    graph = Graph.from_model(model, deployed)
+    folded = all_fusions(Candidate(graph, (), graph.fingerprint())).graph
+    assert folded.op_counts()["Cos"] == 1  # the rotary width's one reader left
+    cleanups = [rule(name) for name in ("shape-dim-fold", "constant-fold", "slice-noop-elim", "concat-empty-elim",
+                                        "concat-single-elim")]
+    while matched := next(((r, m) for r in cleanups if (m := r.find(folded))), None):
+        folded = apply_everywhere(folded, matched[0], matched[1])[0]
+    assert not {"Cos", "Sin"} & set(folded.op_counts())
+    other = {name: (2, *shape[1:]) for name, shape in decoders.input_shapes(arch, "decode", 40).items()}
+    assert verify(model, folded.to_model(static=False), seeds=(0,), shapes=[deployed, other]).ok
+
+
 def test_a_decode_step_that_ignores_its_cache_is_refused(monkeypatch, tmp_path):
     """transformers before 5.24 took the cache as `past_key_values` and ignored `cache` in its **kwargs: the export
     then never read its cache (seen on the GPU machine's transformers 5.17), and its own reference agreed with it."""

@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.edits import bypass, replace_all
+from rlflow.rewrites.edits import bypass, emit, replace_all
 from rlflow.rewrites.queries import (
     DETERMINISTIC_OPS,
     attrs_key,
@@ -261,6 +261,34 @@ class ConcatSingleElim(_Bypass):
         if len(node.inputs) != 1:
             return self.no(node, "the Concat has several inputs")
         return self.match([node])
+
+
+class ConcatEmptyElim(Rule):
+    """Replaces `Concat(..., e, ...)` with the Concat of its other inputs where e is empty along the axis.
+
+    Empty at every size of the model's dynamic dimensions (the pass-through part of a rotary embedding that rotates
+    the whole head, as Phi-3's exports write it)."""
+
+    name = "concat-empty-elim"
+    root_ops = ("Concat",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        kept = []
+        for index, tensor in enumerate(node.inputs):
+            shape, dynamic = graph.shape(tensor), dynamic_axes(graph, tensor)
+            axis = normalize_axis(node.attrs.get("axis", 0), len(shape)) if shape is not None else None
+            if axis is None or dynamic is None or shape[axis] != 0 or dynamic[axis]:
+                kept.append(index)
+        if len(kept) == len(node.inputs):
+            return self.no(node, "no input is empty along the axis at every size")
+        if not kept:
+            return self.no(node, "every input is empty")
+        return self.match([node], kept=tuple(kept))
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        inputs = [node.inputs[i] for i in match.param("kept")]
+        replace_all(graph, node.outputs, [emit(graph, "Concat", inputs, {"axis": node.attrs.get("axis", 0)})])
 
 
 class SplitSingleElim(_Bypass):

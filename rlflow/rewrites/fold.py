@@ -7,6 +7,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from rlflow.graph.core import Graph
+from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.constant_eval import evaluate, evaluation_failure
 from rlflow.rewrites.edits import combine, emit, replace_all
@@ -330,3 +331,39 @@ class ConstantFold(Rule):
         node = nodes[match.root]
         values = evaluate(graph, node)
         replace_all(graph, node.outputs, [graph.add_constant(v, f"{t.name}_folded") for t, v in zip(node.outputs, values)])
+
+
+class ShapeDimFold(Rule):
+    """Replaces `Gather(Shape(x), i)` with a constant where the dimensions of x it reads are fixed.
+
+    Fixed: the same at every size of the model's dynamic dimensions (TorchScript reads a head's rotary width as
+    `Shape(cos)[-1]`)."""
+
+    name = "shape-dim-fold"
+    root_ops = ("Gather",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        of_shape = input_producer(node, 0, "Shape")
+        indices = constant_input(node, 1)
+        if of_shape is None or indices is None or indices.dtype.kind not in "iu" or node.attrs.get("axis", 0) != 0:
+            return self.no(node, "not a Gather of a Shape at constant indices")
+        x = of_shape.inputs[0]
+        shape, dynamic = graph.shape(x), dynamic_axes(graph, x)
+        if shape is None or dynamic is None:
+            return self.no(node, "the shape of the tensor it reads is unknown")
+        axes = list(range(len(shape)))[of_shape.attrs.get("start", 0):of_shape.attrs.get("end", len(shape))]
+        if any(not -len(axes) <= i < len(axes) for i in indices.reshape(-1)):
+            return self.no(node, "an index lies outside the shape")
+        read = [axes[i] for i in indices.reshape(-1)]
+        if any(dynamic[a] for a in read):
+            return self.no(node, "a dimension it reads follows the model's dynamic dimensions")
+        return self.match([node], dims=tuple(int(shape[a]) for a in read), scalar=indices.ndim == 0)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        dims = np.asarray(match.param("dims"), np.int64)
+        if match.param("scalar"):  # add_constant makes every array at least 1-D
+            constant = gs.Constant(graph.fresh_name(f"{node.name}_dim"), dims.reshape(()))
+        else:
+            constant = graph.add_constant(dims, f"{node.name}_dims")
+        replace_all(graph, node.outputs, [constant])

@@ -141,6 +141,8 @@ RULES: tuple[Rule, ...] = (
     fusion_gqa_absorb.GroupQueryAttentionPackQkv(group="fusion"),  # 100 group-query-attention-pack-qkv
     fusion_gqa_causal.GroupQueryAttentionCausal(group="fusion"),  # 101 group-query-attention-causal
     fusion_linear.TiedHeadFusion(group="fusion"),                   # 102 tied-head-fusion
+    fold.ShapeDimFold(group="fold"),                                # 103 shape-dim-fold
+    cleanup.ConcatEmptyElim(group="fold"),                          # 104 concat-empty-elim
 )
 """Every rule, in action-id order.  Append only."""
 

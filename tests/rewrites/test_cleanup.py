@@ -63,6 +63,12 @@ CASES = {
         lambda: graph([node("Concat", ["x"], "t", axis=0), node("Relu", ["t"])], X),
         lambda: graph([node("Concat", ["x", "x"], axis=0)], X),
         "several inputs"),
+    "concat-empty-elim": (
+        lambda: graph([node("Slice", ["x", "s", "e", "a"], "z"), node("Concat", ["x", "z"], "t", axis=-1),
+                       node("Relu", ["t"])], {"x": ["b", 3, 4]}, consts={"s": ints(4), "e": ints(2 ** 62), "a": ints(2)}),
+        lambda: graph([node("Slice", ["x", "s", "e", "a"], "z"), node("Concat", ["x", "z"], "t", axis=-1),
+                       node("Relu", ["t"])], {"x": ["b", 3, 4]}, consts={"s": ints(3), "e": ints(2 ** 62), "a": ints(2)}),
+        "no input is empty"),
     "split-single-elim": (
         lambda: graph([node("Split", ["x"], "t", axis=1), node("Relu", ["t"])], X),
         lambda: graph([node("Split", ["x"], ["a", "b"], axis=2), node("Add", ["a", "b"])], X),

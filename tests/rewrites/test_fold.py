@@ -87,7 +87,26 @@ CASES = {
                       consts={"w": weights(5, 4), "s": ints(4, 5)}),
         lambda: graph([node("MatMul", ["x", "w"])], {"x": [3, 4]}, consts={"w": weights(4, 5)}),
         "not every input is a constant"),
+    "shape-dim-fold": (lambda: _reshape_by_dim(2), lambda: _reshape_by_dim(0), "follows the model's dynamic dimensions"),
 }
+
+
+def _reshape_by_dim(axis):
+    """`Reshape(x, [-1, Shape(x)[axis]])` of a [b, 3, 4] x with a dynamic b."""
+    return graph([node("Shape", ["x"], "s"), node("Gather", ["s", "i"], "d", axis=0),
+                  node("Concat", ["m", "d"], "t", axis=0), node("Reshape", ["x", "t"])],
+                 {"x": ["b", 3, 4]}, consts={"i": ints(axis), "m": ints(-1)}, opset=15)
+
+
+def test_shape_dim_fold_keeps_a_scalar_index_scalar_and_reads_a_shape_slice():
+    """A scalar index gives a scalar (Unsqueeze after it expects one); Shape's start and end shift the indices."""
+    scalar = graph([node("Shape", ["x"], "s", start=1), node("Gather", ["s", "i"], "d", axis=0),
+                    node("Unsqueeze", ["d", "a"], "u"), node("Concat", ["m", "u"], "t", axis=0),
+                    node("Reshape", ["x", "t"])], {"x": ["b", 3, 4]},
+                   consts={"i": np.array(-1, np.int64), "a": ints(0), "m": ints(-1)}, opset=15)
+    folded = assert_rewrites(scalar, "shape-dim-fold", dynamic={"x": [5, 3, 4]})
+    (dim,) = [n for n in folded.gs.nodes if n.op == "Unsqueeze"][0].inputs[:1]
+    assert dim.values.shape == () and int(dim.values) == 4
 
 
 test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
