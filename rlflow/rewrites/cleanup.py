@@ -275,9 +275,9 @@ class ConcatEmptyElim(Rule):
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         kept = []
         for index, tensor in enumerate(node.inputs):
-            shape, dynamic = graph.shape(tensor), dynamic_axes(graph, tensor)
+            shape = graph.shape(tensor)
             axis = normalize_axis(node.attrs.get("axis", 0), len(shape)) if shape is not None else None
-            if axis is None or dynamic is None or shape[axis] != 0 or dynamic[axis]:
+            if axis is None or shape[axis] != 0 or (dynamic_axes(graph, tensor) or (True,) * len(shape))[axis]:
                 kept.append(index)
         if len(kept) == len(node.inputs):
             return self.no(node, "no input is empty along the axis at every size")
