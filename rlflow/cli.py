@@ -156,8 +156,8 @@ def rules(model, input_shapes) -> None:
               help="CUDA only: every measurement, rlflow's and the peers', runs the models as captured CUDA graphs "
                    "(as `rlflow optimize --cuda-graph`).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
-def bench(models, methods, peers, peer_names, provider, threads, time_limit, rounds, seed, agent, profile_specs, fixed_dims,
-          fixed_values, ray_address, shared_path, cuda_graph, out) -> None:
+def bench(models, methods, peers, peer_names, provider, threads, time_limit, rounds, seed, agent, profile_specs,
+          fixed_dims, fixed_values, ray_address, shared_path, cuda_graph, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench.run import BenchConfig, find_models, run_bench
     from rlflow.graph.input_shapes import parse_fixed_dims
