@@ -155,9 +155,12 @@ def rules(model, input_shapes) -> None:
 @click.option("--cuda-graph", is_flag=True,
               help="CUDA only: every measurement, rlflow's and the peers', runs the models as captured CUDA graphs "
                    "(as `rlflow optimize --cuda-graph`).")
+@click.option("--control", is_flag=True,
+              help="Also measure a copy of the input as if a method wrote it (row `control`): its speedup strays "
+                   "from 1 by what the measurement alone does on that model, the resolution of every other figure.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True)
 def bench(models, methods, peers, peer_names, provider, threads, time_limit, rounds, seed, agent, profile_specs,
-          fixed_dims, fixed_values, ray_address, shared_path, cuda_graph, out) -> None:
+          fixed_dims, fixed_values, ray_address, shared_path, cuda_graph, control, out) -> None:
     """Benchmark MODELS (files or folders of .onnx) under every method; write JSON, CSV, markdown and plots."""
     from rlflow.bench.run import BenchConfig, find_models, run_bench
     from rlflow.graph.input_shapes import parse_fixed_dims
@@ -170,7 +173,7 @@ def bench(models, methods, peers, peer_names, provider, threads, time_limit, rou
                          provider=provider, threads=threads, time_limit=time_limit, rounds=rounds, seed=seed,
                          agent=str(agent) if agent else None, profiles=tuple(profile_specs), ray=ray_address,
                          shared_path=shared_path, cuda_graph=cuda_graph, fix_dims=parse_fixed_dims(fixed_dims) or None,
-                         fix_values=parse_fixed_values(fixed_values) or None)
+                         fix_values=parse_fixed_values(fixed_values) or None, control=control)
     if shared_path and ray_address is None:
         raise click.UsageError("--shared-path is for --ray: without a cluster every model is read here")
     if ray_address is not None:

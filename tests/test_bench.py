@@ -298,3 +298,40 @@ def test_an_output_that_cannot_run_costs_only_its_own_rows(matmul_model, monkeyp
     assert greedy.status == "ok" and greedy.speedup_low <= greedy.speedup <= greedy.speedup_high
     assert taso.status == random.status == "failed" and "NoSuchOperator" in taso.error
     assert random.method == "random" and random.error == taso.error
+
+
+def test_the_control_is_a_copy_of_the_input_measured_with_the_outputs(matmul_model, monkeypatch):
+    """`--control`: a copy of the input joins the methods' outputs in their comparison, and its row, a speedup near 1
+    by construction, says how far the measurement alone moves a figure; a bench with no method still measures it."""
+    from rlflow.bench.method_rows import CONTROL, method_rows
+    from rlflow.bench.run import BenchConfig
+    from rlflow.graph.core import Graph
+    from rlflow.measure.session import SessionSettings
+
+    shapes = {"x": (2, 8)}
+    graph = Graph.from_model(matmul_model, shapes)
+    calls = _methods_writing({"greedy": Graph.from_model(with_op(matmul_model, "Sigmoid"), shapes)}, monkeypatch)
+    greedy, control = method_rows(graph, ("greedy",), SessionSettings(), BenchConfig(rounds=5, control=True))
+    assert calls == [3]  # the input, greedy's output and the control, in the same rounds
+    assert (control.method, control.kind, control.status, control.rewritten) == (CONTROL, CONTROL, "ok", False)
+    assert control.baseline_ms == greedy.baseline_ms and control.speedup_low <= control.speedup <= control.speedup_high
+    assert 0.5 < control.speedup < 2  # the same graph: only the measurement parts it from the input
+    (alone,) = method_rows(graph, (), SessionSettings(), BenchConfig(rounds=3, control=True))
+    assert alone.method == CONTROL and alone.status == "ok" and calls[-1] == 2
+    assert method_rows(graph, (), SessionSettings(), BenchConfig(rounds=3)) == []
+    page = markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
+                                           "onnx": "1", "rlflow": "0"},
+                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
+                           "settings": {"threads": 1, "opt_level": "all"},
+                           "rows": [{**vars(r), "model": "m"} for r in (greedy, control)]})
+    assert "| m | control | ok |" in page and "Row `control` (`--control`)" in page
+
+
+def test_control_reaches_the_bench_from_the_command_line(tmp_path, matmul_model, monkeypatch):
+    import rlflow.bench.run as run
+
+    seen = []
+    monkeypatch.setattr(run, "run_bench", lambda models, config, out: seen.append(config) or {"rows": [], "seconds": 0})
+    save(matmul_model, tmp_path / "m.onnx")
+    assert main(["bench", str(tmp_path / "m.onnx"), "--methods", "", "--control", "--out", str(tmp_path / "r")]) == 0
+    assert seen[0].control and seen[0].methods == ()

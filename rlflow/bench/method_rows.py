@@ -72,8 +72,10 @@ def method_rows(graph: Graph, methods: Sequence[str], settings: SessionSettings,
         result.output_model = None  # what optimize would write: the row needs the graph, not this beside it
         finished[method] = (result, time.monotonic() - start)
     same_as, as_run = _same_outputs({m: r.graph for m, (r, _) in finished.items() if r.rewritten}, settings)
-    distinct = [m for m, first in same_as.items() if first == m]
-    measured, device = _measure(graph, {m: finished[m][0].graph for m in distinct}, settings, config, failed, model)
+    distinct = {m: finished[m][0].graph for m, first in same_as.items() if first == m}
+    if config.control:
+        distinct[CONTROL] = graph.clone()
+    measured, device = _measure(graph, distinct, settings, config, failed, model)
     rows = []
     for method in methods:
         if method in failed:
@@ -86,7 +88,22 @@ def method_rows(graph: Graph, methods: Sequence[str], settings: SessionSettings,
             continue
         rows.append(_row(model, method, result, seconds, measured.get(first), device.get(first, {}),
                          same_output_as=first if first != method else "", same_as_run=method in as_run))
+    if config.control:
+        rows.append(failed.get(CONTROL) or _control_row(model, measured[CONTROL]))
     return rows
+
+
+CONTROL = "control"
+"""The bench's control row (`--control`): a copy of the input, measured with the methods' outputs as one of them.  It
+computes what the input does in the same nodes, so its speedup is 1 but for the measurement: how far it strays, and
+how wide its interval is, is what a figure on this model can be told apart from no change."""
+
+
+def _control_row(model: str, measured: Measured) -> Row:
+    ratio = measured.ratio
+    return Row(model, CONTROL, "ok", kind=CONTROL, baseline_ms=measured.baseline_ms, latency_ms=measured.latency_ms,
+               speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high, faster=ratio.faster,
+               verified=True, max_rel_error=0.0, seconds=0.0, profiles=measured.per_profile)
 
 
 def _same_outputs(outputs: dict[str, Graph], settings: SessionSettings) -> tuple[dict[str, str], set[str]]:

@@ -134,6 +134,10 @@ def markdown_table(results: dict) -> str:
         "(weights, constants, inputs such as a KV cache) per second of the output, as a fraction of the measured "
         "streaming bandwidth (the roof of a memory-bound model such as a decode step). Error = worst relative-norm error of the "
         "output against the input on random inputs.", "",
+        *(["Row `control` (`--control`): a copy of the input measured with the methods' outputs as one of them; it "
+           "computes the same in the same nodes, so how far its speedup strays from 1 is the measurement's own, "
+           "the least difference a figure on that model can show.", ""]
+          if any(r["method"] == "control" for r in results["rows"]) else []),
         *([] if results.get("complete", True)
           else ["**Partial results: the run was still going or was interrupted.**", ""]),
         "| model | method | status | input ms | output ms | speedup [95% CI] | peak | memory | error | rewrites "

@@ -70,6 +70,8 @@ class BenchConfig:
         fix_dims: symbolic input dimensions fixed in every model before anything runs on it (`--fix-dim`), so the
             methods, the peers and the input they are compared with all have them fixed.
         fix_values: inputs whose every element is declared one value (`--fix-value`), read so by every model alike.
+        control: also measure a copy of the input with the methods' outputs (`--control`,
+            `rlflow.bench.method_rows.CONTROL`): the row that says what a figure on the model can be told apart from.
     """
 
     methods: tuple[str, ...] = ("agent", "greedy", "taso", "random")
@@ -87,6 +89,7 @@ class BenchConfig:
     cuda_graph: bool = False
     fix_dims: dict[str, int] | None = None
     fix_values: dict[str, float] | None = None
+    control: bool = False
 
 
 def find_models(paths: Iterable[str | os.PathLike]) -> list[Path]:
@@ -123,7 +126,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
     check_capture(provider, config.cuda_graph)
     settings = SessionSettings(provider=provider, threads=config.threads, cuda_graph=config.cuda_graph)
     peak = measure_peak(settings)
-    runs_per_model = len(config.methods) + len(config.peers)
+    runs_per_model = len(config.methods) + len(config.peers) + config.control
     rows: list[Row] = []
     warmups: dict[str, float | None] = {}
     tables: dict | None = None
