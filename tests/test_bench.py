@@ -227,6 +227,15 @@ def _methods_writing(graphs: dict, monkeypatch):
     return calls
 
 
+def _page(*rows) -> str:
+    """results.md of a run of `rows` (method_rows' Rows, all of model `m`)."""
+    return markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
+                                           "onnx": "1", "rlflow": "0"},
+                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
+                           "settings": {"threads": 1, "opt_level": "all"},
+                           "rows": [{**vars(r), "model": "m"} for r in rows]})
+
+
 def test_methods_that_write_the_same_graph_share_one_measurement(matmul_model, monkeypatch):
     """The methods' outputs are measured in one comparison, each distinct graph once: two methods that reached the same
     graph (other objects, the same fingerprint) get the same figures, and the page says whose graph it was."""
@@ -246,11 +255,7 @@ def test_methods_that_write_the_same_graph_share_one_measurement(matmul_model, m
     assert [getattr(taso, f) for f in figures] == [getattr(greedy, f) for f in figures]
     assert random.latency_ms != greedy.latency_ms and random.baseline_ms == greedy.baseline_ms  # one input timing
     assert taso.rewrites == ["taso"] and taso.status == "ok"
-    page = markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
-                                           "onnx": "1", "rlflow": "0"},
-                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
-                           "settings": {"threads": 1, "opt_level": "all"},
-                           "rows": [{**vars(r), "model": "m"} for r in (greedy, taso)]})
+    page = _page(greedy, taso)
     assert "| m | taso (= greedy) | ok |" in page and "| m | greedy | ok |" in page
 
 
@@ -272,11 +277,7 @@ def test_outputs_onnxruntime_runs_the_same_share_one_measurement(matmul_model, m
     assert (agent.same_output_as, agent.same_as_run) == ("greedy", True)
     assert (greedy.same_output_as, greedy.same_as_run, random.same_output_as) == ("", False, "")
     assert agent.speedup == greedy.speedup and random.latency_ms != greedy.latency_ms
-    page = markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
-                                           "onnx": "1", "rlflow": "0"},
-                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
-                           "settings": {"threads": 1, "opt_level": "all"},
-                           "rows": [{**vars(r), "model": "m"} for r in (greedy, agent)]})
+    page = _page(greedy, agent)
     assert "| m | agent (= greedy as run) | ok |" in page
 
 
@@ -319,11 +320,7 @@ def test_the_control_is_a_copy_of_the_input_measured_with_the_outputs(matmul_mod
     (alone,) = method_rows(graph, (), SessionSettings(), BenchConfig(rounds=3, control=True))
     assert alone.method == CONTROL and alone.status == "ok" and calls[-1] == 2
     assert method_rows(graph, (), SessionSettings(), BenchConfig(rounds=3)) == []
-    page = markdown_table({"environment": {"date": "d", "cpu": "c", "cores": 2, "provider": "CPU", "onnxruntime": "1",
-                                           "onnx": "1", "rlflow": "0"},
-                           "config": {"time_limit": None, "rounds": 3, "seed": 0}, "peak": {"gflops": 1.0},
-                           "settings": {"threads": 1, "opt_level": "all"},
-                           "rows": [{**vars(r), "model": "m"} for r in (greedy, control)]})
+    page = _page(greedy, control)
     assert "| m | control | ok |" in page and "Row `control` (`--control`)" in page
 
 
