@@ -80,8 +80,9 @@ class Editing:
         return used
 
     def add_constant(self, values: np.ndarray, hint: str = "const") -> gs.Constant:
-        """A new constant tensor."""
-        return gs.Constant(self.fresh_name(hint), np.ascontiguousarray(values))
+        """A new constant tensor of the array's own rank: a 0-d array stays a scalar (`np.ascontiguousarray` would
+        make it [1], and a scalar an exporter wrote, once folded, would then broadcast to one more dimension)."""
+        return gs.Constant(self.fresh_name(hint), np.require(values, requirements="C"))
 
     def remove_dead_nodes(self) -> None:
         """Removes the nodes no graph output depends on, as the cleanup of `finish_edit` does, but without its copies

@@ -362,8 +362,5 @@ class ShapeDimFold(Rule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         dims = np.asarray(match.param("dims"), np.int64)
-        if match.param("scalar"):  # add_constant makes every array at least 1-D
-            constant = gs.Constant(graph.fresh_name(f"{node.name}_dim"), dims.reshape(()))
-        else:
-            constant = graph.add_constant(dims, f"{node.name}_dims")
+        constant = graph.add_constant(dims.reshape(()) if match.param("scalar") else dims, f"{node.name}_dims")
         replace_all(graph, node.outputs, [constant])

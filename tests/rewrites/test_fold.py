@@ -109,6 +109,17 @@ def test_shape_dim_fold_keeps_a_scalar_index_scalar_and_reads_a_shape_slice():
     assert dim.values.shape == () and int(dim.values) == 4
 
 
+
+def test_constant_fold_keeps_a_scalar_scalar():
+    """A folded scalar stays 0-d: as [1], Unsqueeze would make it [1, 1] and the Concat after it would fail."""
+    scalar = graph([node("Mul", ["a", "b"], "p"), node("Unsqueeze", ["p", "ax"], "u"),
+                    node("Concat", ["m", "u"], "t", axis=0), node("Reshape", ["x", "t"])], {"x": [2, 3, 4]},
+                   consts={"a": np.array(3, np.int64), "b": np.array(4, np.int64), "ax": ints(0), "m": ints(-1)},
+                   opset=15)
+    folded = assert_rewrites(scalar, "constant-fold")
+    (value,) = [n for n in folded.gs.nodes if n.op == "Unsqueeze"][0].inputs[:1]
+    assert value.values.shape == () and int(value.values) == 12
+
 test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
 
 
