@@ -57,7 +57,8 @@ class Verification:
 
 
 def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Sequence[int] = (0, 1, 2),
-           shapes: Sequence[Mapping[str, Sequence[int]] | None] = (None,), tolerance: float | None = None,
+           shapes: Sequence[Mapping[str, Sequence[int]] | None] = (None,),
+           fallback: Mapping[str, Sequence[int]] | None = None, tolerance: float | None = None,
            opt_level: str = "disable", share_weights: bool = False,
            candidate_provider: str = "CPUExecutionProvider") -> Verification:
     """Runs both models on the same random inputs and compares every output.
@@ -68,6 +69,10 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
         seeds: one set of random inputs per seed.
         shapes: input shapes to try (None: the models' static shapes, dynamic dimensions set to 1). Give a second set
             for models with dynamic dimensions, so that a shape baked into the candidate is caught.
+        fallback: shapes tried in place of a set of `shapes`, after the first, at which the reference itself cannot
+            run: a set that changes apart dimensions the model binds together (a decode step's cache length and the
+            total length its mask spans) says nothing about the candidate.  Where the fallback fails too, or there is
+            none, the set is skipped; `extra["skipped_shapes"]` lists what was.  The first set must run.
         tolerance: relative-norm tolerance for every float output (default: by element type, see default_tolerance).
         opt_level: onnxruntime optimisation level for both sessions; `disable` checks the rewrite itself, not
             onnxruntime's own fusions.
@@ -85,14 +90,22 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
         return Verification(False, [], tuple(seeds), [dict(s or {}) for s in shapes], opt_level,
                             f"candidate lacks output(s) {', '.join(missing)}")
     worst: dict[str, OutputCheck] = {}
-    for shape in shapes:
+    used, skipped = [], []
+    for index, shape in enumerate(shapes):
+        first = _first_reference_run(ref_session, ref_names, reference, seeds[0], shape, fallback, index == 0)
+        if first is None:
+            skipped.append(dict(shape or {}))
+            continue
+        shape, expected = first
+        used.append(dict(shape or {}))
         for seed in seeds:
             feeds = random_inputs(reference, seed, shape)
-            expected = run_session(ref_session, ref_names, feeds)
+            if seed != seeds[0]:
+                expected = run_session(ref_session, ref_names, feeds)
             try:
                 actual = run_session(cand_session, ref_names, feeds)
             except Exception as exc:  # noqa: BLE001 - a candidate that fails to run simply does not verify
-                return Verification(False, [], tuple(seeds), [dict(s or {}) for s in shapes], opt_level,
+                return Verification(False, [], tuple(seeds), used, opt_level,
                                     f"candidate fails to run: {str(exc).strip().splitlines()[0][:300]}")
             for name, a, b in zip(ref_names, expected, actual):
                 check = compare_arrays(name, np.asarray(a), np.asarray(b), tolerance)
@@ -102,7 +115,21 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
     bad = [c for c in checks if not c.ok]
     message = "" if not bad else "; ".join(
         f"{c.name}: relative error {c.rel_norm:.2e} > {c.tolerance:.0e}" for c in bad)
-    return Verification(not bad, checks, tuple(seeds), [dict(s or {}) for s in shapes], opt_level, message)
+    return Verification(not bad, checks, tuple(seeds), used, opt_level, message,
+                        {"skipped_shapes": skipped} if skipped else {})
+
+
+def _first_reference_run(session, names: list[str], reference: onnx.ModelProto, seed: int, shape: Mapping | None,
+                         fallback: Mapping | None, required: bool) -> tuple[Mapping | None, list] | None:
+    """The shapes the reference runs at with `seed`'s inputs, `shape` else `fallback`, and its outputs there; None
+    where it runs at neither.  A `required` set (the first) that fails is the reference's own failure, and raises."""
+    for attempt in (shape,) if required or fallback is None else (shape, fallback):
+        try:
+            return attempt, run_session(session, names, random_inputs(reference, seed, attempt))
+        except Exception:  # noqa: BLE001 - where the reference cannot run, these shapes check nothing
+            if required:
+                raise
+    return None
 
 
 def compare_arrays(name: str, expected: np.ndarray, actual: np.ndarray, tolerance: float | None = None) -> OutputCheck:

@@ -112,7 +112,8 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     else:
         candidate = search.graph.to_model(static=False)
         verification = verify(given, candidate, seeds=(seed, seed + 1, seed + 2),
-                              shapes=verification_shapes(graph), share_weights=settings.share_weights)
+                              shapes=verification_shapes(graph), fallback=batch_changed_shapes(graph),
+                              share_weights=settings.share_weights)
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     measured = None
     if verification is not None and verification.ok:
@@ -276,6 +277,21 @@ def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
         other[vi.name] = tuple(shape)
     profiled = [dict(p.shapes) for p in graph.profiles[1:]]
     return ([fixed] if other == fixed else [fixed, other]) + profiled
+
+
+def batch_changed_shapes(graph: Graph) -> dict[str, tuple[int, ...]] | None:
+    """The measurement shapes with only each input's leading dimension changed, where it is dynamic: verification's
+    stand-in for the second set on a model that binds its dynamic dimensions together (a decode step's mask spans
+    the cache and the new tokens, so changing all three apart gives inputs the model itself cannot run); None where
+    no leading dimension is dynamic."""
+    fixed = dict(graph.input_shapes)
+    changed = {}
+    for vi in graph.interface[0]:
+        dims, shape = vi.type.tensor_type.shape.dim, list(fixed[vi.name])
+        if shape and dims and not (dims[0].HasField("dim_value") and dims[0].dim_value > 0):
+            shape[0] += 1
+        changed[vi.name] = tuple(shape)
+    return None if changed == fixed else changed
 
 
 def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.measure.inputs import index_bound, random_inputs
@@ -71,3 +72,39 @@ def test_tolerances_and_comparisons():
     assert not compare_arrays("a", a, np.array([1.0, 2.0, 3.0], np.float32)).ok
     assert not compare_arrays("i", np.array([1, 2]), np.array([1, 3])).ok
     assert not compare_arrays("s", np.zeros(3), np.zeros(4)).ok
+
+
+def _cached_step() -> onnx.ModelProto:
+    """A decode step's binding: the mask spans the cache and the new tokens, so its length is theirs summed."""
+    f = TensorProto.FLOAT
+    return tiny_model([helper.make_node("Concat", ["past", "new"], ["all"], axis=1),
+                       helper.make_node("Add", ["all", "mask"], ["y"])],
+                      [helper.make_tensor_value_info("past", f, ["batch", "past_sequence"]),
+                       helper.make_tensor_value_info("new", f, ["batch", "sequence"]),
+                       helper.make_tensor_value_info("mask", f, ["batch", "total_sequence"])],
+                      [helper.make_tensor_value_info("y", f, ["batch", "total_sequence"])])
+
+
+def test_shapes_the_reference_cannot_run_fall_back_or_are_skipped():
+    """Every dynamic dimension changed apart gives a decode step inputs it cannot run (a cache of 4, 2 new tokens, a
+    mask of 5): verification then checks the fallback (batch changed alone), or records the set as skipped; the
+    first set must run, since a reference that fails at its own shapes is the input's failure."""
+    step = _cached_step()
+    fixed = {"past": (1, 3), "new": (1, 1), "mask": (1, 4)}
+    apart = {"past": (2, 4), "new": (2, 2), "mask": (2, 5)}
+    batch = {"past": (2, 3), "new": (2, 1), "mask": (2, 4)}
+    checked = verify(step, step, shapes=[fixed, apart], fallback=batch)
+    assert checked.ok and checked.shapes == [fixed, batch] and "skipped_shapes" not in checked.extra
+    skipped = verify(step, step, shapes=[fixed, apart])
+    assert skipped.ok and skipped.shapes == [fixed] and skipped.extra["skipped_shapes"] == [apart]
+    with pytest.raises(Exception, match="Concat|Add|shape|dimension"):
+        verify(step, step, shapes=[apart, fixed], fallback=batch)
+
+
+def test_the_fallback_changes_the_leading_dynamic_dimensions_only():
+    from rlflow.graph.core import Graph
+    from rlflow.optimize.pipeline import batch_changed_shapes, verification_shapes
+
+    graph = Graph.from_model(_cached_step(), {"past": (1, 3), "new": (1, 1), "mask": (1, 4)})
+    assert verification_shapes(graph)[1] == {"past": (2, 4), "new": (2, 2), "mask": (2, 5)}
+    assert batch_changed_shapes(graph) == {"past": (2, 3), "new": (2, 1), "mask": (2, 4)}
