@@ -1,6 +1,9 @@
 """comparison.md: the peer onnxscript-ort on the held-out encoders (encoders/, one run) beside the shipped agent and
 greedy as agent-wide/joint-measure-share measured them (two bench seeds, an earlier run of the same machine and
 models): a peer added after the runs it is compared with, so each figure is its own run's input-against-output ratio.
+Then the deployment section's other exports: the peer and the bench's control row (deploy-rest/), and on RoBERTa and
+GPT-2 greedy, the peer, onnxruntime's transformers optimizer and the control measured in one run (roberta-gpt2/, and
+its rerun of GPT-2's TorchScript decode step once greedy no longer crashed there).
 
     python docs/results/peer-onnxscript-ort/compare.py
 """
@@ -46,9 +49,39 @@ def main() -> str:
     behind = [m for m in models if all(run[(m, "greedy")]["speedup"] < peer[m]["speedup_low"] for run in runs)]
     lines += ["", f"Exports where the peer's interval lies above greedy's median in every run: "
               f"{', '.join(behind) or 'none'}."]
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines + _deployment_lines()) + "\n"
     (here / "comparison.md").write_text(text)
     return text
+
+
+def _rows(folder: Path) -> dict:
+    return {(r["model"], r["method"]): r for r in json.loads((folder / "results.json").read_text())["rows"]}
+
+
+def _deployment_lines() -> list[str]:
+    """The section's exports the first table lacks: the peer and the control (deploy-rest/), and where greedy ran
+    beside them (roberta-gpt2/ and its rerun, which replaces its model's rows), greedy and ort-transformers."""
+    rest = _rows(here / "deploy-rest")
+    joint = {**_rows(here / "roberta-gpt2"), **_rows(here / "roberta-gpt2" / "gpt2-decode-ts-rerun")}
+    lines = ["", "## The deployment section's other exports", "",
+             "The peer and the bench's control row (`--control`: the input's own copy measured as an output, the "
+             "spread a figure on that export can show with no change at all) in [deploy-rest/](deploy-rest/results.md); "
+             "on RoBERTa and GPT-2 greedy, the peer, ort-transformers and the control again in one run "
+             "([roberta-gpt2/](roberta-gpt2/results.md)).", "",
+             "| export | onnxscript-ort | control | greedy, same run | onnxscript-ort, same run | ort-transformers, "
+             "same run | control, same run |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model in dict.fromkeys(m for m, _ in rest):
+        again = [_cell(joint.get((model, m))) if (model, m) in joint else ""
+                 for m in ("greedy", PEER, "ort-transformers", "control")]
+        lines.append(f"| {model} | {_cell(rest.get((model, PEER)))} | {_cell(rest.get((model, 'control')))} | "
+                     + " | ".join(again) + " |")
+    controls = [r for r in [*rest.values(), *joint.values()] if r["method"] == "control" and r["status"] == "ok"]
+    apart = [r for r in controls if r["speedup_low"] > 1 or r["speedup_high"] < 1]
+    lines += ["", f"The control's interval excludes 1 on {len(apart)} of its {len(controls)} measurements "
+              f"({', '.join(sorted({r['model'] for r in apart}))}): the bench's 95% interval covers the rounds' spread "
+              "within a run, not every difference between fresh sessions, so a bold figure within a percent or two "
+              "of 1 is not yet a difference."]
+    return lines
 
 
 def _cell_geomean(rows: list) -> str:
