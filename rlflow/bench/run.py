@@ -143,6 +143,7 @@ def run_bench(models: Sequence[Path], config: BenchConfig, out_dir: str | os.Pat
                 if run.loaded:
                     warmups[model.stem] = run.warmup_seconds
                 tables = run.cost_tables or tables
+                bar.total += len(run.rows) - runs_per_model  # a decoder's builder row; a model that failed to load
                 bar.update(len(run.rows))
                 bar.set_postfix_str(model.stem)
                 write_results(_results(config, settings, peak, started, rows, warmups, tables, complete=False),
