@@ -41,7 +41,7 @@ BENCH_ROUNDS ?= 12
 RAY ?=
 bench: $(STAMP)
 	$(BIN)/rlflow zoo build --out models
-	$(BIN)/rlflow bench models --methods agent,greedy,taso,random --peers --threads 1 \
+	$(BIN)/rlflow bench models --methods agent,greedy,taso,random --peers --control --threads 1 \
 		--rounds $(BENCH_ROUNDS) $(if $(RAY),$(if $(filter local,$(RAY)),--ray,--ray $(RAY))) --out docs/results
 	$(BIN)/rlflow wallclock models --out docs/results
 
