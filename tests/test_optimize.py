@@ -400,3 +400,16 @@ def test_both_shipped_agents_load_under_this_registry_and_play_a_small_model(shi
     assert result.settings["agent"]["path"] == f"rlflow/checkpoints/{shipped}"
     assert result.outcome in ("rewritten", "gate rejected", "not verified", "out of time", "nothing found")
     assert result.verification is None or result.verification.ok
+
+
+def test_the_report_says_when_verification_skipped_a_shape_set(tmp_path, matmul_model):
+    """A shape set the input itself cannot run is skipped by verification (tests/measure/test_verify.py); the report
+    says so beside the sets it checked."""
+    from dataclasses import replace
+
+    from rlflow.measure.verify import Verification
+
+    result = rlflow.optimize(save(matmul_model, tmp_path / "m.onnx"), method="greedy", time_limit=1, rounds=3)
+    checked = Verification(True, [], (0, 1, 2), [{"x": (1, 8)}], "disable", extra={"skipped_shapes": [{"x": (2, 9)}]})
+    text = format_report(replace(result, verification=checked))
+    assert "over seeds [0, 1, 2] and 1 input shape set(s); 1 skipped, the input itself failing to run there" in text

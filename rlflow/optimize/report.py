@@ -29,7 +29,9 @@ def format_report(result: Result) -> str:
         v = result.verification
         lines.append(f"  verified    {'yes' if v.ok else 'NO'}: relative error norm ||out - ref|| / ||ref|| at most "
                      f"{v.max_rel_norm:.2e} over seeds "
-                     f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)")
+                     f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)"
+                     + (f"; {len(v.extra['skipped_shapes'])} skipped, the input itself failing to run there"
+                        if v.extra.get("skipped_shapes") else ""))
         groups: dict[tuple, list] = {}  # a decoder's 60 present states: one line per name pattern
         for check in v.outputs:
             groups.setdefault((re.sub(r"\d+", "#", check.name), check.tolerance), []).append(check)
