@@ -96,11 +96,11 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
         if first is None:
             skipped.append(dict(shape or {}))
             continue
-        shape, expected = first
+        shape, feeds, expected = first
         used.append(dict(shape or {}))
         for seed in seeds:
-            feeds = random_inputs(reference, seed, shape)
             if seed != seeds[0]:
+                feeds = random_inputs(reference, seed, shape)
                 expected = run_session(ref_session, ref_names, feeds)
             try:
                 actual = run_session(cand_session, ref_names, feeds)
@@ -120,12 +120,14 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
 
 
 def _first_reference_run(session, names: list[str], reference: onnx.ModelProto, seed: int, shape: Mapping | None,
-                         fallback: Mapping | None, required: bool) -> tuple[Mapping | None, list] | None:
-    """The shapes the reference runs at with `seed`'s inputs, `shape` else `fallback`, and its outputs there; None
-    where it runs at neither.  A `required` set (the first) that fails is the reference's own failure, and raises."""
+                         fallback: Mapping | None, required: bool) -> tuple[Mapping | None, dict, list] | None:
+    """The shapes the reference runs at with `seed`'s inputs, `shape` else `fallback`, those inputs and its outputs
+    there; None where it runs at neither.  A `required` set (the first) that fails is the reference's own failure,
+    and raises."""
     for attempt in (shape,) if required or fallback is None else (shape, fallback):
         try:
-            return attempt, run_session(session, names, random_inputs(reference, seed, attempt))
+            feeds = random_inputs(reference, seed, attempt)
+            return attempt, feeds, run_session(session, names, feeds)
         except Exception:  # noqa: BLE001 - where the reference cannot run, these shapes check nothing
             if required:
                 raise

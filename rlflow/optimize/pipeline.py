@@ -266,15 +266,7 @@ def _search(graph: Graph, settings: SessionSettings, method: str, time_limit: fl
 def verification_shapes(graph: Graph) -> list[dict[str, tuple[int, ...]]]:
     """The measurement shapes, plus a second set with every dynamic dimension changed, so baked shapes are caught,
     plus the shapes of the graph's other profiles."""
-    fixed = dict(graph.input_shapes)
-    other = {}
-    for vi in graph.interface[0]:
-        dims = vi.type.tensor_type.shape.dim
-        shape = list(fixed[vi.name])
-        for k, dim in enumerate(dims):
-            if not (dim.HasField("dim_value") and dim.dim_value > 0):
-                shape[k] = shape[k] + 1
-        other[vi.name] = tuple(shape)
+    fixed, other = dict(graph.input_shapes), _grown(graph, leading_only=False)
     profiled = [dict(p.shapes) for p in graph.profiles[1:]]
     return ([fixed] if other == fixed else [fixed, other]) + profiled
 
@@ -284,14 +276,20 @@ def batch_changed_shapes(graph: Graph) -> dict[str, tuple[int, ...]] | None:
     stand-in for the second set on a model that binds its dynamic dimensions together (a decode step's mask spans
     the cache and the new tokens, so changing all three apart gives inputs the model itself cannot run); None where
     no leading dimension is dynamic."""
-    fixed = dict(graph.input_shapes)
-    changed = {}
+    changed = _grown(graph, leading_only=True)
+    return None if changed == dict(graph.input_shapes) else changed
+
+
+def _grown(graph: Graph, leading_only: bool) -> dict[str, tuple[int, ...]]:
+    """The measurement shapes with each dynamic dimension one larger (each input's leading one alone, or all)."""
+    grown = {}
     for vi in graph.interface[0]:
-        dims, shape = vi.type.tensor_type.shape.dim, list(fixed[vi.name])
-        if shape and dims and not (dims[0].HasField("dim_value") and dims[0].dim_value > 0):
-            shape[0] += 1
-        changed[vi.name] = tuple(shape)
-    return None if changed == fixed else changed
+        shape = list(graph.input_shapes[vi.name])
+        for k, dim in enumerate(vi.type.tensor_type.shape.dim[:1] if leading_only else vi.type.tensor_type.shape.dim):
+            if not (dim.HasField("dim_value") and dim.dim_value > 0):
+                shape[k] += 1
+        grown[vi.name] = tuple(shape)
+    return grown
 
 
 def load_input(model: str | os.PathLike | Graph, input_shapes: Mapping[str, Sequence[int]] | None,
