@@ -136,7 +136,8 @@ def _measure(graph: Graph, outputs: dict[str, Graph], settings: SessionSettings,
         try:
             if method not in measured:
                 (measured[method],) = measure_outputs(graph, [output], settings, config.rounds, config.seed + 1)
-            device[method] = device_errors(graph, output, settings, graph)
+            if method != CONTROL:  # the input's copy: its device error is the input's own, which the rows hold
+                device[method] = device_errors(graph, output, settings, graph)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the run
             measured.pop(method, None)
             failed[method] = failed_row(model, method, exc)
