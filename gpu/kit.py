@@ -59,18 +59,15 @@ MARGIN = 3 * 2**20
 
 LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5 '
               'GPU_BENCH_ARGS="--fix-dim batch=1 --fix-value attention_mask=1" '
-              'GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo-fp16 smollm2-135m-decode-p128-dynamo-fp16"')
-"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's GPU part: the fp16
-decode steps at past 128, captured, fixed at batch 1 (`--fix-dim`) and without padding (`--fix-value`), where the
-rotary embedding goes into GroupQueryAttention, Q/K/V are packed and the mask is dropped (a mask keeps onnxruntime's
-CUDA kernel on its unfused path), as in the builder's graph, the CUDA agent (trained with the decoders since
-2026-11-29: its first measured decoder run) and greedy, measured together, and the peers with the builder's graph beside;
-the rows' device errors (`## On the device`) say whether GroupQueryAttention's CUDA rotary and causal masking compute
-what the CPU's verified.  docs/results/gpu/h200-1128/ measured the same steps unfixed (kit a
-minute, zoo build 2.0 minutes, bench 7.6).  Then issue #49's part with what is left, one model a call (1.4 minutes
-each there): `GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=default GPU_ROUNDS=5
-GPU_ZOO=...` with `electra-small-s16-dynamo`, `albert-base-s16-ts`, then `bert-l4-h256-s16-ts` again (the three
-held-out models of the plan).  Later: the fp32 decode steps, plain (not captured), the prefill."""
+              'GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo smollm2-135m-decode-p128-dynamo"')
+"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's GPU part, next in
+its order: the float32 decode steps at past 128, captured, at batch 1 without padding (`--fix-dim`, `--fix-value`), the
+CUDA agent and greedy measured together, the peers and the builder's graph beside (the float16 ones measured so in
+docs/results/gpu/h200-1130/: kit a minute, zoo build 1.8 minutes, bench 8.1).  Then issue #49's part with what is
+left, one model a call (1-1.5 minutes each there): `GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy
+GPU_TIME_LIMIT=default GPU_ROUNDS=5 GPU_ZOO=bert-l4-h256-s16-ts` (the third held-out model, last measured with the
+agent shipped before), then `GPU_METHODS=taso` on the three.  Later: the decode steps plain (not captured), the
+prefills."""
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"
