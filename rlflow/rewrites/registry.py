@@ -15,6 +15,7 @@ from __future__ import annotations
 from rlflow.rewrites import (
     algebra_elementwise,
     algebra_products,
+    attention_nan_guard,
     cleanup,
     fold,
     fusion_attention,
@@ -143,6 +144,7 @@ RULES: tuple[Rule, ...] = (
     fusion_linear.TiedHeadFusion(group="fusion"),                   # 102 tied-head-fusion
     fold.ShapeDimFold(group="fold"),                                # 103 shape-dim-fold
     cleanup.ConcatEmptyElim(group="fold"),                          # 104 concat-empty-elim
+    attention_nan_guard.AttentionNanGuardElim(group="fusion"),      # 105 attention-nan-guard-elim
 )
 """Every rule, in action-id order.  Append only."""
 
