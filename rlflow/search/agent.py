@@ -90,8 +90,9 @@ class AgentConfig:
         measure: False ends on the graph of every rollout's that the cost model prices lowest, measuring nothing
             (scoring for a provider this machine lacks: `rlflow bench-estimate`).
         fuse_everything: measure two fuse-everything graphs (`rlflow.search.fuse_everything`) among the `top_k`,
-            in place of the rollouts' last two; False measures only the rollouts' graphs (what training's evaluation
-            scores: the policy).
+            in place of the rollouts' last two, built from every rule offered, those appended to the registry after
+            the agent was trained too (the policy plays only the rules it knows); False measures only the rollouts'
+            graphs (what training's evaluation scores: the policy).
     """
 
     agent: str | None = None
@@ -228,7 +229,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
                             f"{reserve:.0f} s of the {config.time_limit:.0f} s limit; a time limit of about "
                             f"{2 * reserve:.0f} s would leave the rollouts their share")
     actor = as_actor(policy if policy is not None else load_agent(config.agent))
-    rules = known_rules(actor, rules)
+    offered, rules = rules, known_rules(actor, rules)  # the policy plays the rules it knows; the priors take all
     cost_model = cost_model if cost_model is not None else CostModel(settings)  # an empty one is falsy
     generator = torch.Generator().manual_seed(config.seed)
     visited: dict[str, tuple[float, Candidate | None]] = {}
@@ -247,7 +248,7 @@ def agent_search(graph: Graph, settings: SessionSettings, config: AgentConfig | 
         original_cost, original = cost_model.graph_cost(graph), graph.fingerprint()
         # before the rollouts, so that their pricing and rewriting (1-2 s on MiniLM-L12) comes out of the rollouts'
         # time rather than the measurement's, which then screened 2 of 4 candidates
-        fused = (fuse_everything(Candidate(graph, (), original), rules, cost_model, search_deadline)
+        fused = (fuse_everything(Candidate(graph, (), original), offered, cost_model, search_deadline)
                  if config.fuse_everything and config.measure else [])
         chosen, unchanged = [], 0  # the graphs the measurement would get, and for how many rollouts they have held
         with tqdm(total=config.rollouts, desc="agent", unit="rollout", disable=not progress, leave=False) as bar:

@@ -257,7 +257,9 @@ def test_the_agent_plays_the_scope_its_checkpoint_was_trained_in(tmp_path, zoo_p
 
 def test_an_agent_from_a_registry_this_one_extends_acts_on_the_rules_it_knows(zoo_paths, cost_model, monkeypatch):
     """RULES is append-only: after a rule is added, the shipped agents (trained before it) still load, and their
-    environment offers only the rules they were trained on; a registry that is not an extension is still refused."""
+    environment offers only the rules they were trained on; a registry that is not an extension is still refused.
+    (A fusion appended to the registry reaches them through the fuse-everything graphs, which take every rule
+    offered: this one has no group, so it is in none.)"""
     import rlflow.env.rewrite_env
     import rlflow.rewrites
     from rlflow.rewrites import rule
