@@ -66,8 +66,9 @@ CUDA agent and greedy measured together, the peers and the builder's graph besid
 docs/results/gpu/h200-1130/: kit a minute, zoo build 1.8 minutes, bench 8.1).  Then issue #49's part with what is
 left, one model a call (1-1.5 minutes each there): `GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy
 GPU_TIME_LIMIT=default GPU_ROUNDS=5 GPU_ZOO=bert-l4-h256-s16-ts` (the third held-out model, last measured with the
-agent shipped before), then `GPU_METHODS=taso` on the three.  Later: the decode steps plain (not captured), the
-prefills."""
+agent shipped before), then `electra-small-s16-dynamo` again (onnxscript-ort's output, without the exporter's NaN
+guards, measured 1.731x there against 1.588x for both of rlflow's: `attention-nan-guard-elim` drops them since), then
+`GPU_METHODS=taso` on the three.  Later: the decode steps plain (not captured), the prefills."""
 
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"
