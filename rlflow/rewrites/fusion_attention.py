@@ -264,7 +264,8 @@ class AttentionFusion(Rule):
 
     An additive mask on the scores (`Softmax(s * Q.K^T + mask)`, as exporters write `attention_mask`) becomes its
     `attention_bias`, and so does a fixed causal mask written as `Where(C, fill, scores)` (`_where_mask`); the
-    exporters' NaN guard after the Softmax is kept on the fused output.  A decoder's KV cache
+    exporters' NaN guard after the Softmax is kept on the fused output (`attention-nan-guard-elim` drops it where the
+    masks are finite).  A decoder's KV cache
     (GPT-2: keys and values appended to past ones and output as the present state) becomes the operator's past inputs
     and present outputs."""
 

@@ -14,9 +14,9 @@ What onnxruntime 1.31's CPU kernel does, by probes against `RotaryEmbedding` fol
   not a multiple of 8; such tables are refused here.
 * `q_norm_weight` / `k_norm_weight` (Qwen3's per-head RMSNorm): the CPU kernel refuses them (CUDA and WebGPU only),
   so Qwen3's SimplifiedLayerNormalization stays outside, and the query and keys then come from it.
-* The NaN guard that group-query-attention-fusion keeps after the operator stays: it zeroes a row whose keys are all
-  masked at -inf (TorchScript's fill), and any row a non-finite cache or activation makes NaN, which the operator
-  passes on.
+* The NaN guard that group-query-attention-fusion keeps after the operator is not taken in: it zeroes a row whose
+  keys are all masked at -inf (TorchScript's fill), and any row a non-finite cache or activation makes NaN, which the
+  operator passes on.  Where every mask is finite, `attention-nan-guard-elim` (`attention_nan_guard.py`) drops it.
 """
 from __future__ import annotations
 
