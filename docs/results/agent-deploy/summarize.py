@@ -41,7 +41,20 @@ TARGET_STEP_SHARE = 0.2
 
 
 def _runs(folder: Path = HERE) -> list[tuple[str, dict]]:
-    return [(path.parent.name, json.loads(path.read_text())) for path in sorted(folder.glob("seed*/worldmodel.json"))]
+    """Each seed's worldmodel.json; where the folder holds its own PPO baseline (ppo/ppo.json), PPO's final return and
+    the steps to reach it are taken against that one, whichever file a seed's run was given."""
+    runs = [(path.parent.name, json.loads(path.read_text())) for path in sorted(folder.glob("seed*/worldmodel.json"))]
+    baseline = folder / "ppo" / "ppo.json"
+    if baseline.is_file():
+        from rlflow.train.worldmodel.result import ppo_curve_summary, steps_to_reach
+
+        ppo = json.loads(baseline.read_text())
+        train, curve = ppo["train"], ppo_curve_summary(ppo)
+        for _, run in runs:
+            run["final_reward_ppo"], run["real_steps_ppo"] = train["final_mean_return"], train["real_steps"]
+            run["ppo_curve"] = curve
+            run["real_steps_worldmodel_to_reach_ppo_final"] = steps_to_reach(run["curve"], train["final_mean_return"])
+    return runs
 
 
 def _figures(run: dict) -> dict:

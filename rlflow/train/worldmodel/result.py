@@ -110,7 +110,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
         "ppo_results": config.ppo_results,
         "ppo_registry_version": ppo.get("registry_version") if ppo else None,
         "ppo_config": ppo.get("config") if ppo else None,
-        "ppo_curve": _ppo_curve_summary(ppo),
+        "ppo_curve": ppo_curve_summary(ppo),
         "quality": final_q,
         "quality_history": [{k: v for k, v in h.items() if k != "reward_pairs"} for h in history],
         "curve": points,
@@ -122,7 +122,7 @@ def build_result(config: Config, points: list[dict], history: list[dict], real_s
     }
 
 
-def _ppo_curve_summary(ppo: dict | None, points: int = 100) -> list[list[float]] | None:
+def ppo_curve_summary(ppo: dict | None, points: int = 100) -> list[list[float]] | None:
     """PPO's rolling-mean curve (as plotted) at about `points` real-step positions: [[real_steps, mean], ...]."""
     from rlflow.train.worldmodel.quality import ppo_curve
 
