@@ -23,9 +23,10 @@ SEQUENCES = ([], ["skip-layernorm-fusion", "skip-layernorm-unfuse"], ["mul-add-d
 IDS = {r.name: i for i, r in enumerate(RULES)}
 
 
-def play(cost_model, settings, sequence):
-    """The graph and the summed rewards of `sequence`, each rule applied rule-wide at its first listed match."""
-    env = RewriteEnv(MODEL, cost_model=cost_model, settings=settings, scope="rule", max_episode_steps=50)
+def play(cost_model, settings, sequence, model: str = MODEL):
+    """The graph and the summed rewards of `sequence` on `model`, each rule applied rule-wide at its first listed
+    match."""
+    env = RewriteEnv(model, cost_model=cost_model, settings=settings, scope="rule", max_episode_steps=50)
     obs, _ = env.reset(options={"model": 0})
     total = 0.0
     for name in sequence:
