@@ -33,16 +33,17 @@ def greedy_episode(agent: Path, model: Path, cost_model, settings) -> list[tuple
 
 
 @torch.no_grad()
-def play_greedy(actor, env, index: int = 0) -> list[tuple[str, float | None, float]]:
+def play_greedy(actor, env, index: int = 0, logits=None) -> list[tuple[str, float | None, float]]:
     """[(rule or "stop", M's predicted reward or None, the environment's reward)] of `actor`'s greedy episode on model
     `index` of `env`, played as the agent search plays it (never revisiting a graph; plan_vs_controller.py sums its
-    rewards)."""
+    rewards); `logits` (obs -> candidate logits) in place of `actor.greedy_logits` (decoders-340/lookahead.py)."""
+    logits = logits or actor.greedy_logits
     scale = float(actor.config.get("reward_scale", 10.0))
     obs, _ = env.reset(options={"model": index})
     actor.reset()
     seen, steps, done = {env.fingerprint}, [], False
     while not done:
-        action = choose_unvisited(env, actor.greedy_logits(obs), seen, greedy=True, may_terminate=True,
+        action = choose_unvisited(env, logits(obs), seen, greedy=True, may_terminate=True,
                                   temperature=1.0, generator=torch.Generator().manual_seed(0))
         rules = np.asarray(obs["cand_rule"])
         rule = int(rules[action]) if action < len(rules) else len(RULES)

@@ -10,13 +10,12 @@ writes the returns (% of the input's estimated time) to lookahead.md.  Nothing h
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rlflow.agents.actor import load_actor
-from rlflow.agents.unvisited import choose_unvisited
 from rlflow.env.observation import NEG
 from rlflow.env.rewrite_env import RewriteEnv
 from rlflow.errors import RlflowError
@@ -25,6 +24,12 @@ from rlflow.measure.costmodel.model import CostModel
 from rlflow.measure.session import SessionSettings
 from rlflow.rewrites import RULES
 from rlflow.worldmodel.location import candidate_logits
+
+_SPEC = importlib.util.spec_from_file_location("greedy_episode",
+                                               Path(__file__).resolve().parent.parent / "greedy_episode.py")
+_GREEDY_EPISODE = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_GREEDY_EPISODE)
+play_greedy = _GREEDY_EPISODE.play_greedy  # the loop greedy_episode.py plays, with this script's scores
 
 
 @torch.no_grad()
@@ -55,25 +60,14 @@ def two_step_scores(memory, obs) -> torch.Tensor:
 
 
 def episode(actor, path: Path, cost_model, settings, depth: int) -> tuple[float, list[str]]:
-    """(return, rules) of the agent's greedy episode on `path`, planning `depth` (1 or 2) steps in M."""
+    """(return, rules) of the agent's greedy episode on `path` (`greedy_episode.play_greedy`), planning `depth` (1 or
+    2) steps in M."""
     env = RewriteEnv(load(path), rules=RULES[:actor.agent.n_rules], cost_model=cost_model, settings=settings,
                      scope="rule", max_episode_steps=int(actor.config.get("max_episode_steps", 10)))
-    obs, _ = env.reset(options={"model": 0})
-    actor.reset()
-    seen, total, rules, done = {env.fingerprint}, 0.0, [], False
-    while not done:
-        scores = actor.memory.greedy_rule_scores(obs) if depth == 1 else two_step_scores(actor.memory, obs)
-        logits = candidate_logits(scores, obs, getattr(actor.agent, "location", None))
-        action = choose_unvisited(env, logits, seen, greedy=True, may_terminate=True, temperature=1.0,
-                                  generator=torch.Generator().manual_seed(0))
-        listed = np.asarray(obs["cand_rule"])
-        rules.append(RULES[int(listed[action])].name if action < len(listed) else "stop")
-        actor.observe(action, obs)
-        obs, reward, terminated, truncated, _ = env.step(action)
-        seen.add(env.fingerprint)
-        total += float(reward)
-        done = terminated or truncated
-    return total, rules
+    location = getattr(actor.agent, "location", None)
+    logits = None if depth == 1 else (lambda obs: candidate_logits(two_step_scores(actor.memory, obs), obs, location))
+    steps = play_greedy(actor, env, logits=logits)
+    return sum(reward for _, _, reward in steps), [rule for rule, _, _ in steps]
 
 
 def main() -> None:
