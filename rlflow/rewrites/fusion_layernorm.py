@@ -172,3 +172,40 @@ class SkipLayerNormFusion(Rule):
         attrs = {"epsilon": float(node.attrs.get("epsilon", 1e-5))}
         replace_with_skip_norm(graph, "SkipLayerNormalization", inputs, attrs, node.outputs[0],
                                add.outputs[0] if match.param("shared") else None, "skip_ln")
+
+
+class ResidualBiasReorder(Rule):
+    """Replaces `LayerNormalization(Add(Add(y, bias), r))` with `LayerNormalization(Add(Add(y, r), bias))`.
+
+    The exporters add a linear layer's bias before the residual; onnxruntime's CPU optimizer then folds the bias into
+    a Gemm (with a Reshape on each side of a 3-D input) and the residual Add into its SkipLayerNormalization kernel,
+    which on the CPU is slower than Add and LayerNormalization at the small widths of batch-1 encoders
+    (docs/results/residual-order/).  With the residual added first, onnxruntime 1.31 fuses neither; the graph
+    `skip-layernorm-fusion` then `skip-layernorm-unfuse` writes, in one step.  A reassociation of a float sum: equal
+    up to rounding."""
+
+    name = "residual-bias-reorder"
+    root_ops = ("LayerNormalization",)
+
+    def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
+        outer = input_producer(node, 0, "Add")
+        if outer is None:
+            return self.no(node, "input is not an Add")
+        shape = graph.shape(outer.outputs[0])
+        for operand in (0, 1):
+            inner = private_producer(graph, outer, operand, "Add")
+            side = None if inner is None else bias_side(graph, inner)
+            if side is None:
+                continue
+            residual = outer.inputs[1 - operand]
+            if Graph.constant(residual) is not None or graph.shape(residual) != shape:
+                return self.no(node, "the residual is a constant or broadcasts")
+            return self.match([node, outer, inner], operand=operand, side=side)
+        return self.no(node, "no operand of the Add is a private bias Add")
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        outer, inner = nodes[match.nodes[1]], nodes[match.nodes[2]]
+        operand, side = match.param("operand"), match.param("side")
+        bias, residual = inner.inputs[side], outer.inputs[1 - operand]
+        inner.inputs[side] = residual
+        outer.inputs[1 - operand] = bias

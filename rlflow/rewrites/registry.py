@@ -145,6 +145,7 @@ RULES: tuple[Rule, ...] = (
     fold.ShapeDimFold(group="fold"),                                # 103 shape-dim-fold
     cleanup.ConcatEmptyElim(group="fold"),                          # 104 concat-empty-elim
     attention_nan_guard.AttentionNanGuardElim(group="fusion"),      # 105 attention-nan-guard-elim
+    fusion_layernorm.ResidualBiasReorder(group="layout"),           # 106 residual-bias-reorder
 )
 """Every rule, in action-id order.  Append only."""
 

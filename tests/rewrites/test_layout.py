@@ -1,7 +1,17 @@
 """Layout rules: transposes, reshapes, concatenations and splits that cancel or move."""
 from __future__ import annotations
 
-from .helpers import assert_rewrites, case_tests, graph, ints, node, weights
+from pathlib import Path
+
+import pytest
+
+from rlflow.graph.core import load
+from rlflow.measure.verify import verify
+from rlflow.rewrites import apply_everywhere, rule
+
+from .helpers import assert_refuses, assert_rewrites, case_tests, graph, ints, node, weights
+
+EXPORTS = Path(__file__).resolve().parents[1] / "fixtures" / "exports"
 
 X = {"x": [2, 3, 4]}
 NHWC = {"x": [1, 5, 5, 3]}
@@ -14,7 +24,18 @@ def _conv_nhwc(kernel=1, stride=1):
                  consts={"w": weights(6, 3, kernel, kernel), "b": weights(6)})
 
 
+def _residual_ln(bias_first=False, operand=0, residual_shape=(2, 4, 8)):
+    """`LayerNormalization(Add(Add(MatMul(x, W), c), z))`, a transformer's linear layer, bias, residual and norm."""
+    linear = [node("MatMul", ["x", "w"], "m"), node("Add", ["c", "m"] if bias_first else ["m", "c"], "h")]
+    add = node("Add", ["h", "z"] if operand == 0 else ["z", "h"], "s")
+    return graph([*linear, add, node("LayerNormalization", ["s", "g", "b"], epsilon=1e-3)],
+                 {"x": ["batch", 4, 8], "z": list(residual_shape)}, opset=17,
+                 consts={"w": weights(8, 8), "c": weights(8, seed=2), "g": weights(8), "b": weights(8, seed=1)})
+
+
 CASES = {
+    "residual-bias-reorder": (lambda: _residual_ln(), lambda: _residual_ln(residual_shape=(8,)),
+                              "the residual is a constant or broadcasts"),
     "transpose-transpose": (
         lambda: graph([node("Transpose", ["x"], "t", perm=[1, 0, 2]), node("Transpose", ["t"], perm=[2, 0, 1])], X),
         lambda: graph([node("Relu", ["x"], "t"), node("Transpose", ["t"], perm=[2, 0, 1])], X),
@@ -109,8 +130,6 @@ def test_matmul3d_to_gemm_round_trip():
 
 
 def test_matmul3d_refuses_a_bias_that_is_not_a_vector():
-    from .helpers import assert_refuses
-
     g = graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "b"])], {"x": [2, 6, 4]},
               consts={"w": weights(4, 5), "b": weights(6, 5)})
     assert_refuses(g, "matmul3d-add-to-gemm", "not a constant vector along the last axis")
@@ -121,8 +140,7 @@ def test_concat_split_cancel_with_an_equal_split():
     from onnx import TensorProto, helper
 
     from rlflow.graph.core import Graph
-    from rlflow.measure.verify import verify
-    from rlflow.rewrites import apply, rule
+    from rlflow.rewrites import apply
 
     value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])  # noqa: E731
     nodes = [helper.make_node("Concat", ["a", "b"], ["c"], axis=0),
@@ -134,3 +152,42 @@ def test_concat_split_cancel_with_an_equal_split():
     matches = rule("concat-split-cancel").find(graph)
     assert len(matches) == 1
     assert verify(model, apply(graph, matches[0]).to_model()).ok
+
+
+@pytest.mark.parametrize("bias_first, operand", [(False, 0), (True, 1)])
+def test_residual_bias_reorder_adds_the_residual_first(bias_first, operand):
+    """The bias Add moves after the residual one, at any batch (the input's batch is dynamic), once: the new form is
+    not matched again."""
+    g = _residual_ln(bias_first, operand, residual_shape=("batch", 4, 8))
+    new = assert_rewrites(g, "residual-bias-reorder", dynamic={"x": [3, 4, 8], "z": [3, 4, 8]})
+    nodes = {n.outputs[0].name: n for n in new.gs.nodes}
+    ln = next(n for n in new.gs.nodes if n.op == "LayerNormalization")
+    outer = nodes[ln.inputs[0].name]
+    assert "c" in [t.name for t in outer.inputs]
+    inner = next(nodes[t.name] for t in outer.inputs if t.name in nodes)
+    assert {t.name for t in inner.inputs} == {"m", "z"}
+    assert not rule("residual-bias-reorder").find(new)
+
+
+def test_residual_bias_reorder_leaves_a_shared_bias_sum():
+    """Where the biased output is read elsewhere too, moving the bias would change what that reader sees."""
+    g = graph([node("MatMul", ["x", "w"], "m"), node("Add", ["m", "c"], "h"), node("Add", ["h", "z"], "s"),
+               node("LayerNormalization", ["s", "g", "b"], "n"), node("Add", ["n", "h"], "y")],
+              {"x": [2, 4, 8], "z": [2, 4, 8]}, opset=17,
+              consts={"w": weights(8, 8), "c": weights(8, seed=2), "g": weights(8), "b": weights(8, seed=1)})
+    assert_refuses(g, "residual-bias-reorder", "no operand of the Add is a private bias Add")
+
+
+@pytest.mark.parametrize("export", ["bert-tiny-dynamo", "bert-tiny-torchscript"])
+def test_residual_bias_reorder_on_real_exports(export):
+    """On both exporters' BERT every post-attention and post-MLP norm matches; the result verifies at other batch
+    sizes and sequence lengths than the export's."""
+    g = load(EXPORTS / f"{export}.onnx", {"input_ids": (1, 8), "attention_mask": (1, 8)})
+    the_rule = rule("residual-bias-reorder")
+    matches = the_rule.find(g)
+    assert len(matches) == 2 * sum(1 for n in g.gs.nodes if n.op == "Softmax")
+    new, done = apply_everywhere(g, the_rule, matches)
+    assert len(done) == len(matches)
+    sizes = [{"input_ids": [b, s], "attention_mask": [b, s]} for b, s in ((1, 8), (2, 5), (1, 33))]
+    result = verify(g.to_model(static=False), new.to_model(static=False), shapes=sizes)
+    assert result.ok, result.message
