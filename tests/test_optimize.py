@@ -125,6 +125,25 @@ def test_a_fold_rule_the_agent_never_learnt_leaves_it_the_default(monkeypatch):
     assert default_method("CPUExecutionProvider", graph=graph) == ("agent", None)
 
 
+def test_a_rule_for_the_cpu_optimizer_alone_is_not_offered_on_cuda(monkeypatch):
+    """`residual-bias-reorder` exists for a quirk of onnxruntime's CPU optimizer: CUDA's rules leave it out, so an
+    agent that never learnt it stays the default on CUDA where it matches, and greedy is the default on the CPU."""
+    from rlflow.optimize.options import default_method, rules_for
+    from rlflow.rewrites import RULES
+    from rlflow.search import agent as module
+    from tests.rewrites.test_layout import _residual_ln
+
+    graph = _residual_ln()
+    assert rule("residual-bias-reorder").find(graph)
+    known = [name for name in module.agent_rules() if name != "residual-bias-reorder"]
+    monkeypatch.setattr(module, "agent_rules", lambda path=None: known)
+    cuda_rules = rules_for(RULES, "all", "CUDAExecutionProvider")
+    assert "residual-bias-reorder" not in {r.name for r in cuda_rules}
+    assert default_method("CUDAExecutionProvider", graph=graph, rules=cuda_rules) == ("agent", None)
+    method, reason = default_method("CPUExecutionProvider", graph=graph)
+    assert method == "greedy" and "residual-bias-reorder" in reason
+
+
 def test_a_shipped_cuda_agent_is_the_default_on_cuda_only(tmp_path, monkeypatch):
     """`make agent-cuda` ships rlflow/checkpoints/cuda.pt: installed, it is what method agent plays on CUDA (and what
     the default method picks there); the CPU keeps default.pt."""

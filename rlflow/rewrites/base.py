@@ -97,7 +97,9 @@ class Rule:
         root_ops: operator types a match can be rooted at (the index `find` uses).
         contrib: True when the rewrite emits onnxruntime contrib operators (com.microsoft domain).
         cuda: False when the rewrite emits an operator onnxruntime's CUDA provider has no kernel for (FusedGemm): on
-            CUDA that node would run on the CPU, between copies, and a captured CUDA graph refuses it outright.
+            CUDA that node would run on the CPU, between copies, and a captured CUDA graph refuses it outright; and
+            for a rewrite whose only reason is a quirk of onnxruntime's CPU optimizer (`residual-bias-reorder`),
+            until it is measured on CUDA.
         domains: operator domains a root may come from ("" and "ai.onnx" are the default domain); rules that undo
             onnxruntime fusions root at com.microsoft operators.
     The class docstring's first line says what it does: "Replaces `A(B(x))` with `C(x)`."

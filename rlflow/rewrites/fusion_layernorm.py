@@ -186,6 +186,7 @@ class ResidualBiasReorder(Rule):
 
     name = "residual-bias-reorder"
     root_ops = ("LayerNormalization",)
+    cuda = False  # for the CPU optimizer's fusions; not offered on CUDA, whose SkipLayerNormalization is not measured slower
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         outer = input_producer(node, 0, "Add")
