@@ -53,16 +53,16 @@ bench: $(STAMP)
 AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts,deit-tiny-b1-ts,deit-tiny-b1-dynamo
 AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts,bert-l4-h256-s16-dynamo,minilm-l12-h384-s16-ts,minilm-l12-h384-s16-dynamo
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
-# The shipped agent is seed 2 (docs/agents.md, docs/results/agent-deploy/planned-250/): of the recipe's four seeds the one
-# that meets both learning targets (held-out reward correlation, sample efficiency) and reaches the demo block's 1.4x
+# The shipped agent is seed 2 (docs/agents.md, docs/results/agent-deploy/reorder-107/): of the recipe's four seeds under
+# the 107-rule registry the one that meets both learning targets (held-out reward correlation, sample efficiency)
 AGENT_SEED ?= 2
 AGENT_STEPS ?= 4096
-# Where the two trainers report: the world-model seeds (planned-250/seedN/: M learns symlog rewards, seventh part,
-# and the greedy episodes plan in M, greedy_by="model", tenth part, both defaults since 2026-11-27; the shipped
-# default.pt is seed 2's) and the PPO baseline they compare with (quiet-table/ppo/: trained against a cost table
-# filled one process at a time; the shipped ppo.pt)
-AGENT_RESULTS := docs/results/agent-deploy/planned-250
-PPO_RESULTS := docs/results/agent-deploy/quiet-table/ppo
+# Where the two trainers report: the world-model seeds (reorder-107/seedN/: M learns symlog rewards and the greedy
+# episodes plan in M, as since 2026-11-27; the shipped default.pt is seed 2's) and the PPO baseline they compare with
+# (reorder-107/ppo/, the shipped ppo.pt), both trained once `residual-bias-reorder` (rule 106) had joined the registry,
+# against a cost table filled one process at a time (docs/results/agent-deploy/run.sh)
+AGENT_RESULTS := docs/results/agent-deploy/reorder-107
+PPO_RESULTS := docs/results/agent-deploy/reorder-107/ppo
 # The two trainers' options (docs/results/agent-deploy/run.sh reads them and the folders from here for its seeds)
 WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3 --random-steps 250
 PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate

@@ -111,6 +111,28 @@ def test_the_default_method_is_greedy_where_rules_the_agent_never_learnt_match(m
     assert default_method("CPUExecutionProvider", graph=no_norm) == ("agent", None)
 
 
+def test_a_rule_never_offered_in_training_counts_as_never_learnt(tmp_path):
+    """A checkpoint's registry may hold a rule that never matched in its training (a decoder fusion for an agent
+    trained on encoders): its provenance file lists the rules offered, and where one outside them matches, greedy is
+    the default."""
+    import json
+    import shutil
+
+    from rlflow.optimize.options import default_method
+    from rlflow.search import agent as module
+    from tests.rewrites.test_rmsnorm import rms
+
+    shutil.copy(module.DEFAULT_AGENT, tmp_path / "a.pt")
+    meta = json.loads(module.DEFAULT_AGENT.with_suffix(".json").read_text())
+    offered = [name for name in module.agent_rules() if name != "rmsnorm-fusion"]
+    (tmp_path / "a.json").write_text(json.dumps({**meta, "rules_offered": offered}))
+    assert "rmsnorm-fusion" in module.agent_rules(tmp_path / "a.pt")
+    method, reason = default_method("CPUExecutionProvider", tmp_path / "a.pt", rms())
+    assert method == "greedy" and reason.startswith("the given agent never learnt rmsnorm-fusion")
+    (tmp_path / "a.json").write_text(json.dumps({**meta, "rules_offered": offered + ["rmsnorm-fusion"]}))
+    assert default_method("CPUExecutionProvider", tmp_path / "a.pt", rms()) == ("agent", None)
+
+
 def test_a_fold_rule_the_agent_never_learnt_leaves_it_the_default(monkeypatch):
     """`shape-dim-fold` matches most exports (a dimension read from a Shape): a fold rule the agent never learnt does
     not turn the default to greedy, a fusion it never learnt does."""
@@ -351,14 +373,15 @@ def test_with_cuda_graph_the_input_is_timed_as_its_static_export(tmp_path, matmu
 
 def test_rules_for_leave_out_what_the_output_could_not_use():
     """`standard` drops every contrib rule; CUDA drops the rules emitting an operator it has no kernel for (FusedGemm),
-    which would run on the CPU and refuse CUDA graph capture; the CPU keeps them all."""
+    which would run on the CPU and refuse CUDA graph capture, and the one made for the CPU optimizer alone; the CPU
+    keeps them all."""
     from rlflow.optimize.options import rules_for
     from rlflow.rewrites import RULES
 
     names = lambda rules: {r.name for r in rules}  # noqa: E731
     assert rules_for(RULES, "all", "CPUExecutionProvider") == list(RULES)
     on_cuda = names(rules_for(RULES, "all", "CUDAExecutionProvider"))
-    assert names(RULES) - on_cuda == {"gemm-activation-fusion"}
+    assert names(RULES) - on_cuda == {"gemm-activation-fusion", "residual-bias-reorder"}
     assert {"attention-fusion", "bias-gelu-fusion", "conv-activation-fusion"} <= on_cuda
     standard = rules_for(RULES, "standard", "CUDAExecutionProvider")
     assert standard and not any(r.contrib for r in standard)

@@ -92,11 +92,12 @@ def default_method(provider: str, agent: str | os.PathLike | None = None, graph:
     where it was trained for `provider` (an onnxruntime provider name) and knows every rule of `rules` that matches
     `graph`, else greedy search.  An agent acts on what it learnt of one provider's costs, so on another provider
     greedy search, which measures, is the safer default; and an agent trained before a rule was added never plays
-    it (the CPU agent knows none of the decoder fusions, and kept every decoder as it was).  A fold rule it never
+    it, nor one that was in its registry but never matched in its training (the CPU agent, trained on encoders, trails
+    greedy on decoders).  A fold rule it never
     learnt does not count: those remove work a shape or a constant already decides (`shape-dim-fold` matches most
     exports), and leaving them is what the agent did before they existed.
     """
-    from rlflow.search.agent import agent_rules, shipped_agent, trained_provider
+    from rlflow.search.agent import agent_rules, offered_rules, shipped_agent, trained_provider
 
     path = agent if agent is not None else shipped_agent(provider)
     which = "the given agent" if agent is not None else "the shipped agent"
@@ -105,6 +106,9 @@ def default_method(provider: str, agent: str | os.PathLike | None = None, graph:
         return "greedy", f"{which} is trained for {trained}, not {provider}; --method agent runs it anyway"
     if graph is not None:
         known = set(agent_rules(path))
+        offered = offered_rules(path)
+        if offered is not None:  # a rule in its registry that never matched in training was never played either
+            known &= set(offered)
         unknown = [r.name for r in rules if r.name not in known and r.group != "fold" and r.find(graph)]
         if unknown:
             named = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")

@@ -178,6 +178,15 @@ def agent_rules(path: str | os.PathLike | None = None) -> list[str]:
     return list(read_checkpoint(path)["rules"])
 
 
+def offered_rules(path: str | os.PathLike | None = None) -> list[str] | None:
+    """The rules that matched somewhere in the agent's training (`rules_offered` in the provenance file beside it,
+    written by `rlflow.train.ship`), or None where the file does not say."""
+    import json
+
+    provenance = (Path(path) if path is not None else DEFAULT_AGENT).with_suffix(".json")
+    return json.loads(provenance.read_text()).get("rules_offered") if provenance.is_file() else None
+
+
 class CandidateActor:
     """A masked-PPO candidate policy behind the actor interface of `WorldModelActor` (it keeps no memory)."""
 

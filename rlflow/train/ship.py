@@ -95,6 +95,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "algo": "worldmodel",
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
+        "rules_offered": offered_rules(replay, payload["rules"]),
         "trained_on": [zoo_name(m) for m in config["models"]],
         "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
         "provider": provider,
@@ -105,6 +106,16 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     }
     write_text_atomic(out / f"{name}.json", json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def offered_rules(replay, rules: typing.Sequence[str]) -> list[str]:
+    """The rules that matched in at least one real state of the training run: a rule of the registry that never did
+    (a decoder fusion, for an agent trained on encoders) was never played, and `rlflow optimize` does not make the
+    agent its default where such a rule matches (`rlflow.optimize.options.default_method`)."""
+    import numpy as np
+
+    seen = np.any(np.stack(replay.rule_masks), axis=0) if replay.rule_masks else np.zeros(len(rules), bool)
+    return [name for name, offered in zip(rules, seen) if offered]
 
 
 def architecture(model: str) -> str:

@@ -241,6 +241,14 @@ def test_world_model_agent_ships_plays_real_candidates_and_finetunes_in_the_drea
     assert "replay" not in torch.load(shipped, weights_only=False)
     assert "resnet-50" in meta["held_out"] and "resnet-18" not in meta["held_out"]  # trained on resnet-18-tiny's file
     assert meta["provider"] == "cpu"
+    # the rules offered in training: those matching the training model's graphs, a subset of the registry
+    from rlflow.graph.core import load
+    from rlflow.rewrites import RULES, find_matches
+    from rlflow.search.agent import offered_rules
+
+    assert offered_rules(shipped) == meta["rules_offered"]
+    assert {m.rule for m in find_matches(load(config.models[0]))} <= set(meta["rules_offered"])
+    assert set(meta["rules_offered"]) < {r.name for r in RULES}
     actor = load_agent(shipped)
     assert isinstance(actor, WorldModelActor) and actor.reward_range is not None
 
