@@ -93,9 +93,8 @@ def default_method(provider: str, agent: str | os.PathLike | None = None, graph:
     `graph`, else greedy search.  An agent acts on what it learnt of one provider's costs, so on another provider
     greedy search, which measures, is the safer default; and an agent trained before a rule was added never plays
     it, nor one that was in its registry but never matched in its training (the CPU agent, trained on encoders, trails
-    greedy on decoders).  A fold rule it never
-    learnt does not count: those remove work a shape or a constant already decides (`shape-dim-fold` matches most
-    exports), and leaving them is what the agent did before they existed.
+    greedy on decoders).  A fold rule it never learnt does not count: those remove work a shape or a constant already
+    decides (`shape-dim-fold` matches most exports), and leaving them is what the agent did before they existed.
     """
     from rlflow.search.agent import agent_rules, offered_rules, shipped_agent, trained_provider
 

@@ -95,7 +95,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
         "algo": "worldmodel",
         "registry_version": payload["registry_version"],
         "rules": len(payload["rules"]),
-        "rules_offered": offered_rules(replay, payload["rules"]),
+        "rules_offered": rules_matched_in(replay, payload["rules"]),
         "trained_on": [zoo_name(m) for m in config["models"]],
         "held_out": [m for m in names(include_tiny=False) + names(family=DEPLOY) if architecture(m) not in trained],
         "provider": provider,
@@ -108,7 +108,7 @@ def ship_worldmodel(checkpoint: str | Path, results: str | Path, out: Path = AGE
     return meta
 
 
-def offered_rules(replay, rules: typing.Sequence[str]) -> list[str]:
+def rules_matched_in(replay, rules: typing.Sequence[str]) -> list[str]:
     """The rules that matched in at least one real state of the training run: a rule of the registry that never did
     (a decoder fusion, for an agent trained on encoders) was never played, and `rlflow optimize` does not make the
     agent its default where such a rule matches (`rlflow.optimize.options.default_method`)."""
