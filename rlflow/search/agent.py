@@ -151,16 +151,12 @@ def trained_provider(path: str | os.PathLike | None = None) -> str:
     provenance file beside it (`<name>.json`, written by `rlflow.train.ship`), else from the checkpoint's own
     training config (read as every checkpoint is, without running code: `rlflow.agents.checkpoint.read_checkpoint`); `cpu`
     for a checkpoint that predates the setting."""
-    import json
-
     from rlflow.agents.checkpoint import read_checkpoint
 
     path = Path(path) if path is not None else DEFAULT_AGENT
-    provenance = path.with_suffix(".json")
-    if provenance.is_file():
-        recorded = json.loads(provenance.read_text()).get("provider")
-        if recorded:
-            return recorded
+    recorded = _provenance(path).get("provider")
+    if recorded:
+        return recorded
     if not path.is_file():
         raise InputError(f"{path}: no such agent checkpoint")
     payload = read_checkpoint(path)
@@ -181,10 +177,15 @@ def agent_rules(path: str | os.PathLike | None = None) -> list[str]:
 def offered_rules(path: str | os.PathLike | None = None) -> list[str] | None:
     """The rules that matched somewhere in the agent's training (`rules_offered` in the provenance file beside it,
     written by `rlflow.train.ship`), or None where the file does not say."""
+    return _provenance(Path(path) if path is not None else DEFAULT_AGENT).get("rules_offered")
+
+
+def _provenance(path: Path) -> dict:
+    """The provenance file beside a checkpoint (`<name>.json`, written by `rlflow.train.ship`); {} where there is none."""
     import json
 
-    provenance = (Path(path) if path is not None else DEFAULT_AGENT).with_suffix(".json")
-    return json.loads(provenance.read_text()).get("rules_offered") if provenance.is_file() else None
+    provenance = path.with_suffix(".json")
+    return json.loads(provenance.read_text()) if provenance.is_file() else {}
 
 
 class CandidateActor:
