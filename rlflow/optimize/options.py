@@ -111,8 +111,8 @@ def default_method(provider: str, agent: str | os.PathLike | None = None, graph:
         unknown = [r.name for r in rules if r.name not in known and r.group != "fold" and r.find(graph)]
         if unknown:
             named = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
-            return "greedy", (f"{which} never learnt {named}, which match this model; --method agent runs it "
-                              f"anyway")
+            verb = "matches" if len(unknown) == 1 else "match"
+            return "greedy", f"{which} never learnt {named}, which {verb} this model; --method agent runs it anyway"
     return "agent", None
 
 

@@ -14,10 +14,13 @@ HERE = Path(__file__).parent
 PARTS = [".", "gpt2", "part2", "part3", "part4", "search-s16", "search-s128", "search-gpt2"]
 """In the order they were run: a later part's (model, method) row replaces an earlier one."""
 LATER = ["../peer-onnxscript-ort/encoders", "../peer-onnxscript-ort/deploy-rest", "../peer-onnxscript-ort/roberta-gpt2",
-         "../peer-onnxscript-ort/roberta-gpt2/gpt2-decode-ts-rerun"]
-"""Runs made for other questions since, read for the section's models only: the seventh peer (onnxscript-ort) on
-every export, and greedy, ort-transformers and the peer again on RoBERTa and GPT-2 (2026-11-29; GPT-2's TorchScript
-decode step once more after greedy's crash there was fixed)."""
+         "../peer-onnxscript-ort/roberta-gpt2/gpt2-decode-ts-rerun", "rule-107/encoders", "rule-107/gpt2"]
+"""Runs made since, read for the section's models only: the seventh peer (onnxscript-ort) on every export, greedy,
+ort-transformers and the peer again on RoBERTa and GPT-2 (2026-11-29; GPT-2's TorchScript decode step once more after
+greedy's crash there was fixed), and greedy and the agent on all 28 under the 107-rule registry (2026-11-30)."""
+MARKS = {"part2": "‡", "../peer-onnxscript-ort/roberta-gpt2": "§",
+         "../peer-onnxscript-ort/roberta-gpt2/gpt2-decode-ts-rerun": "§", "rule-107/encoders": "¶", "rule-107/gpt2": "¶"}
+"""The parts a row's marker names (the notes under the table)."""
 METHODS = ["greedy", "agent", "taso", "random"]
 PEERS = ["onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "onnxscript-ort", "ort-transformers"]
 
@@ -72,17 +75,18 @@ def main() -> None:
                 if method in METHODS and row["rewritten"] and (best is None or row["speedup"] > best["speedup"]):
                     best = row
         parts = {p for m in METHODS + PEERS for (_, p) in [rows.get((model, m), (None, None))] if p}
-        old = " ‡" if "part2" in parts else ""
-        old += " §" if any(p in LATER[2:] for p in parts) else ""
-        print(f"| {model}{old} | " + " | ".join(cells) + f" | {_rules(best) if best else ''} |")
+        marks = "".join(dict.fromkeys(MARKS[p] for p in sorted(parts) if p in MARKS))
+        print(f"| {model}{' ' + marks if marks else ''} | " + " | ".join(cells) + f" | {_rules(best) if best else ''} |")
     print("| geometric mean | " + " | ".join(f"{math.exp(sum(v) / len(v)):.3f} ({len(v)})" if v else ""
                                             for v in means.values()) + " | |")
-    print("\n‡ greedy, agent and peers measured in part 2 (the 87-rule registry, greedy before its batched phases).")
-    print("\n§ greedy, onnxscript-ort and ort-transformers measured again on 2026-11-29 "
-          "([../peer-onnxscript-ort/roberta-gpt2/](../peer-onnxscript-ort/roberta-gpt2/results.md)); agent, taso, "
-          "random and the other peers as before. onnxscript-ort's other rows come from its own runs, "
+    print("\n‡ peers measured in part 2 (2026-11-25).")
+    print("\n§ onnxscript-ort and ort-transformers measured again on 2026-11-29 "
+          "([../peer-onnxscript-ort/roberta-gpt2/](../peer-onnxscript-ort/roberta-gpt2/results.md)); taso, random and "
+          "the other peers as before. onnxscript-ort's other rows come from its own runs, "
           "[encoders/](../peer-onnxscript-ort/encoders/results.md) and "
           "[deploy-rest/](../peer-onnxscript-ort/deploy-rest/results.md).")
+    print("\n¶ greedy and the agent measured again on 2026-11-30 under the 107-rule registry, the agent the one shipped "
+          "then ([rule-107/](rule-107/README.md)); taso, random and the peers as before.")
 
 
 if __name__ == "__main__":
