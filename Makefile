@@ -49,20 +49,24 @@ bench: $(STAMP)
 # and DeiT-tiny (a 192-wide model, so that attention fusion on small hidden sizes is seen in training), each from both
 # torch exporters, at batch 1 (sequence 16), built into models/ when missing.  An action applies a rule wherever it
 # matches (--scope rule): one layer's fusion is within measurement noise, every layer's is not.  BERT is held out
-# whole (L2/H128, L4/H256 and MiniLM L12/H384, both exporters): docs/results/agent-deploy/.
-AGENT_MODELS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts,deit-tiny-b1-ts,deit-tiny-b1-dynamo
+# whole (L2/H128, L4/H256 and MiniLM L12/H384, both exporters): docs/results/agent-deploy/.  DistilBERT's two exports
+# with a classification head (Linear + ReLU) join the eight so that `gemm-activation-fusion` is offered in training:
+# without it the agent may not act on a model with a pooler (agent-deploy/pooler-cls/).  The CUDA agent and the
+# decoder variant were trained on the eight alone.
+AGENT_ENCODERS := distilbert-base-s16-ts,distilbert-base-s16-dynamo,whisper-tiny-encoder-b1-ts,whisper-tiny-encoder-b1-dynamo,deit-small-b1-dynamo,deit-small-b1-ts,deit-tiny-b1-ts,deit-tiny-b1-dynamo
+AGENT_MODELS := $(AGENT_ENCODERS),distilbert-base-s16-ts-cls,distilbert-base-s16-dynamo-cls
 AGENT_HOLDOUT := bert-l2-h128-s16-ts,bert-l2-h128-s16-dynamo,bert-l4-h256-s16-ts,bert-l4-h256-s16-dynamo,minilm-l12-h384-s16-ts,minilm-l12-h384-s16-dynamo
 AGENT_OPTIONS := --models $(AGENT_MODELS) --scope rule --max-episode-steps 10 --zoo-dir models
-# The shipped agent is seed 2 (docs/agents.md, docs/results/agent-deploy/reorder-107/): of the recipe's four seeds under
-# the 107-rule registry the one that meets both learning targets (held-out reward correlation, sample efficiency)
-AGENT_SEED ?= 2
+# The shipped agent is seed 0 (docs/agents.md, docs/results/agent-deploy/pooler-cls/): all four seeds meet both learning
+# targets (held-out reward correlation, sample efficiency); seed 0 has the highest final return on its training models
+# and reaches PPO's final in the fewest real steps (chosen without looking at a held-out model)
+AGENT_SEED ?= 0
 AGENT_STEPS ?= 4096
-# Where the two trainers report: the world-model seeds (reorder-107/seedN/: M learns symlog rewards and the greedy
-# episodes plan in M, as since 2026-11-27; the shipped default.pt is seed 2's) and the PPO baseline they compare with
-# (reorder-107/ppo/, the shipped ppo.pt), both trained once `residual-bias-reorder` (rule 106) had joined the registry,
-# against a cost table filled one process at a time (docs/results/agent-deploy/run.sh)
-AGENT_RESULTS := docs/results/agent-deploy/reorder-107
-PPO_RESULTS := docs/results/agent-deploy/reorder-107/ppo
+# Where the two trainers report: the world-model seeds (pooler-cls/seedN/) and the PPO baseline they compare with
+# (pooler-cls/ppo/, the shipped ppo.pt), trained under the 107-rule registry against a cost table filled one process at
+# a time (docs/results/agent-deploy/run.sh)
+AGENT_RESULTS := docs/results/agent-deploy/pooler-cls
+PPO_RESULTS := docs/results/agent-deploy/pooler-cls/ppo
 # The two trainers' options (docs/results/agent-deploy/run.sh reads them and the folders from here for its seeds)
 WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3 --random-steps 250
 PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate
@@ -96,14 +100,15 @@ agent-wide: $(STAMP)
 # and in float16, the dynamo prefill), trained against the shipped H100 cost table and the estimate fitted to it, so
 # nothing is measured and no GPU is needed; BERT and the Qwen3 family held out.  25 minutes a seed on 2 cores.
 AGENT_DECODER_CUT := smollm2-135m-l4-decode-p128-dynamo,smollm2-135m-l4-decode-p128-ts,smollm2-135m-l4-decode-p128-dynamo-fp16,smollm2-135m-l4-prefill-s128-dynamo
-AGENT_CUDA_MODELS := $(AGENT_MODELS),$(AGENT_DECODER_CUT)
+AGENT_CUDA_MODELS := $(AGENT_ENCODERS),$(AGENT_DECODER_CUT)
 AGENT_CUDA_RESULTS := docs/results/agent-cuda/decoders
+AGENT_CUDA_SEED ?= 2
 agent-cuda: $(STAMP)
 	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --models $(AGENT_CUDA_MODELS) --provider cuda \
-		--seed $(AGENT_SEED) --out $(AGENT_CUDA_RESULTS)/seed$(AGENT_SEED) --run-dir build/agent-cuda/run$(AGENT_SEED) \
+		--seed $(AGENT_CUDA_SEED) --out $(AGENT_CUDA_RESULTS)/seed$(AGENT_CUDA_SEED) --run-dir build/agent-cuda/run$(AGENT_CUDA_SEED) \
 		--ppo-results $(AGENT_CUDA_RESULTS)/ppo/ppo.json
-	$(BIN)/rlflow ship --checkpoint build/agent-cuda/run$(AGENT_SEED)/worldmodel.pt \
-		--results $(AGENT_CUDA_RESULTS)/seed$(AGENT_SEED)/worldmodel.json --name cuda
+	$(BIN)/rlflow ship --checkpoint build/agent-cuda/run$(AGENT_CUDA_SEED)/worldmodel.pt \
+		--results $(AGENT_CUDA_RESULTS)/seed$(AGENT_CUDA_SEED)/worldmodel.json --name cuda
 
 # The CUDA agent's model-free baseline: masked PPO on the same models and the same CUDA rewards (not shipped; about
 # 4.5 GB of memory since the environment's state cache has a memory budget, #49, and 21 minutes on 2 cores)
@@ -124,12 +129,12 @@ ppo-agent: $(STAMP)
 AGENT_CPU_DECODER_CUT := smollm2-135m-l4-decode-p128-dynamo,smollm2-135m-l4-decode-p128-ts,smollm2-135m-l4-prefill-s128-dynamo
 AGENT_DECODERS_RESULTS := docs/results/agent-deploy/decoders
 agent-decoders: $(STAMP)
-	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --models $(AGENT_MODELS),$(AGENT_CPU_DECODER_CUT) \
+	$(BIN)/rlflow train --algo worldmodel $(WORLDMODEL_OPTIONS) --models $(AGENT_ENCODERS),$(AGENT_CPU_DECODER_CUT) \
 		--seed $(AGENT_SEED) --out $(AGENT_DECODERS_RESULTS)/seed$(AGENT_SEED) \
 		--run-dir build/agent-decoders/run$(AGENT_SEED) --ppo-results $(AGENT_DECODERS_RESULTS)/ppo/ppo.json
 
 ppo-agent-decoders: $(STAMP)
-	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --models $(AGENT_MODELS),$(AGENT_CPU_DECODER_CUT) \
+	$(BIN)/rlflow train --algo ppo $(PPO_OPTIONS) --models $(AGENT_ENCODERS),$(AGENT_CPU_DECODER_CUT) \
 		--out $(AGENT_DECODERS_RESULTS)/ppo --run-dir build/ppo-agent-decoders/run
 
 # onnxruntime-genai's model builder, the hand-built reference beside the peers for the decoders (issue #50;

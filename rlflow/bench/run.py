@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from rlflow.bench.builder_reference import bench_references, bench_row
 from rlflow.bench.machine import environment, measure_peak
-from rlflow.bench.method_rows import Measured, device_errors, failed_row, measure_outputs, method_rows
+from rlflow.bench.method_rows import Measured, device_errors, failed_row, measure_outputs, measurement_seed, method_rows
 from rlflow.bench.peers import NotApplicable, peer_settings, run_peer, zoo_hints
 from rlflow.bench.results import Row, summarize, write_results
 from rlflow.errors import RlflowError
@@ -299,11 +299,12 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         output.ir_version = min(output.ir_version, max_ir_version())
         verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                               shapes=verification_shapes(graph)[:1])
+        seed = measurement_seed(config.seed, Path(graph.source or "graph").stem)
         if profiled:
             (measured,) = measure_outputs(graph, [Graph.from_model(output, dict(graph.input_shapes))], settings,
-                                          config.rounds, config.seed)
+                                          config.rounds, seed)
         else:
-            measured = Measured.of(compare([source, output], settings, rounds=config.rounds, seed=config.seed))
+            measured = Measured.of(compare([source, output], settings, rounds=config.rounds, seed=seed))
         device = device_errors(source, output, settings, graph)
     ratio = measured.ratio
     return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",

@@ -288,9 +288,12 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
 
     Rounds are grouped in blocks, and every block builds fresh sessions in a shuffled order: two sessions of the very
     same model differ by a percent or two for as long as they live (memory placement), so a single pair of sessions
-    gives confidently wrong intervals.  The interval resamples blocks, then rounds within them, and so covers that as
-    far as the blocks show it: one block (a search's screening) shows nothing of it, and on a decode step a model
-    was called faster or slower than itself far more often than 5% even with three blocks (placebo trials,
+    gives confidently wrong intervals.  Every second block builds and warms them in the reverse of the order before,
+    so that each model's mean place in that order is the same: sessions built and warmed later tended to run faster
+    (with the same order in every trial, a copy of the input read faster than the input in up to 19 of 20,
+    docs/results/bench-control/).  The interval resamples blocks, then rounds within them, and so covers that as far
+    as the blocks show it: one block (a search's screening) shows nothing of it, and on a decode step a model was
+    called faster or slower than itself far more often than 5% even with three blocks (placebo trials,
     docs/results/archive/decoders/first-step-limit-no-undo/).
 
     Args:
@@ -316,20 +319,22 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     times: list[list[float]] = [[] for _ in models]
     block_of_round: list[int] = []
     runs, warm = None, 0
+    order = np.arange(len(models))  # the building order of a block's sessions
     for block in range(blocks):
         ahead = pace.block_seconds(len(models), warmup=warmup) if pace is not None else 0.0
         if deadline is not None and block > 0 and _ends_after(deadline, ahead):
             break
+        order = rng.permutation(len(models)) if block % 2 == 0 else order[::-1]
         runners: list[Runner | None] = [None] * len(models)
-        for i in rng.permutation(len(models)):
+        for i in order:
             start = time.perf_counter()
             runners[i] = Runner(sources[i], settings, feeds[i])
             if pace is not None:
                 pace.observe("session", time.perf_counter() - start)
         try:
-            for runner in runners:
+            for i in order:
                 for _ in range(warmup):
-                    runner.run()
+                    runners[i].run()
         except Exception as exc:  # noqa: BLE001 - a model that builds but cannot run (bad Reshape...) is not measurable
             raise _cannot_run(settings, exc) from None
         if runs is None:

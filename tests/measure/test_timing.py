@@ -10,6 +10,7 @@ from rlflow.errors import ProviderError
 from rlflow.measure import SessionSettings, compare, profile_nodes, time_model
 from rlflow.measure import timing as timing_module
 from rlflow.measure.bootstrap import bootstrap_ratio
+from rlflow.measure.inputs import random_inputs
 from rlflow.measure.timing import check_and_time
 from tests.conftest import tiny_model
 
@@ -98,6 +99,31 @@ def test_block_bootstrap_covers_session_bias():
 def test_compare_rebuilds_sessions_per_block(mlp):
     comparison = compare([mlp, mlp], rounds=12, blocks=3)
     assert comparison.extra["blocks"] == 3 and comparison.rounds == 12
+
+
+def test_every_second_block_builds_and_warms_sessions_in_reverse(mlp, monkeypatch):
+    """Sessions built and warmed later ran faster: a block that mirrors the order of the one before gives every model
+    the same mean place in it, whatever the seed."""
+    events = []
+    real_init, real_run = timing_module.Runner.__init__, timing_module.Runner.run
+
+    def init(self, model, settings, feeds):  # each copy carries its index as a last byte
+        events.append(("build", model[-1]))
+        real_init(self, model[:-1], settings, feeds)
+        self.index = model[-1]
+
+    monkeypatch.setattr(timing_module.Runner, "__init__", init)
+    monkeypatch.setattr(timing_module.Runner, "run", lambda self: events.append(("run", self.index)) or real_run(self))
+    copies = [mlp.SerializeToString() + bytes([i]) for i in range(3)]
+    for seed in range(4):
+        events.clear()
+        compare(copies, rounds=4, blocks=4, seed=seed, warmup=1, feeds=[random_inputs(mlp)] * 3)
+        starts = [i for i, (kind, _) in enumerate(events) if kind == "build" and (i == 0 or events[i - 1][0] == "run")]
+        built = [[index for _, index in events[i:i + 3]] for i in starts]
+        warmed = [[index for _, index in events[i + 3:i + 6]] for i in starts]  # warmup=1: one run each
+        assert len(built) == 4 and sorted(built[0]) == [0, 1, 2]
+        assert built[1] == built[0][::-1] and built[3] == built[2][::-1]
+        assert warmed == built
 
 
 def test_profile_nodes(mlp):

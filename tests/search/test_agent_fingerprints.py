@@ -27,6 +27,7 @@ def visited_fingerprints(model: str, folder: Path) -> list[str]:
     from rlflow.measure.costmodel.model import CostModel
     from rlflow.measure.session import SessionSettings
     from rlflow.search.agent import _play, as_actor, known_rules, load_agent
+    from rlflow.torch_threads import torch_threads
 
     graph = load(zoo.build(model, folder).path)
     cost_model = CostModel(SessionSettings(threads=1), cache_dir=folder / "empty-table")
@@ -38,9 +39,10 @@ def visited_fingerprints(model: str, folder: Path) -> list[str]:
         env = RewriteEnv(graph, rules=known_rules(actor), cost_model=cost_model, settings=cost_model.settings,
                          scope=trained.get("scope", "match"),
                          max_episode_steps=min(LENGTH, int(trained.get("max_episode_steps", LENGTH))))
-        for rollout in range(ROLLOUTS):
-            _play(env, actor, greedy=rollout == 0, temperature=1.0, generator=generator,
-                  deadline=time.monotonic() + 600, visited=visited)
+        with torch_threads(1):  # as the agent search plays; on two threads a near tie on GPT-2 went the other way
+            for rollout in range(ROLLOUTS):
+                _play(env, actor, greedy=rollout == 0, temperature=1.0, generator=generator,
+                      deadline=time.monotonic() + 600, visited=visited)
     return list(visited)
 
 
