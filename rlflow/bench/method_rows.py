@@ -128,16 +128,15 @@ def _measure(graph: Graph, outputs: dict[str, Graph], settings: SessionSettings,
     cannot run, such as one onnxruntime cannot capture, costs only its own rows) and its device errors; a failure
     goes into `failed`."""
     measured, device = {}, {}
+    seed = measurement_seed(config.seed, model)
     try:
-        measured = dict(zip(outputs, measure_outputs(graph, list(outputs.values()), settings, config.rounds,
-                                                     measurement_seed(config.seed, model))))
+        measured = dict(zip(outputs, measure_outputs(graph, list(outputs.values()), settings, config.rounds, seed)))
     except Exception as exc:  # noqa: BLE001 - measured one at a time below
         log.debug("%s: the outputs measured together failed (%s); measuring each alone", model, exc)
     for method, output in outputs.items():
         try:
             if method not in measured:
-                (measured[method],) = measure_outputs(graph, [output], settings, config.rounds,
-                                                      measurement_seed(config.seed, model))
+                (measured[method],) = measure_outputs(graph, [output], settings, config.rounds, seed)
             if method != CONTROL:  # the input's copy: its device error is the input's own, which the rows hold
                 device[method] = device_errors(graph, output, settings, graph)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the run

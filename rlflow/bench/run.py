@@ -280,6 +280,7 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
     it (dynamic) and measured at every profile, as rlflow's output must run at all of them (a peer handed the primary
     profile's static model folded its shape computations and was timed at that profile only)."""
     start = time.monotonic()
+    model = Path(graph.source or "graph").stem
     profiled = bool(graph.profiles)
     source = graph.to_model(static=not profiled)
     scratch = cache_dir("peers")  # on disk: a large model's peer writes its input and output there, not to /tmp
@@ -288,9 +289,9 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         try:
             source, output = run_peer(name, source, folder, **tool_options)
         except ImportError:
-            return Row(Path(graph.source or "graph").stem, name, "not installed", "pip install 'rlflow[peers]'", "peer")
+            return Row(model, name, "not installed", "pip install 'rlflow[peers]'", "peer")
         except NotApplicable as exc:
-            return Row(Path(graph.source or "graph").stem, name, "not applicable", str(exc), "peer")
+            return Row(model, name, "not applicable", str(exc), "peer")
         seconds = time.monotonic() - start
         tool_settings = peer_settings(output)
         restored = _restore_inputs(source, output)
@@ -299,7 +300,7 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
         output.ir_version = min(output.ir_version, max_ir_version())
         verification = verify(source, output, seeds=(config.seed, config.seed + 1, config.seed + 2),
                               shapes=verification_shapes(graph)[:1])
-        seed = measurement_seed(config.seed, Path(graph.source or "graph").stem)
+        seed = measurement_seed(config.seed, model)
         if profiled:
             (measured,) = measure_outputs(graph, [Graph.from_model(output, dict(graph.input_shapes))], settings,
                                           config.rounds, seed)
@@ -307,7 +308,7 @@ def _run_peer(graph: Graph, name: str, tool_options: dict, settings: SessionSett
             measured = Measured.of(compare([source, output], settings, rounds=config.rounds, seed=seed))
         device = device_errors(source, output, settings, graph)
     ratio = measured.ratio
-    return Row(Path(graph.source or "graph").stem, name, "ok" if verification.ok else "wrong output",
+    return Row(model, name, "ok" if verification.ok else "wrong output",
                verification.message, "peer", baseline_ms=measured.baseline_ms, latency_ms=measured.latency_ms,
                speedup=ratio.median, speedup_low=ratio.low, speedup_high=ratio.high, faster=ratio.faster,
                rewritten=True, verified=verification.ok, max_rel_error=verification.max_rel_norm, seconds=seconds,
