@@ -31,6 +31,9 @@ more (`round_runs`): the first runs after the other models ran are slower by var
 other models' weights), and on a model of about a millisecond they alone made a screening's interval several times
 wider than the gain it was screening for (docs/results/round-length/)."""
 
+RUN_PROBES = 5
+"""Runs in a row at most that set a round's length by the fastest of them (`warm_run_seconds`)."""
+
 MIN_ROUNDS = 3
 """Rounds a block of `compare` runs before its deadline may stop it, so that every block says something."""
 
@@ -338,7 +341,7 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
         except Exception as exc:  # noqa: BLE001 - a model that builds but cannot run (bad Reshape...) is not measurable
             raise _cannot_run(settings, exc) from None
         if runs is None:
-            runs, warm = round_runs(max(r.time(1) for r in runners))
+            runs, warm = round_runs(max(warm_run_seconds(r) for r in runners))
         for done in range(per_block):
             ahead = pace.round_seconds(len(models)) if pace is not None else 0.0
             if deadline is not None and done >= MIN_ROUNDS and _ends_after(deadline, ahead):
@@ -357,6 +360,21 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     timings = [_stats(label, t, warmup, settings) for label, t in zip(labels, times)]
     return Comparison(timings, ratios, len(base), runs, warmup, settings.as_dict(), seed,
                       extra={"blocks": int(groups.max()) + 1 if len(groups) else 0, "untimed_runs_per_round": warm})
+
+
+def warm_run_seconds(runner: Runner) -> float:
+    """One warm run's seconds: the fastest of up to RUN_PROBES runs in a row, fewer once they have taken
+    MIN_ROUND_SECONDS (a model that slow runs once a round anyway).  A single run after the other models ran is cold
+    (a 0.8 ms model's first run after a switch took 1.5-2 ms): it gave a round half the runs it needs and one untimed
+    run instead of SWITCH_RUNS, and a one-block screening of a 1.2-1.3x gain intervals from 0.95 to 1.45
+    (docs/results/round-length/)."""
+    fastest, spent = math.inf, 0.0
+    for _ in range(RUN_PROBES):
+        seconds = runner.time(1)
+        fastest, spent = min(fastest, seconds), spent + seconds
+        if spent >= MIN_ROUND_SECONDS:
+            break
+    return fastest
 
 
 def round_runs(run_seconds: float) -> tuple[int, int]:
