@@ -15,15 +15,15 @@ PARTS = [".", "gpt2", "part2", "part3", "part4", "search-s16", "search-s128", "s
 """In the order they were run: a later part's (model, method) row replaces an earlier one."""
 LATER = ["../peer-onnxscript-ort/encoders", "../peer-onnxscript-ort/deploy-rest", "../peer-onnxscript-ort/roberta-gpt2",
          "../peer-onnxscript-ort/roberta-gpt2/gpt2-decode-ts-rerun", "rule-107/encoders", "rule-107/gpt2",
-         "pooler-cls/run3/encoders", "pooler-cls/run3/gpt2"]
+         "pooler-cls/run4/encoders", "pooler-cls/run4/gpt2"]
 """Runs made since, read for the section's models only: the seventh peer (onnxscript-ort) on every export, greedy,
 ort-transformers and the peer again on RoBERTa and GPT-2 (2026-11-29; GPT-2's TorchScript decode step once more after
 greedy's crash there was fixed), greedy and the agent on all 28 under the 107-rule registry (2026-11-30), and greedy,
-the agent shipped since and every peer together, with the measurement's session order mirrored (2026-11-30,
-pooler-cls/run3)."""
+the agent shipped since and every peer together, with the measurement's session order mirrored and a round's runs counted from warm runs
+(2026-11-30, pooler-cls/run4)."""
 MARKS = {"part2": "‡", "../peer-onnxscript-ort/roberta-gpt2": "§",
          "../peer-onnxscript-ort/roberta-gpt2/gpt2-decode-ts-rerun": "§", "rule-107/encoders": "¶", "rule-107/gpt2": "¶",
-         "pooler-cls/run3/encoders": "°", "pooler-cls/run3/gpt2": "°"}
+         "pooler-cls/run4/encoders": "°", "pooler-cls/run4/gpt2": "°"}
 """The parts a row's marker names (the notes under the table)."""
 METHODS = ["greedy", "agent", "taso", "random"]
 PEERS = ["onnxsim", "onnxoptimizer", "onnxslim", "onnxscript", "onnxscript-ort", "ort-transformers"]
@@ -92,7 +92,7 @@ def main() -> None:
     print("\n¶ greedy and the agent measured again on 2026-11-30 under the 107-rule registry, the agent the one shipped "
           "then ([rule-107/](rule-107/README.md)); taso, random and the peers as before.")
     print("\n° greedy, the agent shipped since 2026-11-30, every peer and the control measured again together, with each "
-          "model's sessions built in a mirrored order and seeded apart ([pooler-cls/](pooler-cls/README.md), its third "
+          "model's sessions built in a mirrored order and seeded apart and its rounds as long as warm runs say ([pooler-cls/](pooler-cls/README.md), its fourth "
           "run); taso and random as before.")
 
 
