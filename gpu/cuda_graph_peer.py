@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from rlflow.graph.core import load
 from rlflow.measure.bootstrap import bootstrap_ratio
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, inference_session, session_options
-from rlflow.measure.timing import MIN_ROUND_SECONDS, Runner, warm_run_seconds
+from rlflow.measure.timing import Runner, round_runs, warm_run_seconds
 from rlflow.measure.verify import compare_arrays
 
 PROVIDER = "CUDAExecutionProvider"
@@ -81,7 +80,7 @@ def measure(path: Path, rounds: int, blocks: int, seed: int, rewritten: Path | N
             errors[label] = max([errors[label], *(compare_arrays(name, want, outputs[name]).rel_norm
                                                   for name, want in expected.items())])
         if runs is None:
-            runs = max(1, math.ceil(MIN_ROUND_SECONDS / max(max(warm_run_seconds(r) for r in runners), 1e-9)))
+            runs, _ = round_runs(max(warm_run_seconds(r) for r in runners))  # its rounds start timed at once
         for _ in range(max(1, rounds // blocks)):
             for i in rng.permutation(len(runners)):
                 times[i].append(runners[i].time(runs))
