@@ -67,11 +67,21 @@ def cli() -> None:
               help="CUDA only: measure every model as onnxruntime's captured CUDA graph (enable_cuda_graph, inputs "
                    "and outputs bound on the device), the way to run the output; needs fixed shapes and every node "
                    "on CUDA.")
+@click.option("--precision", type=str, default=None, metavar="int4|int8",
+              help="After the exact rewrites, store the weights of the layers where it pays in fewer bits, within "
+                   "--max-error: int4 (int4 or int8 per layer) or int8 [default: exact].")
+@click.option("--max-error", type=float, default=None, metavar="X",
+              help="With --precision: the relative error norm ||out - ref|| / ||ref|| each output may reach against "
+                   "MODEL [default: 0.10 for int4, 0.02 for int8].")
+@click.option("--data", type=click.Path(path_type=Path), default=None, metavar="FILE.npz",
+              help="With --precision: arrays named after MODEL's inputs, first axis = samples, to measure the error "
+                   "on [default: random inputs, which the report says].")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the report as JSON.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random inputs and measurement order.")
 @click.option("--quiet", is_flag=True, help="Print only the output path.")
 def optimize(model, output, provider, threads, method, agent, finetune, time_limit, input_shapes, fixed_dims,
-             fixed_values, profile_specs, profiles_file, ops, cuda_graph, json_path, seed, quiet) -> None:
+             fixed_values, profile_specs, profiles_file, ops, cuda_graph, precision, max_error, data, json_path, seed,
+             quiet) -> None:
     """Optimise MODEL and write the verified result."""
     from rlflow.files import write_text_atomic
     from rlflow.graph.input_shapes import parse_fixed_dims, parse_input_shapes
@@ -89,7 +99,7 @@ def optimize(model, output, provider, threads, method, agent, finetune, time_lim
                  fix_values=parse_fixed_values(fixed_values), seed=seed,
                  progress=not quiet, agent=agent,
                  finetune=finetune, ops=ops, profiles=given_profiles(profile_specs, profiles_file),
-                 cuda_graph=cuda_graph)
+                 cuda_graph=cuda_graph, precision=precision, max_error=max_error, data=data)
     result.save(output)
     if json_path:
         report = {**result.as_dict(), "output": str(output)}

@@ -75,6 +75,15 @@ class Options:
     cuda_graph: bool = False
     """CUDA only: every measurement runs the models as onnxruntime's captured CUDA graphs
     (`SessionSettings.cuda_graph`), the configuration to deploy the output in."""
+    precision: str | None = None
+    """`int4` or `int8` (`rlflow.optimize.precision.PRECISIONS`): after the exact search, layers stored in fewer bits
+    where the output stays within `max_error` (None: exact, the default)."""
+    max_error: float | None = None
+    """With `precision`: the relative error norm each output may reach against the input (None: the precision's
+    default, `DEFAULT_MAX_ERROR`)."""
+    data: str | os.PathLike | None = None
+    """With `precision`: an .npz of arrays named after the model's inputs, first axis = samples, to measure the error
+    on (None: random inputs, and the report says so)."""
 
     def check(self) -> None:
         """Raises InputError, naming the option, for a value no run could use."""
@@ -84,6 +93,9 @@ class Options:
             raise InputError("--finetune takes a number of steps >= 0 and adapts method 'agent' only")
         if self.ops not in OPS:
             raise InputError(f"unknown operator set '{self.ops}': choose from {', '.join(OPS)}")
+        from rlflow.optimize.precision import check_precision
+
+        check_precision(self.precision, self.max_error, self.data, self.ops)
 
 
 def default_method(provider: str, agent: str | os.PathLike | None = None, graph: Graph | None = None,

@@ -20,6 +20,7 @@ from rlflow.graph.core import Graph
 from rlflow.graph.input_shapes import deployed_shapes, fix_dims
 from rlflow.graph.input_values import fix_values
 from rlflow.graph.model_file import max_ir_version, read_model
+from rlflow.measure.accuracy import load_data
 from rlflow.measure.gate import Gate, gate_budget, measure_gate
 from rlflow.measure.memory import check_fits, peak_rss_bytes, shares_weights, weight_bytes
 from rlflow.measure.profile_comparison import export_at
@@ -28,6 +29,7 @@ from rlflow.measure.shape_profiles import Profile, arrange, attach, default_prof
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import DEFAULT_TIME_LIMITS, Options, default_method, rules_for
+from rlflow.optimize.precision import lower_precision, precision_rules
 from rlflow.optimize.result import Result
 from rlflow.rewrites import REGISTRY_VERSION, Rule
 from rlflow.search.candidates import SearchResult
@@ -58,6 +60,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     profiles, cuda_graph = options.profiles, options.cuda_graph
     start = time.monotonic()
     graph, given = load_input(model, input_shapes, profiles, options.fix_dims, options.fix_values)
+    samples = load_data(options.data, given) if options.data is not None else None  # its mistakes before any work
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     rules = rules_for(rules, ops, resolved)
@@ -86,13 +89,19 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
         if limited:
             time_limit = max(0.0, time_limit - (time.monotonic() - start))
     search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
+    lowered = None
+    if options.precision:
+        search, precision_check, lowered = lower_precision(
+            graph, given, search, settings, precision=options.precision, max_error=options.max_error,
+            samples=samples, rules=precision_rules(options.precision, resolved), seed=seed,
+            shapes=verification_shapes(graph), fallback=batch_changed_shapes(graph), progress=progress)
     recorded = {**settings.as_dict(), "method": method, "method_reason": method_reason, "time_limit": time_limit,
                 "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "fixed_dims": dict(options.fix_dims or {}),
                 "fixed_values": dict(options.fix_values or {}),
                 "profiles": [p.as_dict() for p in graph.profiles],
-                "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds,
+                "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds, "precision": options.precision,
                 "registry_version": REGISTRY_VERSION}
     if method == "agent":
         from rlflow.agents.checkpoint import checkpoint_identity
@@ -111,9 +120,9 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
         reason = f"input kept: {search.stop_reason}"
     else:
         candidate = search.graph.to_model(static=False)
-        verification = verify(given, candidate, seeds=(seed, seed + 1, seed + 2),
-                              shapes=verification_shapes(graph), fallback=batch_changed_shapes(graph),
-                              share_weights=settings.share_weights)
+        verification = precision_check if lowered else verify(
+            given, candidate, seeds=(seed, seed + 1, seed + 2), shapes=verification_shapes(graph),
+            fallback=batch_changed_shapes(graph), share_weights=settings.share_weights)
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     measured = None
     if verification is not None and verification.ok:
@@ -134,6 +143,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                   profiles=_profile_rows(graph, input_timings, measured),
                   rejected=[] if keep else [str(m) for m in search.applied],
                   memory={"weights": weight_bytes(graph), "predicted_peak": predicted_peak, "peak": peak_rss_bytes()},
+                  precision=lowered.as_dict() if lowered else None,
                   **common)
 
 

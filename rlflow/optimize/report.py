@@ -27,11 +27,12 @@ def format_report(result: Result) -> str:
         lines.append("  verified    output is the input file unchanged")
     else:
         v = result.verification
+        over = (f"on {v.extra['samples']}" if "samples" in v.extra else
+                f"over seeds {list(v.seeds)} and {len(v.shapes)} input shape set(s)"
+                + (f"; {len(v.extra['skipped_shapes'])} skipped, the input itself failing to run there"
+                   if v.extra.get("skipped_shapes") else ""))
         lines.append(f"  verified    {'yes' if v.ok else 'NO'}: relative error norm ||out - ref|| / ||ref|| at most "
-                     f"{v.max_rel_norm:.2e} over seeds "
-                     f"{list(v.seeds)} and {len(v.shapes)} input shape set(s)"
-                     + (f"; {len(v.extra['skipped_shapes'])} skipped, the input itself failing to run there"
-                        if v.extra.get("skipped_shapes") else ""))
+                     f"{v.max_rel_norm:.2e} {over}")
         groups: dict[tuple, list] = {}  # a decoder's 60 present states: one line per name pattern
         for check in v.outputs:
             groups.setdefault((re.sub(r"\d+", "#", check.name), check.tolerance), []).append(check)
@@ -42,6 +43,7 @@ def format_report(result: Result) -> str:
                 lines.append(f"              {_collapsed([c.name for c in part])[0]}: max abs {most}"
                              f"{max(c.max_abs for c in part):.2e}, rel-norm {most}{max(c.rel_norm for c in part):.2e} "
                              f"(tolerance {part[0].tolerance:.0e})")
+    lines += _precision_lines(result.precision)
     lines.append(f"  rewrites    {len(result.applied)}" + (": " + _by_rule(result.applied) if result.applied else "")
                  + (f" (not kept: {_by_rule(result.rejected)})" if result.rejected else ""))
     ops = sorted(set(result.op_counts_before) | set(result.op_counts_after))
@@ -150,3 +152,34 @@ def _dropped_lines(dropped: list[dict]) -> list[str]:
     made_by = "; ".join(f"{rules} ({n})" if n > 1 else rules for rules, n in counts.most_common())
     return [f"  dropped     {len(dropped)} candidate(s) onnxruntime could not run, made by: {made_by}",
             f"              first error: {dropped[0]['error']}"]
+
+
+def _precision_lines(p: dict | None) -> list[str]:
+    """What `--precision` lowered, within which budget, measured on what, and what it cost in error."""
+    if not p:
+        return []
+    budget = f"max error {p['max_error']:g} ({p['max_error_source']})"
+    layers = ", ".join(f"{name} x{n}" for name, n in p["layers"].items()) or "no quantizable layer"
+    lines = [f"  precision   {p['precision']} within {budget}, measured on {p['samples']}: {layers}",
+             f"              {p['stop_reason']}"]
+    mib = p["weight_bytes"]
+    lines.append(f"              weights {mib['before'] / 2**20:.2f} MiB -> {mib['after'] / 2**20:.2f} MiB")
+    error = p.get("error")
+    if error:
+        worst = max(error["checks"], key=lambda c: c["rel_norm"])
+        line = f"              error {worst['rel_norm']:.2e} ({worst['name']}, the largest)"
+        logits = error.get("logits") or {}
+        if logits:
+            line += f"; next-token agreement {logits['agreement']:.1%}, KL {logits['kl']:.2e} nats"
+            if "loss_reference" in logits:
+                ref, cand = logits["loss_reference"], logits["loss_candidate"]
+                line += f", loss {ref:.4f} -> {cand:.4f} nats ({(cand - ref) / ref:+.2%})"
+        lines.append(line)
+    if p.get("already"):
+        ops = ", ".join(f"{op} x{n}" for op, n in p["already"].items())
+        lines.append(f"              already in low precision in the input, left as they are: {ops}")
+    if p.get("exact_note"):
+        lines.append(f"              {p['exact_note']}")
+    if p["random_inputs"]:
+        lines.append("              the error is measured on random inputs, not on data: give --data FILE.npz")
+    return lines

@@ -36,6 +36,9 @@ class Result:
         search_stop: why the search ended ("time limit", "no rewrite is measurably faster", ...): with rewrites kept,
             whether it had finished or its limit cut it short.
         search_steps: the search's steps where it records them (greedy: rule, location, speedup measured, nodes).
+        precision: with `--precision`, what was lowered and why (`PrecisionOutcome.as_dict`): layers per rule, the
+            error budget and the samples it was measured on, the errors and logit metrics, weight bytes before and
+            after, and each layer's measured error and gain per rule.
         profiles: with several shape profiles, one dict each (shapes, weight, label, input_ms, and output_ms and
             speedup when the final measurement ran); `speedup` is then their weighted geometric mean.
     """
@@ -64,6 +67,7 @@ class Result:
     memory: dict = field(default_factory=dict)
     search_stop: str = ""
     search_steps: list[dict] = field(default_factory=list)
+    precision: dict | None = None
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
@@ -118,6 +122,7 @@ class Result:
             "candidates_dropped": self.candidates_dropped,
             "memory": self.memory,
             "settings": self.settings,
+            "precision": self.precision,
         }
 
 

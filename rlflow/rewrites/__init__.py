@@ -3,7 +3,8 @@
 `RULES` is the ordered registry (`registry.py`, one line per rule): its order is the action id space of the
 environment and the agent, so it is append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record; an
 agent trained before rules were appended still acts, on the rules it knows: `rlflow.search.agent.known_rules`).
-`GROUPS` sorts the rules by what kind of rewrite they are.  A rule's code lives in the module of its topic
+`PRECISION_RULES`, a table of its own, holds the rules that store a weight in fewer bits: they change what a model
+computes, so only `rlflow optimize --precision` offers them.  `GROUPS` sorts the rules by what kind of rewrite they are.  A rule's code lives in the module of its topic
 (`base.py` says what a rule is; `queries.py` and `edits.py` hold the small graph helpers rules share).
 
 Example:
@@ -20,7 +21,7 @@ from typing import Sequence
 from rlflow.graph.core import Graph
 from rlflow.rewrites import base
 from rlflow.rewrites.base import GROUP_NAMES, Match, NoMatch, RewriteError, Rule
-from rlflow.rewrites.registry import GROUPS, REGISTRY_VERSION, RULES
+from rlflow.rewrites.registry import GROUPS, PRECISION_RULES, REGISTRY_VERSION, RULES
 
 
 def find_matches(graph: Graph, rules: Sequence[Rule] = RULES) -> list[Match]:
@@ -51,11 +52,11 @@ def match_counts(graph: Graph, rules: Sequence[Rule] = RULES) -> dict[str, int]:
 
 def rule(name: str) -> Rule:
     """The rule with this name."""
-    for candidate in RULES:
+    for candidate in RULES + PRECISION_RULES:
         if candidate.name == name:
             return candidate
     raise KeyError(f"no rule named {name!r}")
 
 
-__all__ = ["RULES", "GROUPS", "REGISTRY_VERSION", "GROUP_NAMES", "Match", "NoMatch", "Rule", "RewriteError",
-           "find_matches", "apply", "apply_all", "apply_everywhere", "match_counts", "rule"]
+__all__ = ["RULES", "PRECISION_RULES", "GROUPS", "REGISTRY_VERSION", "GROUP_NAMES", "Match", "NoMatch", "Rule",
+           "RewriteError", "find_matches", "apply", "apply_all", "apply_everywhere", "match_counts", "rule"]

@@ -18,14 +18,15 @@ from rlflow.graph.core import Graph
 
 log = logging.getLogger("rlflow")
 
-GROUP_NAMES = ("merge", "algebra", "fold", "layout", "fusion", "inverse")
+GROUP_NAMES = ("merge", "algebra", "fold", "layout", "fusion", "inverse", "precision")
 """What kind of rewrite a rule is; the registry (`registry.py`) gives each rule one.
 
 merge: parallel work combined into one larger operator; algebra: identities that change the computation; fold:
 constants absorbed into weights, and operators that compute nothing removed; layout: transposes, reshapes,
 concatenations and splits that cancel or move; fusion: onnxruntime-aware fusions into standard or contrib operators;
 inverse: a merged operator split or a fusion undone, so that a sequence can pass through a slower graph to reach a
-faster one (as TASO's search does)."""
+faster one (as TASO's search does); precision: a weight stored in fewer bits, which changes the computation within
+an error budget (`registry.PRECISION_RULES`, never among `RULES`)."""
 
 _KEBAB = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 

@@ -32,6 +32,7 @@ from rlflow.rewrites import (
     layout,
     merge,
     merge_batch,
+    precision,
     unfuse,
     unmerge,
 )
@@ -149,12 +150,19 @@ RULES: tuple[Rule, ...] = (
 )
 """Every rule, in action-id order.  Append only."""
 
-GROUPS: dict[str, tuple[Rule, ...]] = {group: tuple(r for r in RULES if r.group == group) for group in GROUP_NAMES}
-"""The rules of each group (`base.GROUP_NAMES`), in action-id order; every rule is in exactly one."""
-
 REGISTRY_VERSION = registry_version(RULES)
 """A hash of the rule names in order: a checkpoint records it, and one trained on another registry is refused unless
 this one extends it."""
+
+PRECISION_RULES: tuple[precision.PrecisionRule, ...] = (
+    precision.MatMulInt4Block32(group="precision"),               #  0 matmul-int4-block32
+    precision.MatMulInt4Block128(group="precision"),              #  1 matmul-int4-block128
+    precision.MatMulInt8Block32(group="precision"),               #  2 matmul-int8-block32
+    precision.MatMulDynamicInt8(group="precision"),               #  3 matmul-dynamic-int8
+)
+"""The reduced-precision rules, append only like `RULES` but a table of their own: they change what a model computes,
+so no default search sees them (`rlflow optimize --precision` offers them), and the exact rules' action ids, and the
+agents trained on them, are untouched by them."""
 
 
 def _check(rules: tuple[Rule, ...]) -> None:
@@ -167,4 +175,8 @@ def _check(rules: tuple[Rule, ...]) -> None:
         raise TypeError(f"rules without a group in RULES: {ungrouped}")
 
 
-_check(RULES)
+GROUPS: dict[str, tuple[Rule, ...]] = {group: tuple(r for r in RULES + PRECISION_RULES if r.group == group)
+                                       for group in GROUP_NAMES}
+"""The rules of each group (`base.GROUP_NAMES`), in action-id order; every rule is in exactly one."""
+
+_check(RULES + PRECISION_RULES)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from onnx import TensorProto
 
-from rlflow.rewrites import GROUP_NAMES, REGISTRY_VERSION, RULES, match_counts, rule
+from rlflow.rewrites import GROUP_NAMES, PRECISION_RULES, REGISTRY_VERSION, RULES, match_counts, rule
 from rlflow.rewrites.base import registry_version
 
 from .helpers import graph, node
@@ -25,7 +25,8 @@ def test_registry_shape():
     names = [r.name for r in RULES]
     assert len(names) == len(set(names)) >= 50
     assert names[:2] == ["transpose-transpose", "conv-bn-fold"]  # the first published action ids
-    assert {r.group for r in RULES} == set(GROUP_NAMES)
+    assert {r.group for r in RULES} == set(GROUP_NAMES) - {"precision"}  # exact: precision has a table of its own
+    assert {r.group for r in PRECISION_RULES} == {"precision"}
     assert REGISTRY_VERSION == registry_version(RULES)
     assert all(r.description.startswith("Replaces ") and r.description.endswith(".") for r in RULES)
 
@@ -51,10 +52,10 @@ def test_contrib_flag_matches_what_rules_emit():
 def test_groups_cover_every_rule_once():
     from rlflow.rewrites import GROUPS
 
-    assert list(GROUPS) == ["merge", "algebra", "fold", "layout", "fusion", "inverse"]
+    assert list(GROUPS) == ["merge", "algebra", "fold", "layout", "fusion", "inverse", "precision"]
     names = [r.name for group in GROUPS.values() for r in group]
-    assert sorted(names) == sorted(r.name for r in RULES) and all(GROUPS.values())
-    assert all(r in GROUPS[r.group] for r in RULES)
+    assert sorted(names) == sorted(r.name for r in RULES + PRECISION_RULES) and all(GROUPS.values())
+    assert all(r in GROUPS[r.group] for r in RULES + PRECISION_RULES)
 
 
 def test_the_shipped_agents_registry_is_a_prefix_of_this_one():
@@ -71,7 +72,8 @@ def test_the_registry_tables_comments_name_each_rules_action_id():
     """`registry.py` writes `# <action id> <name>` beside each rule; a line added with a wrong comment misleads."""
     text = (PACKAGE / "rewrites" / "registry.py").read_text()
     comments = re.findall(r"^    \w+\.\w+\(group=\"\w+\"\),\s+# *(\d+) ([a-z0-9-]+)$", text, flags=re.M)
-    assert comments == [(str(i), r.name) for i, r in enumerate(RULES)]
+    assert comments == ([(str(i), r.name) for i, r in enumerate(RULES)]
+                        + [(str(i), r.name) for i, r in enumerate(PRECISION_RULES)])
 
 
 def test_contrib_roots_only_where_declared():

@@ -1,0 +1,216 @@
+"""Which layers drop precision, chosen by measured error and measured speed (`rlflow optimize --precision`).
+
+Each quantizable MatMul is measured alone, with each precision rule offered: its error (the relative error of that
+product on the activations the samples give it, onnxruntime's kernel against float32) beside its speed gain (that
+product timed alone at its deployed shape, interleaved against float32, on the target provider).  A threshold on
+that local error then decides every layer at once: each takes its fastest variant whose error is under it, and a
+variant that is not measurably faster alone is never taken.  The threshold is the largest, by bisection over the
+measured errors, at which the whole model's error on the samples stays within the budget; a model's error grows with
+the layers it loses, so a handful of whole-model evaluations decide the set (greedy by gain per unit of error, as
+accuracy-driven tuners fall back layer by layer, but deciding by speed measured on the target too).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from rlflow.graph.core import Graph
+from rlflow.measure.accuracy import ErrorReport, Evaluator
+from rlflow.measure.session import SessionSettings, create_session
+from rlflow.rewrites import Match, apply_all, find_matches
+from rlflow.rewrites.precision import PrecisionRule
+
+log = logging.getLogger("rlflow")
+
+LOCAL_ROWS = 512
+"""Activation rows per layer the local error is measured on (a sample's rows, the first samples first)."""
+
+MIN_GAIN = 0.05
+"""A variant counts as faster alone only when it saves this share of the float32 product's time."""
+
+TIMING_RUNS = 25
+"""Interleaved runs of each product when timing a layer alone (medians compared)."""
+
+
+@dataclass
+class Layer:
+    """One MatMul and what each precision rule would do to it."""
+
+    node: str
+    shape: tuple[int, int, int]
+    """(rows per run, K, N)."""
+    weight_bytes: int
+    variants: dict[str, dict] = field(default_factory=dict)
+    """rule name -> {match, error (local), gain_ms, bytes}."""
+    chosen: str | None = None
+
+    def pick(self, threshold: float) -> str | None:
+        """The fastest variant whose local error is within `threshold`, among those faster alone."""
+        fits = [(v["gain_ms"], -v["bytes"], name) for name, v in self.variants.items()
+                if v["error"] <= threshold and v["faster"]]
+        return max(fits)[2] if fits else None
+
+
+@dataclass
+class PrecisionSearch:
+    """What the precision search chose and why."""
+
+    graph: Graph
+    applied: list[Match]
+    layers: list[Layer]
+    error: ErrorReport | None
+    threshold: float | None
+    evaluations: list[dict]
+    stop_reason: str
+    seconds: float
+    least_error: float | None = None
+
+    def counts(self) -> dict[str, int]:
+        """Layers per outcome: each rule's name, and `float32` for those kept."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            key = layer.chosen or "float32"
+            out[key] = out.get(key, 0) + 1
+        return out
+
+
+def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettings, rules: Sequence[PrecisionRule],
+                     budget: float, progress: bool = False) -> PrecisionSearch:
+    """The layers of `graph` to rewrite with `rules` so that the error against `evaluator`'s reference stays within
+    `budget` (relative error norm of every output), fastest first; `graph` itself is untouched."""
+    start = time.monotonic()
+    layers = _measure_layers(graph, evaluator, settings, rules, progress)
+    usable = sorted({v["error"] for layer in layers for v in layer.variants.values() if v["faster"]})
+    evaluations: list[dict] = []
+
+    def evaluate(threshold: float) -> tuple[Graph, list[Match], ErrorReport]:
+        chosen = [layer.variants[name]["match"] for layer in layers if (name := layer.pick(threshold))]
+        candidate, applied = apply_all(graph, chosen, rules)
+        report = evaluator.error(candidate.to_model(static=False))
+        evaluations.append({"threshold": threshold, "layers": len(applied), "max_error": report.max_error})
+        log.info("precision: local error <= %.3g: %d layers, error %.3g", threshold, len(applied), report.max_error)
+        return candidate, applied, report
+
+    best, least = None, None
+    low, high = 0, len(usable) - 1
+    probe = high  # everything first: where it fits (int8, most often), one evaluation decides
+    while low <= high:  # the largest threshold within budget; a model's error grows with the layers it loses
+        candidate, applied, report = evaluate(usable[probe])
+        least = report.max_error if least is None else min(least, report.max_error)
+        if report.max_error <= budget:
+            best = (usable[probe], candidate, applied, report)
+            low = probe + 1
+        else:
+            high = probe - 1
+        probe = (low + high + 1) // 2
+    seconds = time.monotonic() - start
+    if not usable:
+        return PrecisionSearch(graph, [], layers, None, None, evaluations,
+                               "no layer is faster in a lower precision", seconds)
+    if best is None:
+        return PrecisionSearch(graph, [], layers, None, None, evaluations,
+                               f"no choice is within the error budget {budget:.3g} (least error reached "
+                               f"{least:.3g})", seconds, least_error=least)
+    threshold, candidate, applied, report = best
+    for layer in layers:
+        layer.chosen = layer.pick(threshold)
+    return PrecisionSearch(candidate, applied, layers, report, threshold, evaluations,
+                           f"{len(applied)} of {len(layers)} layers in lower precision", seconds)
+
+
+def _measure_layers(graph: Graph, evaluator: Evaluator, settings: SessionSettings,
+                    rules: Sequence[PrecisionRule], progress: bool) -> list[Layer]:
+    """Every quantizable MatMul with each rule's local error and speed gain."""
+    by_root: dict[str, list[Match]] = {}
+    for match in find_matches(graph, rules):
+        by_root.setdefault(match.root, []).append(match)
+    if not by_root:
+        return []
+    nodes = graph.node_map()
+    activations = _activations(graph, evaluator, [nodes[r].inputs[0].name for r in by_root])
+    rule_of = {r.name: r for r in rules}
+    timings: dict[tuple, float] = {}
+    layers = []
+    roots = list(by_root)
+    if progress:
+        from tqdm import tqdm
+
+        roots = tqdm(roots, desc="precision: layers", unit="layer")
+    for root in roots:
+        node = nodes[root]
+        weight, _ = PrecisionRule.operands(node)  # a bias costs the same in every precision: timed without
+        k, n = weight.shape
+        a_shape = graph.shape(node.inputs[0])
+        rows = int(np.prod(a_shape[:-1])) if a_shape else 1
+        layer = Layer(root, (rows, k, n), weight.nbytes)
+        a = activations[node.inputs[0].name]
+        reference = a @ weight
+        for match in by_root[root]:
+            rule = rule_of[match.rule]
+            new = rule.replacement(weight)
+            product = _product_model(k, n, new.op, new.attrs, new.constants)
+            out = create_session(product, SessionSettings(threads=settings.threads)).run(None, {"a": a})[0]
+            error = float(np.linalg.norm(out - reference) / max(np.linalg.norm(reference), 1e-30))
+            key = (rows, k, n, rule.name)
+            if key not in timings:
+                timings[key] = _gain_ms(rows, weight, product, settings)
+            layer.variants[rule.name] = {"match": match, "error": error, "gain_ms": timings[key],
+                                         "bytes": new.nbytes, "faster": timings[key] > 0}
+        layers.append(layer)
+    return layers
+
+
+def _activations(graph: Graph, evaluator: Evaluator, names: list[str]) -> dict[str, np.ndarray]:
+    """Each tensor of `names` on the samples, as [rows, K] (at most LOCAL_ROWS rows)."""
+    model = graph.to_model(static=False)
+    known = {o.name for o in model.graph.output}
+    model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in dict.fromkeys(names)
+                              if n not in known)
+    session = create_session(model, evaluator.settings)
+    rows: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for feeds in evaluator.samples.feeds:
+        outs = session.run(list(rows), feeds)
+        for name, value in zip(rows, outs):
+            if sum(len(r) for r in rows[name]) < LOCAL_ROWS:
+                rows[name].append(value.reshape(-1, value.shape[-1]))
+        if all(sum(len(r) for r in v) >= LOCAL_ROWS for v in rows.values()):
+            break
+    return {n: np.ascontiguousarray(np.concatenate(v)[:LOCAL_ROWS], dtype=np.float32) for n, v in rows.items()}
+
+
+def _product_model(k: int, n: int, op: str, attrs: dict, constants: Sequence[np.ndarray]) -> onnx.ModelProto:
+    """`op(a, *constants)` alone: a [rows, K] -> [rows, N] (MatMul in the default domain, the rest com.microsoft)."""
+    names = [f"c{i}" for i in range(len(constants))]
+    node = helper.make_node(op, ["a", *names], ["y"], domain="" if op == "MatMul" else "com.microsoft", **attrs)
+    graph = helper.make_graph([node], "product", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
+                              [numpy_helper.from_array(c, name) for c, name in zip(constants, names)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def _gain_ms(rows: int, weight: np.ndarray, product: onnx.ModelProto, settings: SessionSettings) -> float:
+    """Milliseconds `product` saves against the float32 MatMul at `rows` rows, each timed alone on the target
+    (interleaved runs, medians); 0 where it does not save MIN_GAIN of the float32 time."""
+    k, n = weight.shape
+    baseline = _product_model(k, n, "MatMul", {}, [weight])
+    sessions = [create_session(m, settings) for m in (baseline, product)]
+    feeds = {"a": np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)}
+    times: list[list[float]] = [[], []]
+    for i in range(TIMING_RUNS + 3):
+        for j in (0, 1) if i % 2 == 0 else (1, 0):
+            t0 = time.perf_counter()
+            sessions[j].run(None, feeds)
+            if i >= 3:
+                times[j].append(time.perf_counter() - t0)
+    fp32, quantized = (statistics.median(t) * 1e3 for t in times)
+    gain = fp32 - quantized
+    return gain if gain >= MIN_GAIN * fp32 else 0.0

@@ -1,0 +1,206 @@
+"""`rlflow optimize --precision`: the precision rules within their tolerances, the error budget's gate, the --data
+checks, a quantized input, and the defaults staying exact."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from rlflow.cli import main
+from rlflow.graph.core import Graph
+from rlflow.measure.accuracy import Evaluator, load_data, random_samples
+from rlflow.measure.session import SessionSettings
+from rlflow.optimize.options import Options, rules_for
+from rlflow.optimize.pipeline import optimize
+from rlflow.rewrites import PRECISION_RULES, RULES, apply, find_matches
+from tests.conftest import save, tiny_model
+
+
+def _linear(op: str, k: int = 256, n: int = 192, seed: int = 0, batch="b") -> onnx.ModelProto:
+    """x [b, 8, k] @ W (+ bias as a Gemm over [b*8, k]) with standard-normal W."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if op == "MatMul":
+        nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+        shapes = ([batch, 8, k], [batch, 8, n])
+        inits = [numpy_helper.from_array(w, "W")]
+    else:
+        nodes = [helper.make_node("Gemm", ["x", "Wt", "bias"], ["y"], name="mm", transB=1)]
+        shapes = ([batch, k], [batch, n])
+        inits = [numpy_helper.from_array(np.ascontiguousarray(w.T), "Wt"),
+                 numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias")]
+    return tiny_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shapes[0])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, shapes[1])], inits)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    model.ir_version = min(model.ir_version, 10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("rule", PRECISION_RULES, ids=lambda r: r.name)
+def test_precision_rule_within_its_tolerance(rule, op):
+    model = _linear(op)
+    shape = (2, 8, 256) if op == "MatMul" else (4, 256)
+    graph = Graph.from_model(model, {"x": shape})
+    (match,) = find_matches(graph, [rule])
+    rewritten = apply(graph, match, [rule]).to_model(static=False)
+    assert [n.op_type for n in rewritten.graph.node] == [rule.replacement(np.zeros((256, 192), np.float32)).op]
+    for rows in (shape, (3, *shape[1:])):  # the batch changed: nothing baked
+        x = np.random.default_rng(1).standard_normal(rows).astype(np.float32)
+        ref, out = _run(model, x), _run(rewritten, x)
+        error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+        assert 0 < error <= rule.tolerance, (rule.name, error)
+
+
+def test_precision_rule_refusals():
+    small = _linear("MatMul", k=16, n=16)
+    rule = PRECISION_RULES[0]
+    (reason,) = rule.reasons(Graph.from_model(small, {"x": (1, 8, 16)}))
+    assert "fewer than" in reason.reason
+    scaled = _linear("Gemm")
+    scaled.graph.node[0].attribute.append(helper.make_attribute("alpha", 0.5))
+    (reason,) = rule.reasons(Graph.from_model(scaled, {"x": (4, 256)}))
+    assert "scales or transposes" in reason.reason
+
+
+def test_defaults_stay_exact():
+    assert Options().precision is None
+    names = {r.name for r in PRECISION_RULES}
+    assert not names & {r.name for r in RULES}
+    assert not names & {r.name for r in rules_for(RULES, "all", "CPUExecutionProvider")}
+
+
+def test_precision_registry_append_only():
+    """Appending is fine; these names keep their positions (a precision agent's action ids)."""
+    recorded = ["matmul-int4-block32", "matmul-int4-block128", "matmul-int8-block32", "matmul-dynamic-int8"]
+    assert [r.name for r in PRECISION_RULES][:len(recorded)] == recorded
+    assert all(r.group == "precision" and r.precision in ("int4", "int8") for r in PRECISION_RULES)
+
+
+def _two_layer(tmp_path, k=256) -> str:
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((k, k)).astype(np.float32) / 16, f"W{i}") for i in (1, 2)]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="first"), helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("MatMul", ["r", "W2"], ["y"], name="second")]
+    model = tiny_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 1, k])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 1, k])], inits)
+    return save(model, tmp_path / "two.onnx")
+
+
+def test_gate_refuses_an_output_over_budget(tmp_path):
+    result = optimize(_two_layer(tmp_path), method="greedy", time_limit=2, precision="int4", max_error=1e-7,
+                      rounds=6)
+    assert not result.rewritten
+    assert "error budget" in result.reason and "least error reached" in result.reason
+    assert result.precision["least_error"] > 1e-7
+
+
+def test_within_budget_is_verified_on_the_data(tmp_path):
+    path = _two_layer(tmp_path)
+    data = tmp_path / "data.npz"
+    np.savez(data, x=np.random.default_rng(3).standard_normal((5, 1, 256)).astype(np.float32))
+    result = optimize(path, method="greedy", time_limit=2, precision="int8", data=str(data), rounds=6)
+    p = result.precision
+    assert p["samples"].endswith("(5 samples)") and not p["random_inputs"] and p["max_error_source"] == "default"
+    if p["error"]:  # a layer lowered: its error is the data's, within the default budget
+        assert p["error"]["max_error"] <= p["max_error"]
+        assert result.verification.ok and "samples" in result.verification.extra
+        assert p["weight_bytes"]["after"] < p["weight_bytes"]["before"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "lacks the model's input(s) x"),
+    ("extra", "has array(s) z the model does not take"),
+    ("dtype", "'x' is float64, the model takes float32"),
+    ("rank", "has shape [5]"),
+    ("fixed", "at axis 1 of a sample, the model fixes 1"),
+    ("counts", "different numbers of samples"),
+    ("unreadable", "cannot read it as an .npz file"),
+])
+def test_data_mistakes_one_line_exit_2(case, message, tmp_path, capsys):
+    path = _two_layer(tmp_path)
+    data = tmp_path / "data.npz"
+    good = np.zeros((5, 1, 256), np.float32)
+    arrays = {"missing": {"y": good}, "extra": {"x": good, "z": good}, "dtype": {"x": good.astype(np.float64)},
+              "rank": {"x": np.zeros(5, np.float32)}, "fixed": {"x": np.zeros((5, 2, 256), np.float32)},
+              "counts": None, "unreadable": None}[case]
+    if case == "unreadable":
+        data.write_text("not an npz")
+    elif case == "counts":  # a model of two inputs whose arrays disagree
+        model = tiny_model([helper.make_node("Add", ["x", "x2"], ["y"])],
+                           [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", 4]) for n in ("x", "x2")],
+                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])])
+        path = save(model, tmp_path / "add.onnx")
+        np.savez(data, x=np.zeros((3, 4), np.float32), x2=np.zeros((2, 4), np.float32))
+    else:
+        np.savez(data, **arrays)
+    code = main(["optimize", path, "-o", str(tmp_path / "out.onnx"), "--precision", "int8", "--data", str(data),
+                 "--method", "greedy"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out.onnx").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precision", "fp16"], "not made yet"),
+    (["--precision", "int3"], "unknown precision"),
+    (["--precision", "int4", "--max-error", "0"], "above 0"),
+    (["--max-error", "0.1"], "give --precision too"),
+    (["--precision", "int4", "--ops", "standard"], "--ops standard"),
+])
+def test_precision_option_mistakes_one_line_exit_2(args, message, tmp_path, capsys):
+    path = _two_layer(tmp_path)
+    assert main(["optimize", path, "-o", str(tmp_path / "out.onnx"), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_quantized_input_is_accepted(tmp_path):
+    """A graph already quantized by onnxruntime: its low-precision operators are named and left alone."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    source = _two_layer(tmp_path)
+    quantized = tmp_path / "dyn.onnx"
+    quantize_dynamic(source, str(quantized), nodes_to_exclude=["second"])
+    assert [n.op_type for n in onnx.load(str(quantized)).graph.node].count("MatMul") == 1
+    result = optimize(str(quantized), method="greedy", time_limit=2, precision="int8", rounds=6)
+    assert result.precision["already"], result.precision
+    assert [layer["node"] for layer in result.precision["per_layer"]] == ["second"]  # the rest is already int8
+    assert result.output_model is not None
+
+
+def test_logit_metrics_on_a_language_model_output():
+    """Agreement, KL and the next-token loss of both models, on logits shaped [batch, sequence, vocabulary]."""
+    vocab, seq = 8, 5
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((vocab, vocab)).astype(np.float32)
+    def lm(scale):
+        return tiny_model([helper.make_node("Gather", ["T", "input_ids"], ["g"]),
+                           helper.make_node("Mul", ["g", "s"], ["logits"])],
+                          [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                          [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab])],
+                          [numpy_helper.from_array(table, "T"),
+                           numpy_helper.from_array(np.array(scale, np.float32), "s")])
+    samples = random_samples(lm(1.0), {"input_ids": (1, seq)}, seed=0)
+    evaluator = Evaluator(lm(1.0), samples, SessionSettings(), budget=0.5)
+    same = evaluator.error(lm(1.0))
+    assert same.max_error == 0 and same.logits["agreement"] == 1 and abs(same.logits["kl"]) < 1e-9
+    assert same.logits["loss_reference"] == same.logits["loss_candidate"]
+    flat = evaluator.error(lm(0.0))  # uniform: the loss is ln(vocab)
+    assert flat.logits["loss_candidate"] == pytest.approx(np.log(vocab))
+    assert flat.max_error == pytest.approx(1.0) and not flat.checks[0].ok
+
+
+def test_data_samples_of_the_input_rank_feed_one_at_a_time(tmp_path):
+    model = onnx.load(_two_layer(tmp_path))
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.zeros((3, 1, 256), np.float32))
+    assert [f["x"].shape for f in load_data(path, model).feeds] == [(1, 1, 256)] * 3
+    np.savez(path, x=np.zeros((2, 4, 1, 256), np.float32))
+    assert [f["x"].shape for f in load_data(path, model).feeds] == [(4, 1, 256)] * 2
