@@ -12,9 +12,10 @@ from rlflow.cli import main
 from rlflow.graph.core import Graph
 from rlflow.measure.accuracy import Evaluator, load_data, random_samples
 from rlflow.measure.session import SessionSettings
+from rlflow.measure.verify import verify
 from rlflow.optimize.options import Options, rules_for
 from rlflow.optimize.pipeline import optimize
-from rlflow.rewrites import PRECISION_RULES, RULES, apply, find_matches
+from rlflow.rewrites import PRECISION_RULES, RULES, apply, apply_all, find_matches
 from tests.conftest import save, tiny_model
 
 
@@ -204,3 +205,16 @@ def test_data_samples_of_the_input_rank_feed_one_at_a_time(tmp_path):
     assert [f["x"].shape for f in load_data(path, model).feeds] == [(1, 1, 256)] * 3
     np.savez(path, x=np.zeros((2, 4, 1, 256), np.float32))
     assert [f["x"].shape for f in load_data(path, model).feeds] == [(4, 1, 256)] * 2
+
+
+def test_precision_rules_fire_on_a_real_export(transformer_path):
+    """Every precision rule on a PyTorch export's linear layers, everywhere at once: it runs, and errs as it should."""
+    model = onnx.load(transformer_path)
+    graph = Graph.from_model(model, {"x": (2, 16, 32)})
+    for rule in PRECISION_RULES:
+        matches = find_matches(graph, [rule])
+        assert matches, [r.reason for r in rule.reasons(graph)]
+        lowered, applied = apply_all(graph, matches, [rule])
+        assert len(applied) == len(matches)
+        check = verify(model, lowered.to_model(static=False), tolerance=1.0)
+        assert check.ok and 0 < check.max_rel_norm < 0.5, (rule.name, check.max_rel_norm)
