@@ -279,6 +279,32 @@ def zoo_build(names, out, force, tiny, family) -> None:
         raise click.exceptions.Exit(1)
 
 
+@cli.command("bench-precision")
+@click.argument("models", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--precision", type=click.Choice(["int4", "int8"]), default="int4", show_default=True)
+@click.option("--max-error", type=float, default=None, help="rlflow's error budget [default: the precision's].")
+@click.option("--peers", default="all", show_default=True,
+              help="Comma-separated peer quantizers (rlflow.bench.precision_peers), 'all' or 'none'.")
+@click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="An npz for every model [default: MODEL.heldout.npz beside each model, else random inputs].")
+@click.option("--method", type=click.Choice(["agent", "greedy", "taso", "random"]), default=None,
+              help="rlflow's exact search before the precision step [default: optimize's].")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=None)
+@click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=3), default=12, show_default=True,
+              help="Interleaved rounds of the comparison of every output with the input.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for results.json and results.md.")
+def bench_precision(models, precision, max_error, peers, data, method, time_limit, threads, rounds, seed, out) -> None:
+    """rlflow's --precision beside the quantizers a user would pick instead: speed and error on the same data."""
+    from rlflow.bench.precision import PrecisionBench, peer_names, run
+
+    config = PrecisionBench(precision, max_error, peer_names(peers, precision), threads, rounds, seed, method,
+                            time_limit, data)
+    run(models, config, out)
+    click.echo((out / "results.md").read_text() + f"written {out}/results.json, results.md")
+
+
 _PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
 """Settings of the commands whose options their module's own parser reads (its `--help` lists them)."""
 

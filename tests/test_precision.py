@@ -2,6 +2,8 @@
 checks, a quantized input, and the defaults staying exact."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -218,3 +220,19 @@ def test_precision_rules_fire_on_a_real_export(transformer_path):
         assert len(applied) == len(matches)
         check = verify(model, lowered.to_model(static=False), tolerance=1.0)
         assert check.ok and 0 < check.max_rel_norm < 0.5, (rule.name, check.max_rel_norm)
+
+
+def test_bench_precision_writes_rows_beside_the_peers(tmp_path):
+    """rlflow's row and a peer's, each with its speed and its error on the same samples, into both files."""
+    from rlflow.bench.precision import PrecisionBench, run
+
+    path = Path(_two_layer(tmp_path))
+    np.savez(tmp_path / "two.heldout.npz", x=np.random.default_rng(0).standard_normal((3, 1, 256)).astype(np.float32))
+    config = PrecisionBench("int8", peers=("ort-int8-dynamic",), rounds=3, method="greedy", time_limit=1)
+    results = run([path], config, tmp_path / "out")
+    rows = {r["method"]: r for r in results["rows"]}
+    assert set(rows) == {"rlflow", "ort-int8-dynamic"} and all(r["status"] == "ok" for r in rows.values())
+    assert all(r["samples"].endswith("two.heldout.npz (3 samples)") for r in rows.values())
+    assert rows["ort-int8-dynamic"]["max_error"] > 0 and rows["ort-int8-dynamic"]["speedup"]["median"] > 0
+    assert "| two | ort-int8-dynamic |" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "results.json").exists()

@@ -1,0 +1,149 @@
+"""`rlflow bench-precision`: rlflow's `--precision` beside the quantizers a user would pick instead, on the same data.
+
+Per model: rlflow's output (`optimize` with `--precision`, every other setting its default) and each peer's
+(`rlflow.bench.precision_peers`) are measured interleaved against the input in one comparison, and each one's error
+is taken on the same samples: the model's held-out npz beside it (`<name>.heldout.npz`, as the zoo's trained decoders
+have), the given `--data`, or random inputs, which the row says.  A peer that cannot quantize a model is a row that
+says why; the run goes on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+
+from rlflow.bench.machine import environment
+from rlflow.bench.peers import NotApplicable
+from rlflow.errors import InputError
+from rlflow.files import write_text_atomic
+from rlflow.graph.core import Graph
+from rlflow.graph.model_file import read_model
+from rlflow.measure.accuracy import Evaluator, Samples, load_data, random_samples
+from rlflow.measure.session import SessionSettings
+from rlflow.measure.timing import compare
+from rlflow.optimize.pipeline import optimize
+
+log = logging.getLogger("rlflow")
+
+
+@dataclass
+class PrecisionBench:
+    """Settings of a run, recorded in results.json."""
+
+    precision: str = "int4"
+    max_error: float | None = None
+    peers: tuple[str, ...] = ()
+    threads: int = 1
+    rounds: int = 12
+    seed: int = 0
+    method: str | None = None
+    time_limit: float | None = None
+    data: str | None = None
+
+
+def peer_names(spec: str, precision: str) -> tuple[str, ...]:
+    """`all` (the peers of `precision`), `none`, or comma-separated names; InputError for an unknown one."""
+    from rlflow.bench.precision_peers import PRECISION_PEERS
+
+    if spec in ("all", "none"):
+        return tuple(n for n, p in PRECISION_PEERS.items() if p == precision and spec == "all")
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    unknown = [n for n in names if n not in PRECISION_PEERS]
+    if unknown:
+        raise InputError(f"unknown peer(s) {', '.join(unknown)}: choose from {', '.join(PRECISION_PEERS)}")
+    return names
+
+
+def samples_for(path: Path, given: onnx.ModelProto, graph: Graph, data: str | None, seed: int) -> Samples:
+    """The given npz, else the held-out npz beside the model, else random inputs at the model's shapes."""
+    heldout = path.with_name(path.name[: -len(".onnx")] + ".heldout.npz")
+    if data is not None:
+        return load_data(data, given)
+    if heldout.exists():
+        return load_data(heldout, given)
+    return random_samples(given, graph.input_shapes, seed)
+
+
+def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
+    """One row per method and peer on the model at `path`."""
+    from rlflow.bench.precision_peers import run_precision_peer
+
+    given = read_model(path)
+    graph = Graph.from_model(given, None, source=str(path), checked=True)
+    samples = samples_for(path, given, graph, config.data, config.seed)
+    settings = SessionSettings(threads=config.threads)
+    start = time.monotonic()
+    result = optimize(path, precision=config.precision, max_error=config.max_error,
+                      data=None if samples.random else _data_path(path, config), method=config.method,
+                      time_limit=config.time_limit, threads=config.threads, seed=config.seed)
+    candidates = {"rlflow": (result.output_model, time.monotonic() - start,
+                             {"outcome": result.outcome, "reason": result.reason,
+                              "layers": (result.precision or {}).get("layers")})}
+    rows = []
+    for name in config.peers:
+        start = time.monotonic()
+        try:
+            candidates[name] = (run_precision_peer(name, str(path)), time.monotonic() - start, {})
+        except NotApplicable as exc:
+            rows.append({"model": path.stem, "method": name, "status": "not applicable", "reason": str(exc)})
+    evaluator = Evaluator(given, samples, settings, budget=math.inf)
+    names = list(candidates)
+    comparison = compare([given, *(candidates[n][0] for n in names)], settings, rounds=config.rounds,
+                         seed=config.seed, shapes=graph.input_shapes, labels=["input", *names])
+    for i, name in enumerate(names, start=1):
+        model, seconds, extra = candidates[name]
+        error = evaluator.error(model)
+        rows.append({"model": path.stem, "method": name, "status": "ok", "speedup": comparison.ratios[i].as_dict(),
+                     "latency_ms": comparison.timings[i].median_ms, "input_ms": comparison.timings[0].median_ms,
+                     "max_error": error.max_error, "logits": error.logits, "samples": samples.source,
+                     "weight_bytes": _weight_bytes(model), "input_weight_bytes": _weight_bytes(given),
+                     "seconds": seconds, **extra})
+    return rows
+
+
+def _data_path(path: Path, config: PrecisionBench) -> str:
+    return config.data or str(path.with_name(path.name[: -len(".onnx")] + ".heldout.npz"))
+
+
+def _weight_bytes(model: onnx.ModelProto) -> int:
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+
+def run(models: Sequence[Path], config: PrecisionBench, out: Path) -> dict:
+    """Every model's rows into `out`/results.json and results.md; returns what was written."""
+    rows = []
+    for path in models:
+        log.info("bench-precision: %s", path)
+        rows += bench_model(Path(path), config)
+    results = {"config": config.__dict__, "environment": environment(SessionSettings(threads=config.threads)),
+               "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")
+    write_text_atomic(out / "results.md", table(rows))
+    return results
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a Markdown table: speed, error and weight bytes side by side, next-token loss where measured."""
+    lines = ["| model | method | speedup | latency ms | max error | loss increase | agreement | weights MiB | samples |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['method']} | {r['status']}: {r['reason']} | | | | | | |")
+            continue
+        s, logits = r["speedup"], r.get("logits") or {}
+        loss = (f"{(logits['loss_candidate'] - logits['loss_reference']) / logits['loss_reference']:+.2%}"
+                if "loss_reference" in logits else "")
+        agree = f"{logits['agreement']:.1%}" if logits else ""
+        lines.append(f"| {r['model']} | {r['method']} | {s['median']:.3f}x [{s['low']:.3f}, {s['high']:.3f}] | "
+                     f"{r['latency_ms']:.3f} | {r['max_error']:.2e} | {loss} | {agree} | "
+                     f"{r['weight_bytes'] / 2**20:.1f} | {r['samples']} |")
+    return "\n".join(lines) + "\n"

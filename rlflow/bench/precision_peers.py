@@ -1,0 +1,225 @@
+"""The quantizers a user would pick instead of `rlflow optimize --precision`, each run as its documentation presents it
+on the same fp32 model, so that `rlflow bench-precision` measures their speed and error beside rlflow's.
+
+- `ort-int4-rtn`: onnxruntime's `MatMulNBitsQuantizer` (round to nearest, its default algorithm) at the settings
+  onnxruntime-genai's model builder uses for the CPU: 4 bits, blocks of 32, symmetric, `accuracy_level` 4.
+- `ort-int4-hqq`: the same quantizer with `HQQWeightOnlyQuantConfig` (half-quadratic optimisation of the scales and
+  zero points, no data needed; it runs on torch, seconds per layer).  Blocks of 32, as the RTN peer and the
+  builder, rather than its default 128, so that the two differ by the algorithm only.  onnxruntime writes HQQ's
+  zero points as float32 and no `accuracy_level` (its quantizer drops the setting for HQQ); its CPU kernel has no
+  fast path for float zero points and dequantizes the weight on every run, far slower than float32.  That is what a
+  user of it gets, so the peer keeps it as written.
+- `ort-int8-dynamic`: `onnxruntime.quantization.quantize_dynamic` with `weight_type=QInt8` and its other defaults
+  (one scale per weight tensor, the activation quantized to uint8 as the model runs).
+- `onnxsim-int4`, `onnxsim-int8`, `onnxsim-int8-weight-only`, `onnxsim-fp16`: onnxsim's own passes as its CLI runs
+  them, `onnxsim IN OUT --weight-only-quantize-int4 | --dynamic-quantize | --weight-only-quantize | --fp16-quantize`:
+  `onnxsim.simplify` with the CLI's defaults, then `onnxsim.quantize_weight_only_int4` (standard ONNX: INT4 weights
+  in blocks of 32, symmetric, each read through a `DequantizeLinear(block_size=32)`, which onnxruntime fuses with its
+  MatMul into `MatMulNBits`, though not where the MatMul feeds a Relu), `onnxsim.quantize_dynamic` (int8 weights per output channel, uint8 activations:
+  `DynamicQuantizeLinear` + `MatMulInteger`), `onnxsim.quantize_weight_only` (int8 weights per output channel, each
+  read through a `DequantizeLinear`; the activation stays float) or `onnxsim.quantize_fp16` (float16 weights and
+  activations, float32 inputs and outputs).  The simplification is not optional: onnxsim's passes skip a MatMul
+  whose operand types are unknown, and it is the shape inference within `simplify` that gives them.  The int4 pass
+  needs opset 21 and silently does nothing below it; its help says so, so this peer asks `simplify` for opset 21
+  (`--target-opset 21`) on an older model.
+
+onnxruntime's int4 quantizer handles MatMul only (no Gemm), so a model whose layers are all Gemm is not applicable
+to its two peers.
+
+Left out: onnxsim's `quantize_weight_only_matmul_nbits` (the same int4 scheme written as `MatMulNBits`) has no CLI
+flag; its block-wise int8 (`--weight-only-quantize-int8-block`) adds no speed over `--weight-only-quantize` on
+onnxruntime's CPU.
+
+Every output has its `ir_version` lowered to what the installed onnxruntime accepts and its unused initializers
+dropped: onnxsim's passes leave the float32 weights they replaced in the graph, which onnxruntime drops when it loads
+the model, and a weight-bytes column would otherwise count them.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import onnx
+
+from rlflow.bench.peers import NotApplicable
+from rlflow.graph.model_file import max_ir_version, save_model
+
+PRECISION_PEERS: dict[str, str] = {
+    "ort-int4-rtn": "int4",
+    "ort-int4-hqq": "int4",
+    "ort-int8-dynamic": "int8",
+    "onnxsim-int4": "int4",
+    "onnxsim-int8": "int8",
+    "onnxsim-int8-weight-only": "int8",
+    "onnxsim-fp16": "fp16",
+}
+"""Peer name -> the precision it writes, in the order a bench runs them."""
+
+INT4_BLOCK = 32
+"""onnxruntime-genai's builder's block size for the CPU (`int4_block_size`), and onnxsim's only one."""
+
+INT4_ACCURACY_LEVEL = 4
+"""The builder's `int4_accuracy_level` for the CPU: the kernel may quantize the activation to int8 and multiply in
+int8."""
+
+ONNXSIM_INT4_OPSET = 21
+"""The opset onnxsim's int4 pass needs (INT4 tensors, `DequantizeLinear`'s `block_size`)."""
+
+
+def run_precision_peer(name: str, model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """The peer `name`'s quantized model of `model` (a proto, left untouched, or a path, its external data read in).
+
+    Raises:
+        KeyError: `name` is not in PRECISION_PEERS.
+        NotApplicable: the peer's package is missing, the tool failed on the model, or it quantized nothing (a model
+            without a layer it handles); the message is one line saying which.
+    """
+    tool = _TOOLS[name]
+    source = onnx.load(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else copy.deepcopy(model)
+    try:
+        output = tool(source)
+    except NotApplicable:
+        raise
+    except ImportError as exc:
+        raise NotApplicable(f"{name} needs {exc.name or 'a package that is missing'}") from exc
+    except Exception as exc:  # noqa: BLE001 - a tool's failure on one model is that peer's row, not the run's end
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise NotApplicable(f"{name} failed: {type(exc).__name__}: {first}") from exc
+    if not _WROTE[name](output):
+        raise NotApplicable(f"{name} quantized no layer of this model (it handles {_HANDLES[name]})")
+    _drop_unused_initializers(output.graph)
+    output.ir_version = min(output.ir_version, max_ir_version())
+    return output
+
+
+# ----------------------------------------------------------------------------------------------------- onnxruntime
+def _ort_int4(model: onnx.ModelProto, algo_config=None) -> onnx.ModelProto:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quant = MatMulNBitsQuantizer(model, bits=4, block_size=INT4_BLOCK, is_symmetric=True,
+                                 accuracy_level=INT4_ACCURACY_LEVEL, algo_config=algo_config)
+    quant.process()
+    return quant.model.model
+
+
+def ort_int4_rtn(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's block quantizer at the genai builder's CPU settings (it quantizes `model` in place)."""
+    return _ort_int4(model)
+
+
+def ort_int4_hqq(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's HQQ quantizer in blocks of INT4_BLOCK (it quantizes `model` in place)."""
+    import torch  # noqa: F401 - HQQ runs on torch: missing, the peer is not applicable
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig
+
+    return _ort_int4(model, HQQWeightOnlyQuantConfig(block_size=INT4_BLOCK, bits=4))
+
+
+def ort_int8_dynamic(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxruntime's dynamic quantization with its defaults; it takes paths, so it runs in a temporary folder."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="rlflow-ort-int8-") as tmp:
+        source = save_model(model, Path(tmp) / "input.onnx")
+        target = Path(tmp) / "output.onnx"
+        quantize_dynamic(source, target, weight_type=QuantType.QInt8)
+        return onnx.load(str(target))  # its weights read in, so nothing refers into the folder
+
+
+# ---------------------------------------------------------------------------------------------------------- onnxsim
+def _onnxsim(model: onnx.ModelProto, quantize: Callable[[onnx.ModelProto], onnx.ModelProto],
+             opset: int | None = None) -> onnx.ModelProto:
+    """What `onnxsim IN OUT --<pass>` does: simplify with the CLI's defaults, then the pass."""
+    from onnxsim import simplify
+
+    simplified, ok = simplify(model, target_opset_version=opset)
+    if not ok:
+        raise NotApplicable("onnxsim's own check of its simplified model failed")
+    return quantize(simplified)
+
+
+def onnxsim_int4(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxsim's `--weight-only-quantize-int4`, at opset ONNXSIM_INT4_OPSET where the model's is older."""
+    from onnxsim import quantize_weight_only_int4
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    return _onnxsim(model, quantize_weight_only_int4, ONNXSIM_INT4_OPSET if opset < ONNXSIM_INT4_OPSET else None)
+
+
+def onnxsim_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxsim's `--dynamic-quantize`."""
+    from onnxsim import quantize_dynamic
+
+    return _onnxsim(model, quantize_dynamic)
+
+
+def onnxsim_int8_weight_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxsim's `--weight-only-quantize`."""
+    from onnxsim import quantize_weight_only
+
+    return _onnxsim(model, quantize_weight_only)
+
+
+def onnxsim_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """onnxsim's `--fp16-quantize` (float32 inputs and outputs kept)."""
+    from onnxsim import quantize_fp16
+
+    return _onnxsim(model, quantize_fp16)
+
+
+_TOOLS: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
+    "ort-int4-rtn": ort_int4_rtn, "ort-int4-hqq": ort_int4_hqq, "ort-int8-dynamic": ort_int8_dynamic,
+    "onnxsim-int4": onnxsim_int4, "onnxsim-int8": onnxsim_int8, "onnxsim-int8-weight-only": onnxsim_int8_weight_only,
+    "onnxsim-fp16": onnxsim_fp16,
+}
+
+
+# ------------------------------------------------------------------------------------------------ what they wrote
+def _ops(model: onnx.ModelProto) -> set[str]:
+    return {node.op_type for node in model.graph.node}
+
+
+def _has_initializer_of(model: onnx.ModelProto, data_type: int) -> bool:
+    return any(t.data_type == data_type for t in model.graph.initializer)
+
+
+_WROTE: dict[str, Callable[[onnx.ModelProto], bool]] = {
+    "ort-int4-rtn": lambda m: "MatMulNBits" in _ops(m),
+    "ort-int4-hqq": lambda m: "MatMulNBits" in _ops(m),
+    "ort-int8-dynamic": lambda m: bool({"MatMulInteger", "DynamicQuantizeMatMul"} & _ops(m)),
+    "onnxsim-int4": lambda m: _has_initializer_of(m, onnx.TensorProto.INT4),
+    "onnxsim-int8": lambda m: bool({"MatMulInteger", "MatMulIntegerToFloat"} & _ops(m)),
+    "onnxsim-int8-weight-only": lambda m: _has_initializer_of(m, onnx.TensorProto.INT8),
+    "onnxsim-fp16": lambda m: _has_initializer_of(m, onnx.TensorProto.FLOAT16),
+}
+"""Peer -> whether its output holds what the peer writes (else it quantized nothing)."""
+
+_ORT_INT4 = "MatMul with a constant float weight, no Gemm"
+_HANDLES = {"ort-int4-rtn": _ORT_INT4, "ort-int4-hqq": _ORT_INT4,
+            "ort-int8-dynamic": "MatMul, Gemm and Conv with a constant float weight",
+            "onnxsim-int4": "MatMul, plain Gemm and Conv with a constant float32 weight, depth a multiple of 32",
+            "onnxsim-int8": "MatMul and plain Gemm with a constant 2-D float32 weight",
+            "onnxsim-int8-weight-only": "MatMul, plain Gemm and Conv with a constant float32 weight",
+            "onnxsim-fp16": "float32 initializers"}
+"""Peer -> the layers it quantizes, for the reason a peer that quantized nothing gives."""
+
+
+def _used_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name the graph's nodes read (subgraphs' included) and its outputs."""
+    used = {o.name for o in graph.output}
+    for node in graph.node:
+        used.update(node.input)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs):
+                used |= _used_names(sub)
+    return used
+
+
+def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+    used = _used_names(graph) | {i.name for i in graph.input}
+    for k in reversed(range(len(graph.initializer))):
+        if graph.initializer[k].name not in used:
+            del graph.initializer[k]
