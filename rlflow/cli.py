@@ -216,7 +216,7 @@ def zoo() -> None:
     (family deploy) exports Hugging Face transformers models as users do."""
 
 
-_ZOO_FAMILIES = click.Choice(["cnn", "transformer", "rnn", "deploy"])
+_ZOO_FAMILIES = click.Choice(["cnn", "transformer", "rnn", "deploy", "trained"])
 
 
 @zoo.command("list")

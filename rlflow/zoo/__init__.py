@@ -12,6 +12,10 @@ The deployment section (family ``deploy``, `rlflow.zoo.deploy`, its decoders `rl
 export-style variants `rlflow.zoo.deploy_styles`) adds Hugging Face
 ``transformers`` models exported as users export them; `names` leaves it out unless asked for by family, and its
 GPU entries (``ZooEntry.gpu``: float16, or too large for the CPU bench) unless asked for too.
+
+The trained section (family ``trained``, `rlflow.zoo.trained`, its data `rlflow.zoo.stdlib_text`) is a small
+Llama-style decoder that the build trains on the Python standard library, with a held-out ``.npz`` beside it, for
+quantisation accuracy; `names` leaves it out unless asked for by family (a full build trains for minutes).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from rlflow.torch_threads import torch_threads
 from rlflow.zoo import decoders as zoo_decoders
 from rlflow.zoo import deploy as zoo_deploy
 from rlflow.zoo import deploy_styles as zoo_deploy_styles
+from rlflow.zoo import trained as zoo_trained
 from rlflow.zoo.base import _PACKAGE, MODELS_DIR, SEED, Export
 from rlflow.zoo.base import models_package as _models
 from rlflow.zoo.catalog import ZooEntry, literature_entries
@@ -38,6 +43,7 @@ from rlflow.zoo.catalog import ZooEntry, literature_entries
 # Bump when the build procedure in this file changes what ends up in the ONNX file: every model then rebuilds.
 BUILD_VERSION = 1
 DEPLOY = zoo_deploy.FAMILY  # the deployment section (rlflow/zoo/deploy.py): listed and built when asked for
+TRAINED = zoo_trained.FAMILY  # the trained section (rlflow/zoo/trained.py): listed and built when asked for
 
 
 @dataclass
@@ -55,18 +61,19 @@ class BuildResult:
 
 _REGISTRY: dict[str, ZooEntry] = {e.name: e for e in [*literature_entries(), *zoo_deploy.entries(ZooEntry),
                                                          *zoo_decoders.entries(ZooEntry),
-                                                         *zoo_deploy_styles.entries(ZooEntry)]}
+                                                         *zoo_deploy_styles.entries(ZooEntry),
+                                                         *zoo_trained.entries(ZooEntry)]}
 
 
 def names(include_tiny: bool = True, family: str | None = None, include_gpu: bool = False) -> list[str]:
     """Zoo model names in registry order; ``include_tiny=False`` keeps the full-size (published) models only.
 
-    ``family=None`` gives the research zoo (every family but the deployment section, ``"deploy"``); a family name
-    gives that family's models only.  GPU entries (``ZooEntry.gpu``) only with ``include_gpu``, so that the CPU's
-    lists and builds skip them; `get` and `build` take them by name.
+    ``family=None`` gives the research zoo (every family but the deployment and trained sections, ``"deploy"`` and
+    ``"trained"``); a family name gives that family's models only.  GPU entries (``ZooEntry.gpu``) only with
+    ``include_gpu``, so that the CPU's lists and builds skip them; `get` and `build` take them by name.
     """
     return [n for n, e in _REGISTRY.items() if (include_tiny or not e.tiny) and (include_gpu or not e.gpu)
-            and (e.family == family if family else e.family != DEPLOY)]
+            and (e.family == family if family else e.family not in (DEPLOY, TRAINED))]
 
 
 def get(name: str) -> ZooEntry:
@@ -98,7 +105,12 @@ def definition_hash(name: str) -> str:
     version."""
     entry = get(name)
     digest = hashlib.sha256()
-    sources = _sources("common") + [Path(zoo_deploy.__file__)] if entry.family == DEPLOY else _sources(entry.module)
+    if zoo_trained.owns(entry):  # its training, data and export code (its config records the exporter's opset)
+        sources = [Path(zoo_trained.__file__), Path(zoo_trained.__file__).with_name("stdlib_text.py")]
+    elif entry.family == DEPLOY:
+        sources = _sources("common") + [Path(zoo_deploy.__file__)]
+    else:
+        sources = _sources(entry.module)
     if zoo_decoders.owns(entry):  # the decoders' export code: the encoders' builds do not depend on it
         sources.append(Path(zoo_decoders.__file__))
     if zoo_deploy_styles.owns(entry):  # the export-style variants' code: the section's own builds do not depend on it
@@ -108,8 +120,10 @@ def definition_hash(name: str) -> str:
     recipe = dict(name=entry.name, module=entry.module, config=entry.config, inputs=entry.input_shapes,
                   dtypes=entry.input_dtypes, ranges=entry.input_ranges, outputs=entry.output_names, seed=SEED,
                   build=BUILD_VERSION, torch=importlib.metadata.version("torch"))
-    if entry.family == DEPLOY:
+    if entry.family in (DEPLOY, TRAINED):
         recipe.update(transformer=entry.transformer, transformers=_version("transformers"))
+    if zoo_trained.owns(entry):  # the Python whose stdlib it reads
+        recipe.update(zoo_trained.data_recipe())
     digest.update(json.dumps(recipe, sort_keys=True, default=list).encode())
     return digest.hexdigest()[:16]
 
@@ -130,7 +144,8 @@ def _read_metadata(path: Path) -> dict | None:
 
 def _up_to_date(name: str, out_dir: Path) -> dict | None:
     meta = _read_metadata(out_dir / f"{name}.json")
-    if meta and meta.get("definition_hash") == definition_hash(name) and (out_dir / f"{name}.onnx").is_file():
+    if meta and meta.get("definition_hash") == definition_hash(name) and (out_dir / f"{name}.onnx").is_file() \
+            and all((out_dir / f"{name}{suffix}").is_file() for suffix in meta.get("sidecars", [])):
         return meta
     return None
 
@@ -163,7 +178,9 @@ def build(name: str, out_dir, *, force: bool = False) -> BuildResult:
     if meta is not None:
         return BuildResult(name, out_dir / f"{name}.onnx", True, time.perf_counter() - start, meta["params"],
                            meta["flops"], meta["nodes"])
-    if zoo_decoders.owns(entry):
+    if zoo_trained.owns(entry):
+        exported = zoo_trained.export(entry)
+    elif zoo_decoders.owns(entry):
         exported = zoo_decoders.export(entry)
     elif zoo_deploy_styles.owns(entry):
         exported = zoo_deploy_styles.export(entry)
@@ -212,6 +229,8 @@ def _write(entry: ZooEntry, exported: Export, out_dir: Path, start: float) -> Bu
     params, flops, nodes = count_params(proto), _flops_at(proto, entry.input_shapes), len(proto.graph.node)
     out_dir.mkdir(parents=True, exist_ok=True)
     onnx_path = out_dir / f"{name}.onnx"
+    for suffix, content in exported.sidecars.items():
+        _write_atomic(out_dir / f"{name}{suffix}", content)
     _write_atomic(onnx_path, data)
     seconds = time.perf_counter() - start
     metadata = dict(
@@ -224,6 +243,8 @@ def _write(entry: ZooEntry, exported: Export, out_dir: Path, start: float) -> Bu
         ops=dict(sorted(_op_counts(proto).items())), bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
         check=check, build_seconds=round(seconds, 2), published=entry.published, **exported.metadata,
     )
+    if exported.sidecars:
+        metadata["sidecars"] = sorted(exported.sidecars)
     _write_atomic(out_dir / f"{name}.json", (json.dumps(metadata, indent=1, default=list) + "\n").encode())
     return BuildResult(name, onnx_path, False, seconds, params, flops, nodes)
 

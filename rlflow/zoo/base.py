@@ -39,3 +39,4 @@ class Export:
     props: dict = field(default_factory=dict)  # extra ONNX metadata_props
     metadata: dict = field(default_factory=dict)  # extra sidecar JSON fields
     tolerance: float = 1e-3  # largest difference from PyTorch's outputs, relative to their largest magnitude
+    sidecars: dict = field(default_factory=dict)  # file suffix -> bytes written beside the model (a held-out set)

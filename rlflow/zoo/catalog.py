@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlflow.zoo.deploy import FAMILY as DEPLOY
+from rlflow.zoo.trained import FAMILY as TRAINED
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class ZooEntry:
     @property
     def tiny(self) -> bool:
         """True for test-sized entries (the ``-tiny`` variants and the demo block; in the deployment section, the
-        ones whose recipe says ``tiny``)."""
-        if self.family == DEPLOY:
+        ones whose recipe says ``tiny``, as in the trained section)."""
+        if self.family in (DEPLOY, TRAINED):
             return bool(self.config.get("tiny", False))
         return self.published is None
 
