@@ -231,7 +231,7 @@ def test_bench_precision_writes_rows_beside_the_peers(tmp_path):
     config = PrecisionBench("int8", peers=("ort-int8-dynamic",), rounds=3, method="greedy", time_limit=1)
     results = run([path], config, tmp_path / "out")
     rows = {r["method"]: r for r in results["rows"]}
-    assert set(rows) == {"rlflow", "ort-int8-dynamic"} and all(r["status"] == "ok" for r in rows.values())
+    assert set(rows) == {"rlflow-exact", "rlflow", "ort-int8-dynamic"} and all(r["status"] == "ok" for r in rows.values())
     assert all(r["samples"].endswith("two.heldout.npz (3 samples)") for r in rows.values())
     assert rows["ort-int8-dynamic"]["max_error"] > 0 and rows["ort-int8-dynamic"]["speedup"]["median"] > 0
     assert "| two | ort-int8-dynamic |" in (tmp_path / "out" / "results.md").read_text()

@@ -1,6 +1,7 @@
 """`rlflow bench-precision`: rlflow's `--precision` beside the quantizers a user would pick instead, on the same data.
 
-Per model: rlflow's output (`optimize` with `--precision`, every other setting its default) and each peer's
+Per model: rlflow's output (`optimize` with `--precision`, every other setting its default), its exact output
+(without `--precision`: what the precision step adds is the difference) and each peer's
 (`rlflow.bench.precision_peers`) are measured interleaved against the input in one comparison, and each one's error
 is taken on the same samples: the model's held-out npz beside it (`<name>.heldout.npz`, as the zoo's trained decoders
 have), the given `--data`, or random inputs, which the row says.  A peer that cannot quantize a model is a row that
@@ -78,13 +79,16 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
     graph = Graph.from_model(given, None, source=str(path), checked=True)
     samples = samples_for(path, given, graph, config.data, config.seed)
     settings = SessionSettings(threads=config.threads)
-    start = time.monotonic()
-    result = optimize(path, precision=config.precision, max_error=config.max_error,
-                      data=None if samples.random else _data_path(path, config), method=config.method,
-                      time_limit=config.time_limit, threads=config.threads, seed=config.seed)
-    candidates = {"rlflow": (result.output_model, time.monotonic() - start,
-                             {"outcome": result.outcome, "reason": result.reason,
-                              "layers": (result.precision or {}).get("layers")})}
+    candidates = {}
+    for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what the precision step adds
+        start = time.monotonic()
+        result = optimize(path, precision=precision, max_error=config.max_error if precision else None,
+                          data=None if samples.random or not precision else _data_path(path, config),
+                          method=config.method, time_limit=config.time_limit, threads=config.threads,
+                          seed=config.seed)
+        candidates[name] = (result.output_model, time.monotonic() - start,
+                            {"outcome": result.outcome, "reason": result.reason,
+                             "layers": (result.precision or {}).get("layers")})
     rows = []
     for name in config.peers:
         start = time.monotonic()
