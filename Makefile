@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test lint fuzz bench agent agent-wide agent-cuda agent-decoders ppo-agent ppo-agent-cuda ppo-agent-decoders genai-builder clean
+.PHONY: install demo test lint fuzz bench bench-precision agent agent-wide agent-cuda agent-decoders ppo-agent ppo-agent-cuda ppo-agent-decoders genai-builder clean
 
 install: $(STAMP)
 
@@ -44,6 +44,18 @@ bench: $(STAMP)
 	$(BIN)/rlflow bench models --methods agent,greedy,taso,random --peers --control --threads 1 \
 		--rounds $(BENCH_ROUNDS) $(if $(RAY),$(if $(filter local,$(RAY)),--ray,--ray $(RAY))) --out docs/results
 	$(BIN)/rlflow wallclock models --out docs/results
+
+# `--precision` beside onnxruntime's and onnxsim's quantizers (docs/precision.md): the zoo's trained decoder and its
+# outlier twin on their held-out data, at int4 and int8, and SmolLM2-135M's decode step (random weights) at int4;
+# CPU, 1 thread, 12 interleaved rounds (about 40 minutes on 2 cores, most of it the decode step).
+TRAINED_DECODERS := models/stdlib-llama-s128-ts.onnx models/stdlib-llama-outliers-s128-ts.onnx
+PRECISION_RESULTS := docs/results/precision
+bench-precision: $(STAMP)
+	$(BIN)/rlflow zoo build stdlib-llama-s128-ts stdlib-llama-outliers-s128-ts smollm2-135m-decode-p128-dynamo --out models
+	$(BIN)/rlflow bench-precision $(TRAINED_DECODERS) --precision int4 --rounds 12 --out $(PRECISION_RESULTS)/trained-int4
+	$(BIN)/rlflow bench-precision $(TRAINED_DECODERS) --precision int8 --rounds 12 --out $(PRECISION_RESULTS)/trained-int8
+	$(BIN)/rlflow bench-precision models/smollm2-135m-decode-p128-dynamo.onnx --precision int4 --rounds 12 \
+		--out $(PRECISION_RESULTS)/decode-int4
 
 # The shipped agents are trained on the deployment section (issue #28): DistilBERT, Whisper-tiny's encoder, DeiT-small
 # and DeiT-tiny (a 192-wide model, so that attention fusion on small hidden sizes is seen in training), each from both

@@ -17,6 +17,7 @@ from rlflow.measure.session import SessionSettings
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import Options, rules_for
 from rlflow.optimize.pipeline import optimize
+from rlflow.optimize.report import format_report
 from rlflow.rewrites import PRECISION_RULES, RULES, apply, apply_all, find_matches
 from tests.conftest import save, tiny_model
 
@@ -101,6 +102,9 @@ def test_gate_refuses_an_output_over_budget(tmp_path):
     assert not result.rewritten
     assert "error budget" in result.reason and "least error reached" in result.reason
     assert result.precision["least_error"] > 1e-7
+    report = format_report(result)
+    assert "precision   int4 within max error 1e-07 (given), measured on random inputs (4 samples)" in report
+    assert "the error is measured on random inputs, not on data" in report
 
 
 def test_within_budget_is_verified_on_the_data(tmp_path):
@@ -236,3 +240,16 @@ def test_bench_precision_writes_rows_beside_the_peers(tmp_path):
     assert rows["ort-int8-dynamic"]["max_error"] > 0 and rows["ort-int8-dynamic"]["speedup"]["median"] > 0
     assert "| two | ort-int8-dynamic |" in (tmp_path / "out" / "results.md").read_text()
     assert (tmp_path / "out" / "results.json").exists()
+
+
+def test_bench_weight_bytes_read_a_large_models_weights_from_their_shapes():
+    """A large model's weights lie in a file aside, at an absolute path onnx's own reader refuses: counted unread."""
+    from rlflow.bench.precision import _weight_bytes
+
+    tensor = TensorProto(name="W", data_type=TensorProto.FLOAT, dims=[1024, 64])
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value="/tmp/elsewhere/weights.data")
+    packed = helper.make_tensor("Q", TensorProto.UINT8, [64, 32, 16], vals=np.zeros(64 * 32 * 16, np.uint8).tobytes(),
+                                raw=True)
+    model = tiny_model([], [], [], [tensor, packed])
+    assert _weight_bytes(model) == 1024 * 64 * 4 + 64 * 32 * 16

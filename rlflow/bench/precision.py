@@ -24,6 +24,7 @@ from rlflow.bench.peers import NotApplicable
 from rlflow.errors import InputError
 from rlflow.files import write_text_atomic
 from rlflow.graph.core import Graph
+from rlflow.graph.external_data import tensor_bytes
 from rlflow.graph.model_file import read_model
 from rlflow.measure.accuracy import Evaluator, Samples, load_data, random_samples
 from rlflow.measure.session import SessionSettings
@@ -116,9 +117,8 @@ def _data_path(path: Path, config: PrecisionBench) -> str:
 
 
 def _weight_bytes(model: onnx.ModelProto) -> int:
-    from onnx import numpy_helper
-
-    return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    """Bytes of the initializers, as stored (from their shapes: a large model's weights lie in a file aside)."""
+    return sum(tensor_bytes(t) for t in model.graph.initializer)
 
 
 def run(models: Sequence[Path], config: PrecisionBench, out: Path) -> dict:
