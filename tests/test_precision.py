@@ -253,3 +253,16 @@ def test_bench_weight_bytes_read_a_large_models_weights_from_their_shapes():
                                 raw=True)
     model = tiny_model([], [], [], [tensor, packed])
     assert _weight_bytes(model) == 1024 * 64 * 4 + 64 * 32 * 16
+
+
+def test_a_lowered_model_onnxruntime_cannot_run_is_refused_not_raised(tmp_path, monkeypatch):
+    from rlflow.errors import ProviderError
+
+    def cannot_run(self, candidate):
+        raise ProviderError("onnxruntime (CPUExecutionProvider) cannot run the model: no kernel")
+
+    monkeypatch.setattr(Evaluator, "error", cannot_run)
+    result = optimize(_two_layer(tmp_path), method="greedy", time_limit=1, precision="int8", rounds=6)
+    assert not result.rewritten and "least error reached inf" in result.reason
+    assert result.precision["evaluations"]
+    assert all(e["max_error"] == float("inf") for e in result.precision["evaluations"])

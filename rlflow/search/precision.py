@@ -21,9 +21,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from rlflow.errors import RlflowError
 from rlflow.graph.core import Graph
 from rlflow.measure.accuracy import ErrorReport, Evaluator
 from rlflow.measure.session import SessionSettings, create_session
+from rlflow.measure.verify import OutputCheck
 from rlflow.rewrites import Match, apply_all, find_matches
 from rlflow.rewrites.precision import PrecisionRule
 
@@ -93,7 +95,12 @@ def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettin
     def evaluate(threshold: float) -> tuple[Graph, list[Match], ErrorReport]:
         chosen = [layer.variants[name]["match"] for layer in layers if (name := layer.pick(threshold))]
         candidate, applied = apply_all(graph, chosen, rules)
-        report = evaluator.error(candidate.to_model(static=False))
+        try:
+            report = evaluator.error(candidate.to_model(static=False))
+        except RlflowError as exc:  # onnxruntime cannot run it: as if over any budget, and said
+            inf = float("inf")
+            report = ErrorReport([OutputCheck(f"(fails to run: {exc})", inf, inf, inf, evaluator.budget, False)],
+                                 evaluator.samples.source)
         evaluations.append({"threshold": threshold, "layers": len(applied), "max_error": report.max_error})
         log.info("precision: local error <= %.3g: %d layers, error %.3g", threshold, len(applied), report.max_error)
         return candidate, applied, report
