@@ -30,13 +30,23 @@ def _linear(op: str, k: int = 256, n: int = 192, seed: int = 0, batch="b") -> on
         nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
         shapes = ([batch, 8, k], [batch, 8, n])
         inits = [numpy_helper.from_array(w, "W")]
+    elif op in ("MatMul-Transpose", "FusedMatMul"):  # the dynamo exporter's language-model head; tied-head-fusion's
+        transposed = numpy_helper.from_array(np.ascontiguousarray(w.T), "Wt")
+        nodes = ([helper.make_node("Transpose", ["Wt"], ["W"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")] if op == "MatMul-Transpose" else
+                 [helper.make_node("FusedMatMul", ["x", "Wt"], ["y"], name="mm", domain="com.microsoft", transB=1)])
+        shapes = ([batch, 8, k], [batch, 8, n])
+        inits = [transposed]
     else:
         nodes = [helper.make_node("Gemm", ["x", "Wt", "bias"], ["y"], name="mm", transB=1)]
         shapes = ([batch, k], [batch, n])
         inits = [numpy_helper.from_array(np.ascontiguousarray(w.T), "Wt"),
                  numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "bias")]
-    return tiny_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shapes[0])],
-                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, shapes[1])], inits)
+    model = tiny_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shapes[0])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, shapes[1])], inits)
+    if op == "FusedMatMul":
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -45,11 +55,11 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     return session.run(None, {"x": x})[0]
 
 
-@pytest.mark.parametrize("op", ["MatMul", "Gemm"])
+@pytest.mark.parametrize("op", ["MatMul", "Gemm", "MatMul-Transpose", "FusedMatMul"])
 @pytest.mark.parametrize("rule", PRECISION_RULES, ids=lambda r: r.name)
 def test_precision_rule_within_its_tolerance(rule, op):
     model = _linear(op)
-    shape = (2, 8, 256) if op == "MatMul" else (4, 256)
+    shape = (4, 256) if op == "Gemm" else (2, 8, 256)
     graph = Graph.from_model(model, {"x": shape})
     (match,) = find_matches(graph, [rule])
     rewritten = apply(graph, match, [rule]).to_model(static=False)
@@ -70,6 +80,10 @@ def test_precision_rule_refusals():
     scaled.graph.node[0].attribute.append(helper.make_attribute("alpha", 0.5))
     (reason,) = rule.reasons(Graph.from_model(scaled, {"x": (4, 256)}))
     assert "scales or transposes" in reason.reason
+    permuted = _linear("MatMul-Transpose")
+    permuted.graph.node[0].attribute[0].ints[:] = [0, 1]  # a Transpose that moves nothing is not the head's
+    (reason,) = rule.reasons(Graph.from_model(permuted, {"x": (2, 8, 256)}))
+    assert "nor one's Transpose" in reason.reason
 
 
 def test_defaults_stay_exact():

@@ -42,10 +42,15 @@ class Replacement:
 
 
 class PrecisionRule(Rule):
-    """A MatMul (or a Gemm computing `A @ W + bias`) whose weight is a float32 constant, rewritten with that weight in
-    fewer bits.  Gemm is taken too because the exact rules write it (`matmul3d-add-to-gemm`) and exporters do."""
+    """A product `A @ W (+ bias)` whose weight is a float32 constant, rewritten with that weight in fewer bits.
 
-    root_ops = ("MatMul", "Gemm")
+    The product is a MatMul, a Gemm (the exact rules write it, `matmul3d-add-to-gemm`, and exporters do) or a
+    FusedMatMul (`tied-head-fusion`'s); the weight is the constant itself or a Transpose of its last two axes, as the
+    dynamo exporter writes a language model's head (the largest matrix of a small decoder's step).
+    """
+
+    root_ops = ("MatMul", "Gemm", "FusedMatMul")
+    domains = ("", "ai.onnx", MS)
     contrib = True
     precision: ClassVar[str] = ""
     """The precision it writes: `int4` or `int8` (what `--precision` asks for)."""
@@ -56,21 +61,23 @@ class PrecisionRule(Rule):
     within (its tests hold it to this): what one layer costs, before the search weighs it."""
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        gemm = node.op == "Gemm"
-        if gemm and (node.attrs.get("alpha", 1.0) != 1.0 or node.attrs.get("beta", 1.0) != 1.0
-                     or node.attrs.get("transA", 0)):
-            return self.no(node, "the Gemm scales or transposes beyond A @ W + bias")
-        weight = node.inputs[1] if len(node.inputs) >= 2 else None
-        if not isinstance(weight, gs.Constant) or weight.values.dtype != np.float32:
-            return self.no(node, "the weight is not a float32 constant")
-        shape = weight.values.shape
+        if node.op == "MatMul" and (node.domain or "") == MS:
+            return self.no(node, "not the default domain's MatMul")
+        if node.op != "MatMul" and (node.attrs.get("alpha", 1.0) != 1.0 or node.attrs.get("beta", 1.0) != 1.0
+                                    or node.attrs.get("transA", 0) or node.attrs.get("transBatchA", 0)
+                                    or node.attrs.get("transBatchB", 0)):
+            return self.no(node, f"the {node.op} scales or transposes beyond A @ W + bias")
+        source = self.weight_source(node)
+        if source is None:
+            return self.no(node, "the weight is not a float32 constant, nor one's Transpose of its last two axes")
+        shape = source[0].values.shape
         if len(shape) < 2 or any(d != 1 for d in shape[:-2]):
             return self.no(node, f"the weight's shape {list(shape)} is not a matrix")
-        if weight.values.size < MIN_WEIGHT_ELEMENTS:
+        if source[0].values.size < MIN_WEIGHT_ELEMENTS:
             return self.no(node, f"the weight has fewer than {MIN_WEIGHT_ELEMENTS} elements")
-        if gemm and len(node.inputs) > 2 and node.inputs[2].name:
+        if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name:
             bias = node.inputs[2]
-            n = shape[0] if node.attrs.get("transB", 0) else shape[1]
+            n = shape[-2] if source[1] else shape[-1]
             if not isinstance(bias, gs.Constant) or bias.values.dtype != np.float32 or bias.values.size != n:
                 return self.no(node, "the Gemm's bias is not a float32 constant of one value per column")
         a = graph.shape(node.inputs[0])
@@ -93,15 +100,30 @@ class PrecisionRule(Rule):
         replace_typed(graph, node.outputs[0], out)
 
     @staticmethod
-    def operands(node: gs.Node) -> tuple[np.ndarray, np.ndarray | None]:
+    def weight_source(node: gs.Node) -> tuple[gs.Constant, bool] | None:
+        """The float32 constant the product's weight comes from, and whether the product reads it transposed."""
+        if len(node.inputs) < 2:
+            return None
+        weight, transposed = node.inputs[1], bool(node.attrs.get("transB", 0))
+        if not isinstance(weight, gs.Constant) and len(weight.inputs) == 1 and weight.inputs[0].op == "Transpose":
+            producer = weight.inputs[0]
+            inner = producer.inputs[0]
+            rank = len(inner.shape or ()) if isinstance(inner, gs.Constant) else 0
+            if rank >= 2 and list(producer.attrs.get("perm", range(rank - 1, -1, -1))) == [
+                    *range(rank - 2), rank - 1, rank - 2]:
+                weight, transposed = inner, not transposed
+        if not isinstance(weight, gs.Constant) or weight.values.dtype != np.float32:
+            return None
+        return weight, transposed
+
+    @classmethod
+    def operands(cls, node: gs.Node) -> tuple[np.ndarray, np.ndarray | None]:
         """The weight as a [K, N] matrix and the bias (None without one) of a node `check` accepted."""
-        weight = node.inputs[1].values
-        weight = weight.reshape(weight.shape[-2:])
-        if node.op != "Gemm":
-            return weight, None
-        if node.attrs.get("transB", 0):
+        constant, transposed = cls.weight_source(node)
+        weight = constant.values.reshape(constant.values.shape[-2:])
+        if transposed:
             weight = np.ascontiguousarray(weight.T)
-        bias = node.inputs[2] if len(node.inputs) > 2 and node.inputs[2].name else None
+        bias = node.inputs[2] if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2].name else None
         return weight, None if bias is None else bias.values.reshape(-1)
 
     def replacement(self, weight: np.ndarray) -> Replacement:
