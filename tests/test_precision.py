@@ -115,7 +115,7 @@ def every_form_faster(monkeypatch):
     """Each layer's forms saving time alone, whatever this machine's clock says: the tests below are about error."""
     import rlflow.search.precision as search
 
-    monkeypatch.setattr(search, "_gain_ms", lambda rows, weight, product, settings: 1.0)
+    monkeypatch.setattr(search, "_gain_ms", lambda rows, weight, new, settings, copies: 1.0)
 
 
 def test_gate_refuses_an_output_over_budget(tmp_path, every_form_faster):
@@ -288,3 +288,19 @@ def test_a_lowered_model_onnxruntime_cannot_run_is_refused_not_raised(tmp_path, 
     assert not result.rewritten and "least error reached inf" in result.reason
     assert result.precision["evaluations"]
     assert all(e["max_error"] == float("inf") for e in result.precision["evaluations"])
+
+
+def test_a_layer_is_timed_among_a_models_worth_of_copies():
+    """Each copy its own weights, on the same activation: the copies stream from memory as the model's layers do."""
+    from rlflow.search.precision import _product_model
+
+    weight = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    model = _product_model(64, 32, "MatMul", {}, [weight], copies=3)
+    a = np.ones((2, 64), np.float32)
+    outs = _run_named(model, {"a": a})
+    assert len(outs) == 3 and all(np.allclose(o, a @ weight, rtol=1e-5) for o in outs)
+    assert len({t.name for t in model.graph.initializer}) == 3
+
+
+def _run_named(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
