@@ -97,9 +97,13 @@ def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettin
     layers = _measure_layers(graph, evaluator, settings, rules, progress)
     usable = sorted({v["error"] for layer in layers for v in layer.variants.values() if v["faster"]})
     evaluations: list[dict] = []
+    seen: dict[tuple, tuple[Graph, list[Match], ErrorReport]] = {}
 
     def evaluate(threshold: float) -> tuple[Graph, list[Match], ErrorReport]:
         chosen = [layer.variants[name]["match"] for layer in layers if (name := layer.pick(threshold))]
+        key = tuple(chosen)
+        if key in seen:  # thresholds between two measured errors choose alike
+            return seen[key]
         candidate, applied = apply_all(graph, chosen, rules)
         try:
             report = evaluator.error(candidate.to_model(static=False))
@@ -109,7 +113,8 @@ def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettin
                                  evaluator.samples.source)
         evaluations.append({"threshold": threshold, "layers": len(applied), "max_error": report.max_error})
         log.info("precision: local error <= %.3g: %d layers, error %.3g", threshold, len(applied), report.max_error)
-        return candidate, applied, report
+        seen[key] = candidate, applied, report
+        return seen[key]
 
     best, least = None, None
     low, high = 0, len(usable) - 1
