@@ -6,7 +6,6 @@ check is the error on the samples alone: its rules bake no shape, and the budget
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -23,8 +22,6 @@ from rlflow.rewrites.precision import PrecisionRule
 from rlflow.search.candidates import SearchResult
 from rlflow.search.precision import PrecisionSearch, precision_search
 
-log = logging.getLogger("rlflow")
-
 PRECISIONS = ("int4", "int8")
 """What `--precision` offers: int4 (int4 and int8 layers, each where it pays) and int8 (int8 layers only)."""
 
@@ -34,7 +31,8 @@ QUANTIZED_OPS = frozenset({"MatMulNBits", "DynamicQuantizeMatMul", "MatMulIntege
 """Operators of a graph already in low precision: the report names them, and the search leaves them as they are."""
 
 NOT_YET = ("fp16", "bf16")
-"""Precisions the issue tracker plans and rlflow does not make yet: refused in one line."""
+"""Half precisions, refused in one line: onnxruntime's CPU provider lacks half kernels for most operators, and the
+GPU's conversion (Casts at the boundaries, norms and softmax kept in float32) is not built yet."""
 
 DEFAULT_MAX_ERROR = {"int8": 0.02, "int4": 0.10}
 """The relative error norm of each output allowed when `--max-error` is not given."""

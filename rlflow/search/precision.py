@@ -1,13 +1,13 @@
 """Which layers drop precision, chosen by measured error and measured speed (`rlflow optimize --precision`).
 
-Each quantizable MatMul is measured alone, with each precision rule offered: its error (the relative error of that
-product on the activations the samples give it, onnxruntime's kernel against float32) beside its speed gain (that
-product timed alone at its deployed shape, interleaved against float32, on the target provider).  A threshold on
-that local error then decides every layer at once: each takes its fastest variant whose error is under it, and a
-variant that is not measurably faster alone is never taken.  The threshold is the largest, by bisection over the
-measured errors, at which the whole model's error on the samples stays within the budget; a model's error grows with
-the layers it loses, so a handful of whole-model evaluations decide the set (greedy by gain per unit of error, as
-accuracy-driven tuners fall back layer by layer, but deciding by speed measured on the target too).
+Each quantizable product is measured once per precision rule: its error (that product alone on the activations the
+samples give it, onnxruntime's kernel against float32) beside its speed gain (that product at its deployed shape,
+among a model's worth of copies, interleaved against float32 on the target provider).  A threshold on that local
+error then decides every layer at once: each takes its fastest form whose error is under it, and a form that is not
+measurably faster is never taken, so the layers least hurt drop first, as accuracy-driven tuners fall back layer by
+layer, but with speed measured on the target deciding the form.  The threshold is the largest, by bisection over the
+measured errors, at which the whole model's error on the samples stays within the budget: a model's error grows with
+the layers it loses, so a handful of whole-model evaluations decide.
 """
 from __future__ import annotations
 
