@@ -93,6 +93,13 @@ def test_defaults_stay_exact():
     assert not names & {r.name for r in rules_for(RULES, "all", "CPUExecutionProvider")}
 
 
+def test_the_exact_search_before_a_precision_step_leaves_weights_where_precision_rules_reach():
+    from rlflow.optimize.precision import LOCKS_WEIGHTS, exact_rules
+
+    assert {r.name for r in RULES} - {r.name for r in exact_rules(RULES, "int8")} == LOCKS_WEIGHTS
+    assert exact_rules(RULES, None) == list(RULES)
+
+
 def test_precision_registry_append_only():
     """Appending is fine; these names keep their positions (a precision agent's action ids)."""
     recorded = ["matmul-int4-block32", "matmul-int4-block128", "matmul-int8-block32", "matmul-dynamic-int8"]

@@ -29,7 +29,7 @@ from rlflow.measure.shape_profiles import Profile, arrange, attach, default_prof
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import DEFAULT_TIME_LIMITS, Options, default_method, rules_for
-from rlflow.optimize.precision import lower_precision, precision_rules
+from rlflow.optimize.precision import exact_rules, lower_precision, precision_rules
 from rlflow.optimize.result import Result
 from rlflow.rewrites import REGISTRY_VERSION, Rule
 from rlflow.search.candidates import SearchResult
@@ -63,7 +63,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     samples = load_data(options.data, given) if options.data is not None else None  # its mistakes before any work
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
-    rules = rules_for(rules, ops, resolved)
+    rules = exact_rules(rules_for(rules, ops, resolved), options.precision)
     check_capture(resolved, cuda_graph)
     method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune, graph, rules)
     if method == "agent" and agent is None:

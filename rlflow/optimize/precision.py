@@ -17,7 +17,7 @@ from rlflow.measure.accuracy import ErrorReport, Evaluator, Samples, random_samp
 from rlflow.measure.memory import weight_bytes
 from rlflow.measure.session import PROVIDERS, SessionSettings
 from rlflow.measure.verify import Verification, verify
-from rlflow.rewrites import PRECISION_RULES
+from rlflow.rewrites import PRECISION_RULES, Rule
 from rlflow.rewrites.precision import PrecisionRule
 from rlflow.search.candidates import SearchResult
 from rlflow.search.precision import PrecisionSearch, precision_search
@@ -38,6 +38,15 @@ DEFAULT_MAX_ERROR = {"int8": 0.02, "int4": 0.10}
 """The relative error norm of each output allowed when `--max-error` is not given."""
 
 _OFFERED = {"int4": ("int4", "int8"), "int8": ("int8",)}
+
+LOCKS_WEIGHTS = frozenset({"attention-pack-qkv", "gemm-activation-fusion"})
+"""Exact rules left out of the search before a precision step: they move a weight into an operator no precision
+rule lowers (the packed `Attention`, `FusedGemm`), so on an encoder they kept half its weight bytes in float32."""
+
+
+def exact_rules(rules: Sequence[Rule], precision: str | None) -> list[Rule]:
+    """The exact search's rules: all of `rules`, less LOCKS_WEIGHTS before a precision step."""
+    return [r for r in rules if precision is None or r.name not in LOCKS_WEIGHTS]
 
 
 def check_precision(precision: str | None, max_error: float | None, data, ops: str = "all") -> None:
