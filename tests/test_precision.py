@@ -311,3 +311,11 @@ def test_a_layer_is_timed_among_a_models_worth_of_copies():
 
 def _run_named(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_a_model_without_a_layer_to_lower_says_so(tmp_path):
+    model = tiny_model([helper.make_node("Relu", ["x"], ["y"])],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])])
+    result = optimize(save(model, tmp_path / "relu.onnx"), method="greedy", time_limit=1, precision="int4", rounds=6)
+    assert not result.rewritten and "no layer the precision rules take" in result.reason

@@ -27,7 +27,7 @@ from rlflow.measure.accuracy import ErrorReport, Evaluator
 from rlflow.measure.session import SessionSettings, create_session
 from rlflow.measure.verify import OutputCheck
 from rlflow.rewrites import Match, apply_all, find_matches
-from rlflow.rewrites.precision import PrecisionRule, Replacement
+from rlflow.rewrites.precision import MIN_WEIGHT_ELEMENTS, PrecisionRule, Replacement
 
 log = logging.getLogger("rlflow")
 
@@ -130,8 +130,10 @@ def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettin
         probe = (low + high + 1) // 2
     seconds = time.monotonic() - start
     if not usable:
-        return PrecisionSearch(graph, [], layers, None, None, evaluations,
-                               "no layer is faster in a lower precision", seconds)
+        why = ("no layer is faster in a lower precision" if layers else
+               "no layer the precision rules take (a MatMul or Gemm with a float32 constant weight of at least "
+               f"{MIN_WEIGHT_ELEMENTS} values)")
+        return PrecisionSearch(graph, [], layers, None, None, evaluations, why, seconds)
     if best is None:
         return PrecisionSearch(graph, [], layers, None, None, evaluations,
                                f"no choice is within the error budget {budget:.3g} (least error reached "
