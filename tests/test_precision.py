@@ -267,6 +267,8 @@ def test_bench_precision_writes_rows_beside_the_peers(tmp_path):
     assert set(rows) == {"rlflow-exact", "rlflow", "ort-int8-dynamic"} and all(r["status"] == "ok" for r in rows.values())
     assert all(r["samples"].endswith("two.heldout.npz (3 samples)") for r in rows.values())
     assert rows["ort-int8-dynamic"]["max_error"] > 0 and rows["ort-int8-dynamic"]["speedup"]["median"] > 0
+    assert all(r["memory_fraction"] > 0 for r in rows.values())
+    assert rows["ort-int8-dynamic"]["bytes_read"] < rows["rlflow-exact"]["bytes_read"]  # int8: a quarter the bytes
     assert "| two | ort-int8-dynamic |" in (tmp_path / "out" / "results.md").read_text()
     assert (tmp_path / "out" / "results.json").exists()
 
@@ -319,3 +321,18 @@ def test_a_model_without_a_layer_to_lower_says_so(tmp_path):
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])])
     result = optimize(save(model, tmp_path / "relu.onnx"), method="greedy", time_limit=1, precision="int4", rounds=6)
     assert not result.rewritten and "no layer the precision rules take" in result.reason
+
+
+def test_bytes_read_at_the_measured_shapes_counts_int4_as_half_a_byte():
+    """The dynamic batch set to the measured one while counting, and put back after."""
+    from rlflow.bench.precision import bytes_read
+
+    model = _linear("MatMul", k=256, n=192)
+    lowered = apply(Graph.from_model(model, {"x": (2, 8, 256)}),
+                    find_matches(Graph.from_model(model, {"x": (2, 8, 256)}), [PRECISION_RULES[0]])[0],
+                    [PRECISION_RULES[0]]).to_model(static=False)
+    at_two = bytes_read(lowered, {"x": (2, 8, 256)})
+    assert at_two - bytes_read(lowered, {"x": (1, 8, 256)}) == 8 * 256 * 4  # one more sample of x
+    packed = 256 * 192 // 2 + 192 * (256 // 32) * 4  # int4 values and a float32 scale per block of 32
+    assert at_two == packed + 2 * 8 * 256 * 4
+    assert lowered.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "b"

@@ -19,12 +19,13 @@ from typing import Sequence
 
 import onnx
 
-from rlflow.bench.machine import environment
+from rlflow.bench.machine import environment, measure_bandwidth
 from rlflow.bench.peers import NotApplicable
 from rlflow.errors import InputError
 from rlflow.files import write_text_atomic
 from rlflow.graph.core import Graph
 from rlflow.graph.external_data import tensor_bytes
+from rlflow.graph.flops import count_bytes_read
 from rlflow.graph.model_file import read_model
 from rlflow.measure.accuracy import Evaluator, Samples, load_data, random_samples
 from rlflow.measure.session import SessionSettings
@@ -98,18 +99,45 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
         except NotApplicable as exc:
             rows.append({"model": path.stem, "method": name, "status": "not applicable", "reason": str(exc)})
     evaluator = Evaluator(given, samples, settings, budget=math.inf)
+    bandwidth = measure_bandwidth(settings)["gbs"] * 1e9
     names = list(candidates)
     comparison = compare([given, *(candidates[n][0] for n in names)], settings, rounds=config.rounds,
                          seed=config.seed, shapes=graph.input_shapes, labels=["input", *names])
     for i, name in enumerate(names, start=1):
         model, seconds, extra = candidates[name]
         error = evaluator.error(model)
+        read = bytes_read(model, graph.input_shapes)
         rows.append({"model": path.stem, "method": name, "status": "ok", "speedup": comparison.ratios[i].as_dict(),
                      "latency_ms": comparison.timings[i].median_ms, "input_ms": comparison.timings[0].median_ms,
+                     "bytes_read": read, "memory_fraction": read / (comparison.timings[i].median_ms * 1e-3) / bandwidth,
                      "max_error": error.max_error, "logits": error.logits, "samples": samples.source,
                      "weight_bytes": _weight_bytes(model), "input_weight_bytes": _weight_bytes(given),
                      "seconds": seconds, **extra})
     return rows
+
+
+def bytes_read(model: onnx.ModelProto, shapes) -> int:
+    """`count_bytes_read` of `model` at the measured input `shapes` (its dynamic dimensions set there, then put back):
+    what one run reads as stored, an int4 weight half a byte a value."""
+    inputs = {vi.name: vi for vi in model.graph.input}
+    saved = {name: [_copied(dim) for dim in vi.type.tensor_type.shape.dim] for name, vi in inputs.items()
+             if name in shapes}
+    try:
+        for name in saved:
+            dims = inputs[name].type.tensor_type.shape.dim
+            for dim, value in zip(dims, shapes[name]):
+                dim.dim_value = int(value)
+        return count_bytes_read(model)
+    finally:
+        for name, dims in saved.items():
+            del inputs[name].type.tensor_type.shape.dim[:]
+            inputs[name].type.tensor_type.shape.dim.extend(dims)
+
+
+def _copied(dim: onnx.TensorShapeProto.Dimension) -> onnx.TensorShapeProto.Dimension:
+    copy = onnx.TensorShapeProto.Dimension()
+    copy.CopyFrom(dim)
+    return copy
 
 
 def _data_path(path: Path, config: PrecisionBench) -> str:
@@ -137,17 +165,17 @@ def run(models: Sequence[Path], config: PrecisionBench, out: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table: speed, error and weight bytes side by side, next-token loss where measured."""
-    lines = ["| model | method | speedup | latency ms | max error | loss increase | agreement | weights MiB | samples |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | method | speedup | latency ms | memory | max error | loss increase | agreement | weights MiB | samples |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['method']} | {r['status']}: {r['reason']} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['method']} | {r['status']}: {r['reason']} | | | | | | | |")
             continue
         s, logits = r["speedup"], r.get("logits") or {}
         loss = (f"{(logits['loss_candidate'] - logits['loss_reference']) / logits['loss_reference']:+.2%}"
                 if "loss_reference" in logits else "")
         agree = f"{logits['agreement']:.1%}" if logits else ""
         lines.append(f"| {r['model']} | {r['method']} | {s['median']:.3f}x [{s['low']:.3f}, {s['high']:.3f}] | "
-                     f"{r['latency_ms']:.3f} | {r['max_error']:.2e} | {loss} | {agree} | "
+                     f"{r['latency_ms']:.3f} | {r['memory_fraction']:.1%} | {r['max_error']:.2e} | {loss} | {agree} | "
                      f"{r['weight_bytes'] / 2**20:.1f} | {r['samples']} |")
     return "\n".join(lines) + "\n"
