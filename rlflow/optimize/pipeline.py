@@ -89,12 +89,17 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
         if limited:
             time_limit = max(0.0, time_limit - (time.monotonic() - start))
     search = _search(graph, settings, method, time_limit, seed, rules, progress, agent, policy)
+    candidate = search.graph.to_model(static=False) if search.applied else None
+    checked = None if candidate is None else verify(
+        given, candidate, seeds=(seed, seed + 1, seed + 2), shapes=verification_shapes(graph),
+        fallback=batch_changed_shapes(graph), share_weights=settings.share_weights)
     lowered = None
     if options.precision:
-        search, precision_check, lowered = lower_precision(
-            graph, given, search, settings, precision=options.precision, max_error=options.max_error,
-            samples=samples, rules=precision_rules(options.precision, resolved), seed=seed,
-            shapes=verification_shapes(graph), fallback=batch_changed_shapes(graph), progress=progress)
+        search, checked, lowered = lower_precision(
+            graph, given, search, checked, settings, precision=options.precision, max_error=options.max_error,
+            samples=samples, rules=precision_rules(options.precision, resolved), seed=seed, progress=progress)
+        if lowered.search.applied:
+            candidate = search.graph.to_model(static=False)
     recorded = {**settings.as_dict(), "method": method, "method_reason": method_reason, "time_limit": time_limit,
                 "seed": seed,
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
@@ -119,10 +124,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     if not search.applied:
         reason = f"input kept: {search.stop_reason}"
     else:
-        candidate = search.graph.to_model(static=False)
-        verification = precision_check if lowered else verify(
-            given, candidate, seeds=(seed, seed + 1, seed + 2), shapes=verification_shapes(graph),
-            fallback=batch_changed_shapes(graph), share_weights=settings.share_weights)
+        verification = checked
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     measured = None
     if verification is not None and verification.ok:

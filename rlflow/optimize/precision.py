@@ -1,8 +1,9 @@
 """`rlflow optimize --precision`: the exact search's graph, verified exactly, then layers dropped to lower precision
 within an error budget (`rlflow.search.precision`), checked on the user's data or on random inputs.
 
-The exact part keeps its own check (the float32 tolerance, at every verification shape), so the precision part's
-check is the error on the samples alone: its rules bake no shape, and the budget is stated for that data.
+The exact part keeps its own check (the pipeline's, at the float32 tolerance and every verification shape), so the
+precision part's check is the error on the samples alone: its rules bake no shape, and the budget is stated for that
+data.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rlflow.graph.core import Graph
 from rlflow.measure.accuracy import ErrorReport, Evaluator, Samples, random_samples
 from rlflow.measure.memory import weight_bytes
 from rlflow.measure.session import PROVIDERS, SessionSettings
-from rlflow.measure.verify import Verification, verify
+from rlflow.measure.verify import Verification
 from rlflow.rewrites import PRECISION_RULES, Rule
 from rlflow.rewrites.precision import PrecisionRule
 from rlflow.search.candidates import SearchResult
@@ -105,24 +106,19 @@ class PrecisionOutcome:
                               for layer in self.search.layers]}
 
 
-def lower_precision(graph: Graph, given: onnx.ModelProto, search: SearchResult, settings: SessionSettings, *,
-                    precision: str, max_error: float | None, samples: Samples | None,
-                    rules: Sequence[PrecisionRule], seed: int, shapes: list[dict], fallback: dict | None,
-                    progress: bool = False) -> tuple[SearchResult, Verification | None, PrecisionOutcome]:
+def lower_precision(graph: Graph, given: onnx.ModelProto, search: SearchResult, exact: Verification | None,
+                    settings: SessionSettings, *, precision: str, max_error: float | None, samples: Samples | None,
+                    rules: Sequence[PrecisionRule], seed: int, progress: bool = False
+                    ) -> tuple[SearchResult, Verification | None, PrecisionOutcome]:
     """The exact search's result with layers lowered on top: the search result to gate (its graph and every rewrite
-    applied), the check of the lowered model on `samples` (the user's data, or random inputs where None; None where
-    nothing was lowered), and what happened."""
-    samples = samples or random_samples(given, graph.input_shapes, seed)
+    applied), the check of what it hands back (the lowered model's on `samples`, the user's data or random inputs
+    where None; else `exact`, the exact graph's own check, where that verified), and what happened."""
+    samples = samples if samples is not None else random_samples(given, graph.input_shapes, seed)
     budget = max_error if max_error is not None else DEFAULT_MAX_ERROR[precision]
-    base, exact, note = graph, None, ""
-    if search.applied:
-        exact = verify(given, search.graph.to_model(static=False), seeds=(seed, seed + 1, seed + 2), shapes=shapes,
-                       fallback=fallback, share_weights=settings.share_weights)
-        if exact.ok:
-            base = search.graph
-        else:
-            note = f"the exact rewrites were dropped: they do not verify ({exact.message})"
     exact_kept = exact is not None and exact.ok
+    base = search.graph if exact_kept else graph
+    note = ("" if exact is None or exact_kept else
+            f"the exact rewrites were dropped: they do not verify ({exact.message})")
     evaluator = Evaluator(given, samples, settings, budget)
     found = precision_search(base, evaluator, settings, rules, budget, progress=progress)
     outcome = PrecisionOutcome(precision, budget, max_error is not None, samples.source, samples.random, found,
