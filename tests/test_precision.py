@@ -264,7 +264,8 @@ def test_bench_precision_writes_rows_beside_the_peers(tmp_path):
     config = PrecisionBench("int8", peers=("ort-int8-dynamic",), rounds=3, method="greedy", time_limit=1)
     results = run([path], config, tmp_path / "out")
     rows = {r["method"]: r for r in results["rows"]}
-    assert set(rows) == {"rlflow-exact", "rlflow", "ort-int8-dynamic"} and all(r["status"] == "ok" for r in rows.values())
+    assert set(rows) == {"rlflow-exact", "rlflow", "ort-int8-dynamic"}
+    assert all(r["status"] == "ok" for r in rows.values())
     assert all(r["samples"].endswith("two.heldout.npz (3 samples)") for r in rows.values())
     assert rows["ort-int8-dynamic"]["max_error"] > 0 and rows["ort-int8-dynamic"]["speedup"]["median"] > 0
     assert all(r["memory_fraction"] > 0 for r in rows.values())
@@ -336,3 +337,13 @@ def test_bytes_read_at_the_measured_shapes_counts_int4_as_half_a_byte():
     packed = 256 * 192 // 2 + 192 * (256 // 32) * 4  # int4 values and a float32 scale per block of 32
     assert at_two == packed + 2 * 8 * 256 * 4
     assert lowered.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "b"
+
+
+def test_dynamic_int8_quantizes_a_weight_once():
+    """Its per-column quantizer is slow, and the search applies a layer's choice at every evaluation: a weight seen
+    again, even as another array, gets the same constants back, read-only since graphs share them."""
+    rule = next(r for r in PRECISION_RULES if r.name == "matmul-dynamic-int8")
+    weight = np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32)
+    first, again = rule.replacement(weight), rule.replacement(weight.copy())
+    assert again is first and not first.constants[0].flags.writeable
+    assert rule.replacement(weight * 2) is not first

@@ -11,6 +11,8 @@ symmetry it writes; `replacement` is what both the rewrite and the search's per-
 """
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -158,7 +160,7 @@ class WeightOnly(PrecisionRule):
 
 
 class MatMulInt4Block32(WeightOnly):
-    """Replaces `MatMul(A, W)` or `Gemm(A, W, bias)`, W a float32 matrix, with `MatMulNBits(A, W in int4 blocks of 32, symmetric)`."""
+    """Replaces `A @ W (+ bias)`, W a float32 matrix, with `MatMulNBits(A, W in int4 blocks of 32, symmetric)`."""
 
     name = "matmul-int4-block32"
     precision = "int4"
@@ -166,7 +168,7 @@ class MatMulInt4Block32(WeightOnly):
 
 
 class MatMulInt4Block128(WeightOnly):
-    """Replaces `MatMul(A, W)` or `Gemm(A, W, bias)`, W a float32 matrix, with `MatMulNBits(A, W in int4 blocks of 128 with zero points)`."""
+    """Replaces `A @ W (+ bias)`, W a float32 matrix, with `MatMulNBits(A, W in int4 blocks of 128, zero points)`."""
 
     name = "matmul-int4-block128"
     precision = "int4"
@@ -176,7 +178,7 @@ class MatMulInt4Block128(WeightOnly):
 
 
 class MatMulInt8Block32(WeightOnly):
-    """Replaces `MatMul(A, W)` or `Gemm(A, W, bias)`, W a float32 matrix, with `MatMulNBits(A, W in int8 blocks of 32, symmetric)`."""
+    """Replaces `A @ W (+ bias)`, W a float32 matrix, with `MatMulNBits(A, W in int8 blocks of 32, symmetric)`."""
 
     name = "matmul-int8-block32"
     precision = "int8"
@@ -184,8 +186,16 @@ class MatMulInt8Block32(WeightOnly):
     bits = 8
 
 
+DYNAMIC_KEPT_BYTES = 2**28
+"""Bytes of dynamic-int8 weights kept, most recent first, so that a weight is quantized once per process: onnxruntime's
+per-column quantizer is a Python loop (70 ms for a 576x1536 weight, where the block quantizer takes 3-6 ms), and the
+precision search measures each layer, then applies its choice again at every whole-model evaluation."""
+
+_DYNAMIC_DONE: OrderedDict[bytes, Replacement] = OrderedDict()
+
+
 class MatMulDynamicInt8(PrecisionRule):
-    """Replaces `MatMul(A, W)` or `Gemm(A, W, bias)`, W a float32 matrix, with `DynamicQuantizeMatMul(A, W in int8 per column)`.
+    """Replaces `A @ W (+ bias)`, W a float32 matrix, with `DynamicQuantizeMatMul(A, W in int8 per column)`.
 
     A is quantized as the model runs (per tensor, by its own range), so the product runs as an int8 GEMM: the form
     `quantize_dynamic` writes, and the one that pays where A has many rows (an encoder's sequence)."""
@@ -197,6 +207,20 @@ class MatMulDynamicInt8(PrecisionRule):
     cuda = False  # onnxruntime's DynamicQuantizeMatMul is a CPU kernel
 
     def replacement(self, weight: np.ndarray) -> Replacement:
+        key = hashlib.blake2b(np.ascontiguousarray(weight), digest_size=16).digest() + repr(weight.shape).encode()
+        if key in _DYNAMIC_DONE:
+            _DYNAMIC_DONE.move_to_end(key)
+            return _DYNAMIC_DONE[key]
+        new = self._quantized(weight)
+        for array in new.constants:  # shared by every graph it is written into: never to be edited in place
+            array.setflags(write=False)
+        _DYNAMIC_DONE[key] = new
+        while sum(r.nbytes for r in _DYNAMIC_DONE.values()) > DYNAMIC_KEPT_BYTES and len(_DYNAMIC_DONE) > 1:
+            _DYNAMIC_DONE.popitem(last=False)
+        return new
+
+    @staticmethod
+    def _quantized(weight: np.ndarray) -> Replacement:
         from onnx import TensorProto
         from onnxruntime.quantization.quant_utils import quantize_data
 
