@@ -27,7 +27,7 @@ from rlflow.graph.core import Graph
 from rlflow.graph.external_data import tensor_bytes
 from rlflow.graph.flops import count_bytes_read
 from rlflow.graph.model_file import read_model
-from rlflow.measure.accuracy import Evaluator, Samples, load_data, random_samples
+from rlflow.measure.accuracy import Evaluator, load_data, random_samples
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import compare
 from rlflow.optimize.pipeline import optimize
@@ -63,14 +63,11 @@ def peer_names(spec: str, precision: str) -> tuple[str, ...]:
     return names
 
 
-def samples_for(path: Path, given: onnx.ModelProto, graph: Graph, data: str | None, seed: int) -> Samples:
-    """The given npz, else the held-out npz beside the model, else random inputs at the model's shapes."""
+def data_file(path: Path, data: str | None) -> str | None:
+    """The npz a model's error is measured on: the given one, else the held-out npz beside the model, else None
+    (random inputs)."""
     heldout = path.with_name(path.name[: -len(".onnx")] + ".heldout.npz")
-    if data is not None:
-        return load_data(data, given)
-    if heldout.exists():
-        return load_data(heldout, given)
-    return random_samples(given, graph.input_shapes, seed)
+    return data if data is not None else str(heldout) if heldout.exists() else None
 
 
 def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
@@ -79,13 +76,14 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
 
     given = read_model(path)
     graph = Graph.from_model(given, None, source=str(path), checked=True)
-    samples = samples_for(path, given, graph, config.data, config.seed)
+    data = data_file(path, config.data)
+    samples = load_data(data, given) if data else random_samples(given, graph.input_shapes, config.seed)
     settings = SessionSettings(threads=config.threads)
     candidates = {}
     for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what the precision step adds
         start = time.monotonic()
         result = optimize(path, precision=precision, max_error=config.max_error if precision else None,
-                          data=None if samples.random or not precision else _data_path(path, config),
+                          data=data if precision else None,
                           method=config.method, time_limit=config.time_limit, threads=config.threads,
                           seed=config.seed)
         candidates[name] = (result.output_model, time.monotonic() - start,
@@ -140,10 +138,6 @@ def _copied(dim: onnx.TensorShapeProto.Dimension) -> onnx.TensorShapeProto.Dimen
     return copy
 
 
-def _data_path(path: Path, config: PrecisionBench) -> str:
-    return config.data or str(path.with_name(path.name[: -len(".onnx")] + ".heldout.npz"))
-
-
 def _weight_bytes(model: onnx.ModelProto) -> int:
     """Bytes of the initializers, as stored (from their shapes: a large model's weights lie in a file aside)."""
     return sum(tensor_bytes(t) for t in model.graph.initializer)
@@ -165,7 +159,8 @@ def run(models: Sequence[Path], config: PrecisionBench, out: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table: speed, error and weight bytes side by side, next-token loss where measured."""
-    lines = ["| model | method | speedup | latency ms | memory | max error | loss increase | agreement | weights MiB | samples |",
+    lines = ["| model | method | speedup | latency ms | memory | max error | loss increase | agreement | weights MiB "
+             "| samples |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["status"] != "ok":

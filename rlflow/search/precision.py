@@ -156,7 +156,8 @@ def _measure_layers(graph: Graph, evaluator: Evaluator, settings: SessionSetting
     nodes = graph.node_map()
     activations = _activations(graph, evaluator, [nodes[r].inputs[0].name for r in by_root])
     rule_of = {r.name: r for r in rules}
-    model_bytes = sum(PrecisionRule.operands(nodes[r])[0].nbytes for r in by_root)
+    weights = {r: PrecisionRule.operands(nodes[r])[0] for r in by_root}  # a bias costs the same in every precision
+    model_bytes = sum(w.nbytes for w in weights.values())
     timings: dict[tuple, float] = {}
     layers = []
     roots = list(by_root)
@@ -166,20 +167,20 @@ def _measure_layers(graph: Graph, evaluator: Evaluator, settings: SessionSetting
         roots = tqdm(roots, desc="precision: layers", unit="layer")
     for root in roots:
         node = nodes[root]
-        weight, _ = PrecisionRule.operands(node)  # a bias costs the same in every precision: timed without
+        weight = weights[root]
         k, n = weight.shape
         a_shape = graph.shape(node.inputs[0])
         rows = int(np.prod(a_shape[:-1])) if a_shape else 1
         layer = Layer(root, (rows, k, n), weight.nbytes)
         a = activations[node.inputs[0].name]
         reference = a @ weight
+        copies = max(1, min(model_bytes, STREAM_BYTES) // weight.nbytes)
         for match in by_root[root]:
             rule = rule_of[match.rule]
             new = rule.replacement(weight)
             product = _product_model(k, n, new.op, new.attrs, new.constants)
             out = create_session(product, SessionSettings(threads=settings.threads)).run(None, {"a": a})[0]
             error = float(np.linalg.norm(out - reference) / max(np.linalg.norm(reference), 1e-30))
-            copies = max(1, min(model_bytes, STREAM_BYTES) // weight.nbytes)
             key = (rows, k, n, rule.name, copies)
             if key not in timings:
                 timings[key] = _gain_ms(rows, weight, new, settings, copies)
@@ -220,7 +221,8 @@ def _product_model(k: int, n: int, op: str, attrs: dict, constants: Sequence[np.
         initializers += [numpy_helper.from_array(c, name) for c, name in zip(constants, names)]
     graph = helper.make_graph(nodes, "product", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
                               outputs, initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
     return model
 
