@@ -15,9 +15,9 @@ on the same fp32 model, so that `rlflow bench-precision` measures their speed an
   them, `onnxsim IN OUT --weight-only-quantize-int4 | --dynamic-quantize | --weight-only-quantize | --fp16-quantize`:
   `onnxsim.simplify` with the CLI's defaults, then `onnxsim.quantize_weight_only_int4` (standard ONNX: INT4 weights
   in blocks of 32, symmetric, each read through a `DequantizeLinear(block_size=32)`, which onnxruntime fuses with its
-  MatMul into `MatMulNBits`, though not where the MatMul feeds a Relu), `onnxsim.quantize_dynamic` (int8 weights per output channel, uint8 activations:
-  `DynamicQuantizeLinear` + `MatMulInteger`), `onnxsim.quantize_weight_only` (int8 weights per output channel, each
-  read through a `DequantizeLinear`; the activation stays float) or `onnxsim.quantize_fp16` (float16 weights and
+  MatMul into `MatMulNBits`, though not where the MatMul feeds a Relu), `onnxsim.quantize_dynamic` (int8 weights per
+  output channel, uint8 activations: `DynamicQuantizeLinear` + `MatMulInteger`), `onnxsim.quantize_weight_only`
+  (int8 weights per output channel, each read through a `DequantizeLinear`; the activation stays float) or `onnxsim.quantize_fp16` (float16 weights and
   activations, float32 inputs and outputs).  The simplification is not optional: onnxsim's passes skip a MatMul
   whose operand types are unknown, and it is the shape inference within `simplify` that gives them.  The int4 pass
   needs opset 21 and silently does nothing below it; its help says so, so this peer asks `simplify` for opset 21

@@ -371,6 +371,7 @@ def export(entry):
         proto=onnx.load_from_string(data), feeds=feeds, expected=[expected], exporter=EXPORTERS[exporter][1],
         opset=EXPORTERS[exporter][0], props=props,
         metadata=dict(transformers=transformers.__version__, transformer=entry.transformer,
-                      python=platform.python_version(), data_split=SPLIT_RULE, heldout_file=f"{entry.name}.heldout.npz", heldout_samples=len(heldout),
+                      python=platform.python_version(), data_split=SPLIT_RULE,
+                      heldout_file=f"{entry.name}.heldout.npz", heldout_samples=len(heldout),
                       heldout_loss_torch=exported_loss, training=stats, **extra),
         sidecars={".heldout.npz": npz_bytes({"input_ids": heldout})})
