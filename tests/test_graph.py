@@ -11,9 +11,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import rlflow
 from rlflow.errors import InputError
-from rlflow.graph import core as graph_module
 from rlflow.graph import model_file
 from rlflow.graph.core import Graph, load
+from rlflow.graph.input_repairs import MIN_OPSET
 from rlflow.graph.input_shapes import DEPLOYED_SHAPES_KEY, parse_input_shapes
 from rlflow.graph.model_file import max_ir_version
 from rlflow.measure.verify import verify
@@ -91,7 +91,7 @@ def test_ir3_opset9_model_with_initializers_as_inputs(cnn_opset9_ir3_path):
     raw = onnx.load(cnn_opset9_ir3_path)
     assert raw.ir_version == 3 and len(raw.graph.input) > 1
     graph = load(cnn_opset9_ir3_path)
-    assert graph.opset >= graph_module.MIN_OPSET
+    assert graph.opset >= MIN_OPSET
     written = graph.to_model(static=False)
     assert [i.name for i in written.graph.input] == ["image"]
     assert written.ir_version == max_ir_version()

@@ -23,18 +23,17 @@ import onnx_graphsurgeon as gs
 from onnx import helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from rlflow.errors import InputError
 from rlflow.graph import shape_inference as _shapes
 from rlflow.graph.copy_and_sort import copy_graph, toposort
 from rlflow.graph.editing import Editing
 from rlflow.graph.external_data import any_mapped, external_array, external_reference, resolve_external_data
 from rlflow.graph.fingerprint import fingerprint as _fingerprint
+from rlflow.graph.input_repairs import REPAIRS_KEY, convert_opset, repair
 from rlflow.graph.input_shapes import deployed_shapes, fix_input_dims
 from rlflow.graph.model_file import check_model, max_ir_version, read_model, save_model
 
 log = logging.getLogger("rlflow")
-
-MIN_OPSET = 13
-"""Models below this opset are converted up on load, so rules meet one form of Split, Squeeze and friends."""
 
 
 def load(path: str | os.PathLike, input_shapes: Mapping[str, Sequence[int]] | None = None) -> "Graph":
@@ -76,8 +75,9 @@ class Graph(Editing):
         work.CopyFrom(model)  # small even for huge models: external data stays on disk (see read_model)
         resolve_external_data(work, os.path.dirname(source) if source else os.getcwd())
         if not checked:
+            repair(work)
             check_model(work)
-        work = _upgrade_opset(work)
+        work = _converted(work)
         initializer_names = {t.name for t in work.graph.initializer}
         real_inputs = [vi for vi in work.graph.input if vi.name not in initializer_names]
         interface = ([_copy(vi) for vi in real_inputs], [_copy(vi) for vi in work.graph.output])
@@ -203,6 +203,12 @@ class Graph(Editing):
         return [helper.make_opsetid(domain, version) for domain, version in versions.items()]
 
     @property
+    def input_repairs(self) -> list[str]:
+        """What rlflow repaired or converted on the way from the model to this graph (`rlflow.graph.input_repairs`)."""
+        text = dict(self.model_info["metadata_props"]).get(REPAIRS_KEY, "")
+        return [r for r in text.split("; ") if r]
+
+    @property
     def opset(self) -> int:
         """The default-domain opset version."""
         return dict(self.model_info["opset_import"]).get("", dict(self.model_info["opset_import"]).get("ai.onnx", 0))
@@ -276,20 +282,17 @@ def _exports_as_is(tensor: gs.Constant) -> bool:
         return False
 
 
-def _upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
-    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if version is None or version >= MIN_OPSET:
+def _converted(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` at the opset rules expect (`convert_opset`), or as it is where the conversion does not pass the checker."""
+    converted = convert_opset(model)
+    if converted is model:
         return model
     try:
-        from onnx import version_converter
-
-        converted = version_converter.convert_version(model, MIN_OPSET)
         check_model(converted)
-        return converted
-    except Exception as exc:  # noqa: BLE001 - keep the original opset; rules check the opset they need
-        log.warning("could not convert opset %d to %d (%s); rules needing opset %d are skipped",
-                    version, MIN_OPSET, str(exc).splitlines()[0] if str(exc) else exc, MIN_OPSET)
+    except InputError as exc:
+        log.warning("opset conversion kept back: the converted model fails the checker (%s)", exc)
         return model
+    return converted
 
 
 def _copy(proto):

@@ -25,6 +25,7 @@ from rlflow.graph.external_data import (
     set_external_data,
     tensor_bytes,
 )
+from rlflow.graph.input_repairs import ort_only_layer_norm, repair
 
 log = logging.getLogger("rlflow")
 
@@ -74,6 +75,7 @@ def read_model(path: str | os.PathLike, *, external: bool = False) -> onnx.Model
     if not external and (aside := _ASIDE.get(_file_key(path))) is not None:
         return read_model(aside, external=True)  # read, checked and put aside before: not parsed again
     model = _parse(path)
+    repaired = repair(model)
     if not external and not external_tensors(model):
         weights = sum(tensor_bytes(t) for t in _initializers(model.graph))
         if WEIGHTS_ASIDE_BYTES <= weights <= EXTERNAL_DATA_THRESHOLD:
@@ -81,7 +83,10 @@ def read_model(path: str | os.PathLike, *, external: bool = False) -> onnx.Model
             if aside is not None:
                 return aside
             model = _parse(path)  # the failed write may have moved some of its weights out
-    check_model(str(path))  # on the file: handles external data (and refuses data paths outside the model's folder)
+    if repaired:
+        check_model(model)  # the file itself fails the checker on what was repaired
+    else:
+        check_model(str(path))  # on the file: handles external data (and refuses data paths outside the model's folder)
     try:
         resolve_external_data(model, path.parent)
     except InputError as exc:
@@ -318,13 +323,14 @@ def check_model(model: onnx.ModelProto | str) -> None:
 
 def _as_contrib(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model`, or a copy with its onnxruntime operators of the default domain moved to `com.microsoft`, where the
-    checker leaves their schema alone."""
-    if not any(n.op_type in ONNXRUNTIME_OPS_IN_ONNX_DOMAIN and n.domain in ("", "ai.onnx") for n in model.graph.node):
+    checker leaves their schema alone.  LayerNormalization below opset 17 is one of them (onnxruntime registers it)."""
+    ort_ops = ONNXRUNTIME_OPS_IN_ONNX_DOMAIN | ({"LayerNormalization"} if ort_only_layer_norm(model) else set())
+    if not any(n.op_type in ort_ops and n.domain in ("", "ai.onnx") for n in model.graph.node):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for node in out.graph.node:
-        if node.op_type in ONNXRUNTIME_OPS_IN_ONNX_DOMAIN and node.domain in ("", "ai.onnx"):
+        if node.op_type in ort_ops and node.domain in ("", "ai.onnx"):
             node.domain = "com.microsoft"
     if not any(o.domain == "com.microsoft" for o in out.opset_import):
         out.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))

@@ -105,6 +105,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                 "input_shapes": {k: list(v) for k, v in graph.input_shapes.items()},
                 "fixed_dims": dict(options.fix_dims or {}),
                 "fixed_values": dict(options.fix_values or {}),
+                "input_repairs": graph.input_repairs,
                 "profiles": [p.as_dict() for p in graph.profiles],
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds, "precision": options.precision,
                 "registry_version": REGISTRY_VERSION}

@@ -77,6 +77,8 @@ def format_report(result: Result) -> str:
         lines.append(f"  finetune    {tuned['steps']} {where} steps, {tuned['updates']} PPO updates in "
                      f"{tuned['seconds']:.1f} s ({tuned['stop_reason']}); mean episode return "
                      f"{_signed(tuned['mean_return_first'])} " + span.format(_signed(tuned['mean_return_last'])))
+    if s.get("input_repairs"):
+        lines.append(f"  repaired    {'; '.join(s['input_repairs'])} (docs/robustness.md)")
     capture = ", CUDA graph capture" if s.get("cuda_graph") else ""
     lines.append(f"  settings    {s['provider']}{capture}, {s['threads']} thread(s), "
                  f"graph optimisation '{s['opt_level']}', "
