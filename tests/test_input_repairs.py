@@ -25,14 +25,16 @@ def _layer(opset: int = 17, *, reversed_nodes: bool = False, contrib_import: boo
     """x @ W + x, LayerNormalization, FastGelu (com.microsoft), then a Transpose pair for the rules to cancel."""
     rng = np.random.default_rng(0)
     weights = [numpy_helper.from_array(rng.standard_normal((H, H)).astype(np.float32), "W"),
-               numpy_helper.from_array(np.ones(H, np.float32), "g"), numpy_helper.from_array(np.zeros(H, np.float32), "b"),
+               numpy_helper.from_array(np.ones(H, np.float32), "g"),
+               numpy_helper.from_array(np.zeros(H, np.float32), "b"),
                numpy_helper.from_array(rng.standard_normal(H).astype(np.float32), "bias")]
     nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", ["m", "x"], ["s"]),
              helper.make_node("LayerNormalization", ["s", "g", "b"], ["n"], axis=-1, epsilon=1e-5),
              helper.make_node("FastGelu", ["n", "bias"], ["f"], domain="com.microsoft"),
              helper.make_node("Transpose", ["f"], ["t1"], perm=[1, 0]),
              helper.make_node("Transpose", ["t1"], ["y"], perm=[1, 0])]
-    model = tiny_model(nodes[::-1] if reversed_nodes else nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", H])],
+    model = tiny_model(nodes[::-1] if reversed_nodes else nodes,
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", H])],
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", H])], weights, opset=opset)
     if contrib_import:
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

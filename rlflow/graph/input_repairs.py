@@ -142,7 +142,8 @@ def _ranks(model: onnx.ModelProto) -> dict[str, int]:
 
         inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
     except Exception as exc:  # noqa: BLE001 - the conversion goes on without the ranks
-        log.info("symbolic shape inference failed (%s); Softmax ranks unknown", str(exc).splitlines()[0] if str(exc) else exc)
+        log.info("symbolic shape inference failed (%s); Softmax ranks unknown",
+                 str(exc).splitlines()[0] if str(exc) else exc)
         return {}
     return {vi.name: len(vi.type.tensor_type.shape.dim) for vi in
             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]
@@ -175,7 +176,8 @@ def _reads(node: onnx.NodeProto) -> set[str]:
 
 
 def _sort(graph: onnx.GraphProto) -> bool:
-    """Sorts `graph`'s nodes (Kahn's algorithm, the file's order kept where the data allow) where they are out of order; whether it did."""
+    """Sorts `graph`'s nodes where they are out of order (Kahn's algorithm, the file's order kept where the data
+    allow); whether it did."""
     available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer} | {""}
     producer = {name: k for k, node in enumerate(graph.node) for name in node.output}
     reads = [_reads(node) for node in graph.node]

@@ -146,17 +146,18 @@ class Rule:
         raise NotImplementedError
 
     # -- provided ----------------------------------------------------------------------------------------------
-    def find(self, graph: Graph) -> list[Match]:
-        """Every match in the graph, in node order."""
-        return [m for m in self._checks(graph) if m]
+    def find(self, graph: Graph, roots: "RootIndex | None" = None) -> list[Match]:
+        """Every match in the graph, in node order; `roots`: the graph's nodes by operator, where the caller has
+        them."""
+        return [m for m in self._checks(graph, roots) if m]
 
     def reasons(self, graph: Graph) -> list[NoMatch]:
         """Why the rule does not apply at each candidate root that it rejects."""
         return [m for m in self._checks(graph) if not m]
 
-    def _checks(self, graph: Graph) -> Iterable[Match | NoMatch]:
-        for node in graph.gs.nodes:
-            if node.op in self.root_ops and (node.domain or "") in self.domains:
+    def _checks(self, graph: Graph, roots: "RootIndex | None" = None) -> Iterable[Match | NoMatch]:
+        for node in (roots or RootIndex(graph)).nodes(self.root_ops):
+            if (node.domain or "") in self.domains:
                 yield self.check(graph, node)
 
     def no(self, node: gs.Node, reason: str) -> NoMatch:
@@ -191,9 +192,29 @@ class Rule:
         return f"<rule {self.name}>"
 
 
+class RootIndex:
+    """A graph's nodes by operator type, in graph order: each rule visits its roots alone, where a scan of every node
+    per rule cost 110 rules x 1,000 nodes a `find_matches`."""
+
+    def __init__(self, graph: Graph):
+        self.by_op: dict[str, list[tuple[int, gs.Node]]] = {}
+        for position, node in enumerate(graph.gs.nodes):
+            self.by_op.setdefault(node.op, []).append((position, node))
+
+    def nodes(self, ops: Sequence[str]) -> list[gs.Node]:
+        if len(ops) == 1:
+            return [node for _, node in self.by_op.get(ops[0], ())]
+        return [node for _, node in sorted((p for op in dict.fromkeys(ops) for p in self.by_op.get(op, ())),
+                                           key=lambda p: p[0])]
+
+    def ops(self) -> set[str]:
+        return set(self.by_op)
+
+
 def find_matches(graph: Graph, rules: Sequence[Rule]) -> list[Match]:
     """Every match of every rule, in rule order then node order.  Pure: the graph is not modified."""
-    return [m for rule in rules for m in rule.find(graph)]
+    roots = RootIndex(graph)
+    return [m for rule in rules for m in rule.find(graph, roots)]
 
 
 def apply(graph: Graph, match: Match, rules: Sequence[Rule]) -> Graph:

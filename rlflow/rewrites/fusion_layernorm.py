@@ -9,6 +9,7 @@ from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.edits import emit, replace_with_skip_norm
+from rlflow.rewrites.pattern import ANY, Found, Pattern, PatternRule, const, constant, op, var
 from rlflow.rewrites.queries import (
     bias_side,
     broadcast_shape,
@@ -17,8 +18,8 @@ from rlflow.rewrites.queries import (
     input_producer,
     int_list,
     is_float,
+    is_standard,
     normalize_axis,
-    other_operand,
     private,
     private_producer,
     scalar,
@@ -34,7 +35,18 @@ def _reduce_axes(node: gs.Node, rank: int) -> tuple[int, ...] | None:
     return None if None in normal else tuple(sorted(normal))
 
 
-class LayerNormFusion(Rule):
+def _mean(t: Pattern) -> Pattern:
+    return op.ReduceMean(t) | op.ReduceMean(t, ANY)  # axes as an attribute (below opset 18) or an input
+
+
+X, CENTRED, MEAN = var("x"), var("centred"), var("mean")
+_CENTRED = op.Sub(X, _mean(X).bind("mean")).bind("centred")
+_VARIANCE = _mean(op.Pow(CENTRED | op.Sub(X, MEAN), const(2.0)) | op.Mul(CENTRED, CENTRED)).bind("variance")
+_STD = op.Sqrt(op.Add(_VARIANCE, constant("eps")))
+_NORMALISED = op.Div(_CENTRED, _STD) | op.Mul(_CENTRED, op.Reciprocal(_STD))
+
+
+class LayerNormFusion(PatternRule):
     """Replaces the decomposed layer norm `(x - mean) / sqrt(var + eps) * gamma + beta` with `LayerNormalization`.
 
         +-------------------+
@@ -44,79 +56,57 @@ class LayerNormFusion(Rule):
                                    +--------------------------------------------------> Div -> Mul(gamma) -> Add(beta)
 
     torch.onnx.export (TorchScript) writes `nn.LayerNorm` this way below opset 17; from 17 on both exporters write
-    LayerNormalization themselves, which onnxruntime's own fusions build on.  The means must reduce the same trailing
-    axes, none of them dynamic, and gamma and beta may only vary along them.
+    LayerNormalization themselves, which onnxruntime's own fusions build on.  A bias-free norm written with rsqrt,
+    `(x - mean) * rsqrt(var + eps) * gamma` (Cohere's, whose variance centres x a second time), is taken too.  The
+    means must reduce the same trailing axes, none of them dynamic, and gamma and beta may only vary along them.
     """
 
     name = "layernorm-fusion"
-    root_ops = ("Add",)
-
-    def _pattern(self, graph: Graph, node: gs.Node):
-        """The pattern's nodes and values, or a reason string."""
-        mul = next((p for i in (0, 1) if (p := private_producer(graph, node, i, "Mul")) is not None), None)
-        if mul is None:
-            return "not an Add of a Mul (the scale) and a bias"
-        beta = other_operand(node, mul.outputs[0])
-        div = next((p for i in (0, 1) if (p := private_producer(graph, mul, i, "Div")) is not None), None)
-        if div is None or beta is None or beta[1] is None:
-            return "not a scaled and shifted Div"
-        gamma = other_operand(mul, div.outputs[0])
-        sub, sqrt = input_producer(div, 0, "Sub"), private_producer(graph, div, 1, "Sqrt")
-        if gamma is None or gamma[1] is None or sub is None or sqrt is None:
-            return "the normalisation is not (x - mean) / sqrt(...)"
-        add_eps = private_producer(graph, sqrt, 0, "Add")
-        var = next((p for i in (0, 1) if add_eps is not None and
-                    (p := private_producer(graph, add_eps, i, "ReduceMean")) is not None), None)
-        if var is None:
-            return "no variance + epsilon under the Sqrt"
-        eps = scalar(other_operand(add_eps, var.outputs[0])[1])
-        square = private_producer(graph, var, 0, ("Pow", "Mul"))
-        mean = private_producer(graph, sub, 1, "ReduceMean")
-        if eps is None or square is None or mean is None:
-            return "the variance or mean is not of the expected form"
-        x, d = sub.inputs[0], sub.outputs[0]
-        is_square = (square.op == "Mul" and square.inputs[0] is d and square.inputs[1] is d) or (
-            square.op == "Pow" and square.inputs[0] is d and scalar(constant_input(square, 1)) == 2.0)
-        readers = {id(n) for n in d.outputs}
-        if not is_square or mean.inputs[0] is not x or readers != {id(square), id(div)} or graph.is_output(d):
-            return "the centred input is not squared and divided alone"
-        shape = graph.shape(x)
-        if shape is None or not is_float(x):
-            return "input shape or type unknown"
-        rank = len(shape)
-        axes = _reduce_axes(mean, rank)
-        if axes is None or axes != _reduce_axes(var, rank) or axes != tuple(range(rank - len(axes), rank)):
-            return "the means do not reduce the same trailing axes"
-        normalized = shape[rank - len(axes):]
-        dynamic = dynamic_axes(graph, x)
-        if dynamic is None or any(dynamic[rank - len(axes):]):
-            return "a normalised axis is dynamic"
-        for value in (gamma[1], beta[1]):
-            if value.ndim > len(axes) or broadcast_shape(value.shape, normalized) != normalized:
-                return "gamma or beta vary along leading axes"
-        return [node, mul, div, sub, sqrt, add_eps, var, square, mean], rank - len(axes), eps, gamma[0], beta[0]
+    pattern = op.Add(op.Mul(_NORMALISED, constant("gamma")), constant("beta")) | op.Mul(_NORMALISED, constant("gamma"))
+    variables = ("x", "gamma", "beta")
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         if graph.opset < 17:
             return self.no(node, "LayerNormalization needs opset 17")
-        found = self._pattern(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        nodes, axis, eps, gamma, beta = found
-        return self.match(nodes, axis=axis, epsilon=eps, gamma=self.locate(nodes, gamma),
-                          beta=self.locate(nodes, beta))
+        return super().check(graph, node)
 
-    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
-        node = nodes[match.root]
-        axis, eps = match.param("axis"), match.param("epsilon")
-        gamma, beta = match.input("gamma", nodes), match.input("beta", nodes)
-        x = nodes[match.nodes[3]].inputs[0]  # the Sub's
-        normalized = graph.shape(x)[axis:]
-        dtype = Graph.constant(gamma).dtype
-        scale = graph.add_constant(np.broadcast_to(Graph.constant(gamma), normalized).astype(dtype), f"{node.name}_gamma")
-        shift = graph.add_constant(np.broadcast_to(Graph.constant(beta), normalized).astype(dtype), f"{node.name}_beta")
-        out = emit(graph, "LayerNormalization", [x, scale, shift], {"axis": axis, "epsilon": eps})
-        graph.replace_uses(node.outputs[0], out)
+    def condition(self, graph: Graph, found: Found) -> str | None:
+        readers = found.nodes[0].outputs[0].outputs
+        if found.get("beta") is None and len(readers) == 1 and readers[0].op == "Add" and is_standard(readers[0]) \
+                and any(Graph.constant(t) is not None for t in readers[0].inputs):
+            return "the shift Add after it roots the match"
+        x, shape = found["x"], graph.shape(found["x"])
+        if shape is None or not is_float(x):
+            return "input shape or type unknown"
+        rank = len(shape)
+        axes = _reduce_axes(Graph.producer(found["mean"]), rank)
+        if axes is None or axes != _reduce_axes(Graph.producer(found["variance"]), rank) or \
+                axes != tuple(range(rank - len(axes), rank)):
+            return "the means do not reduce the same trailing axes"
+        if scalar(Graph.constant(found["eps"])) is None:
+            return "epsilon is not a scalar"
+        dynamic = dynamic_axes(graph, x)
+        if dynamic is None or any(dynamic[rank - len(axes):]):
+            return "a normalised axis is dynamic"
+        normalized = shape[rank - len(axes):]
+        for value in (Graph.constant(t) for t in (found["gamma"], found.get("beta")) if t is not None):
+            if value.ndim > len(axes) or broadcast_shape(value.shape, normalized) != normalized:
+                return "gamma or beta vary along leading axes"
+        return None
+
+    def params(self, graph: Graph, found: Found) -> dict:
+        rank = len(graph.shape(found["x"]))
+        return {"axis": rank - len(_reduce_axes(Graph.producer(found["mean"]), rank)),
+                "epsilon": scalar(Graph.constant(found["eps"]))}
+
+    def replacement(self, graph: Graph, tensors: dict[str, gs.Tensor], match: Match) -> gs.Tensor:
+        axis, gamma = match.param("axis"), Graph.constant(tensors["gamma"])
+        normalized = graph.shape(tensors["x"])[axis:]
+        beta = Graph.constant(tensors["beta"]) if tensors["beta"] is not None else np.zeros((), gamma.dtype)
+        scale, shift = (graph.add_constant(np.broadcast_to(v, normalized).astype(gamma.dtype), f"{match.root}_{name}")
+                        for v, name in ((gamma, "gamma"), (beta, "beta")))
+        attrs = {"axis": axis, "epsilon": match.param("epsilon")}
+        return emit(graph, "LayerNormalization", [tensors["x"], scale, shift], attrs)
 
 
 class SkipLayerNormFusion(Rule):
