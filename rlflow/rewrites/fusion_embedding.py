@@ -51,7 +51,8 @@ class EmbedLayerNormFusion(Rule):
     GPT-2: token and position), the position and segment ids computed in the graph.  The lookup whose ids keep a
     batch dimension of 1 (the position ids as exporters slice them), or else the last one, becomes the position
     embedding; the first other one the token embedding and a third the segment embedding.  Where the sum is read
-    elsewhere as well (GPT-2's residual stream), those readers take it from the operator's third output.  The operator
+    elsewhere as well (GPT-2's residual stream), or is a graph output, those readers and the output take it from the
+    operator's third output.  The operator
     reads 32-bit ids, so Casts are added for 64-bit ones.  As with onnxruntime's own optimizer, ids are assumed to lie
     within their table: `Gather` counts a negative id from the end, the fused operator refuses it."""
 
@@ -61,8 +62,8 @@ class EmbedLayerNormFusion(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         add = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
-        if add is None or add.op != "Add" or add.domain or graph.is_output(node.inputs[0]):
-            return self.no(node, "input is not an Add (that is not a graph output)")
+        if add is None or add.op != "Add" or add.domain:
+            return self.no(node, "input is not an Add")
         shape = graph.shape(node.inputs[0])
         if shape is None or len(shape) != 3 or len(node.outputs) > 1 or not is_float(node.outputs[0]):
             return self.no(node, "not one 3-D [batch, sequence, hidden] normalisation")

@@ -1,16 +1,17 @@
-"""GELU fusions: the exact (erf) and tanh formulas into onnxruntime's Gelu and FastGelu, and a bias Add before either
-into BiasGelu or FastGelu's bias input."""
+"""GELU fusions: the exact (erf) and tanh formulas into onnxruntime's Gelu and FastGelu, a bias Add before either
+into BiasGelu or FastGelu's bias input, and x * sigmoid(alpha * x) into QuickGelu."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from rlflow.graph.core import Graph
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.edits import emit, replace_typed
-from rlflow.rewrites.pattern import Found, PatternRule, const, op, product, var
-from rlflow.rewrites.queries import MS, bias_side, is_float, is_standard, private, standard_producer
+from rlflow.rewrites.pattern import Found, PatternRule, const, constant, op, product, var
+from rlflow.rewrites.queries import MS, bias_side, is_float, is_standard, np_dtype, private, scalar, standard_producer
 
 SQRT2 = math.sqrt(2)
 x = var("x")
@@ -148,3 +149,29 @@ class BiasFastGeluFusion(_BiasActivationFusion):
         if node.op == "FastGelu" and is_standard(node):
             return self.no(node, "not onnxruntime's FastGelu")
         return super().check(graph, node)
+
+
+class QuickGeluFusion(PatternRule):
+    """Replaces `x * sigmoid(alpha * x)` (alpha constant; SiLU/Swish when it is absent) with onnxruntime's `QuickGelu`.
+
+    CLIP's `quick_gelu` (alpha 1.702: OpenAI's CLIP text and vision towers) and the SiLU of Llama-style MLPs
+    (`nn.SiLU`, alpha 1) as both torch exporters write them.  onnxruntime's transformers optimizer and its graph
+    optimizer make the same fusion.
+    """
+
+    name = "quick-gelu-fusion"
+    contrib = True
+    pattern = op.Mul(x, op.Sigmoid(op.Mul(x, constant("alpha")) | x))
+    variables = ("x",)
+
+    def condition(self, graph: Graph, found: Found) -> str | None:
+        if np_dtype(found["x"]) != np.float32:
+            return "x is not float32 (onnxruntime's CPU kernel)"
+        alpha = self.params(graph, found)["alpha"]
+        return None if alpha is not None and math.isfinite(alpha) else "alpha is not one finite value"
+
+    def params(self, graph: Graph, found: Found) -> dict:
+        return {"alpha": 1.0 if found.get("alpha") is None else scalar(Graph.constant(found["alpha"]))}
+
+    def replacement(self, graph: Graph, tensors: dict[str, gs.Tensor], match: Match) -> gs.Tensor:
+        return emit(graph, "QuickGelu", [tensors["x"]], {"alpha": match.param("alpha")}, domain=MS)

@@ -120,8 +120,9 @@ class SkipLayerNormFusion(Rule):
 
     Both torch exporters write a transformer's residual connection and its `nn.LayerNorm` this way from opset 17 on,
     a `nn.Linear` on a 3-D input as MatMul then the bias Add.  The bias goes into the fused operator too.  Where the
-    sum is read elsewhere as well (a pre-norm transformer's residual stream: DeiT, Whisper, GPT-2), those readers take
-    it from the operator's fourth output."""
+    sum is read elsewhere as well (a pre-norm transformer's residual stream: DeiT, Whisper, GPT-2), or is a graph
+    output (older Hugging Face exports return it), those readers, and the output, take it from the operator's fourth
+    output."""
 
     name = "skip-layernorm-fusion"
     root_ops = ("LayerNormalization",)
@@ -129,8 +130,8 @@ class SkipLayerNormFusion(Rule):
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
         add = input_producer(node, 0, "Add")
-        if add is None or graph.is_output(add.outputs[0]):
-            return self.no(node, "input is not an Add (that is not a graph output)")
+        if add is None:
+            return self.no(node, "input is not an Add")
         shapes = [graph.shape(t) for t in (*add.inputs, node.inputs[0])]
         if any(s is None for s in shapes) or not shapes[0] == shapes[1] == shapes[2] or len(shapes[0]) not in (2, 3):
             return self.no(node, "the Add's operands are not two 2-D or 3-D tensors of one shape")

@@ -123,7 +123,7 @@ class Var(Pattern):
 
     def states(self, search, tensor, state, root=False):
         bound = state.bind(self.name, tensor)
-        return iter(()) if bound is None else iter((bound,))
+        return search.fail(state, "{} is not the {} read before", tensor.name, self.name) if bound is None else iter((bound,))
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,8 @@ RULES: tuple[Rule, ...] = (
     cleanup.ConcatEmptyElim(group="fold"),                          # 104 concat-empty-elim
     attention_nan_guard.AttentionNanGuardElim(group="fusion"),      # 105 attention-nan-guard-elim
     fusion_layernorm.ResidualBiasReorder(group="layout"),           # 106 residual-bias-reorder
+    fusion_gelu.QuickGeluFusion(group="fusion"),                    # 107 quick-gelu-fusion
+    unfuse.QuickGeluUnfuse(group="inverse"),                        # 108 quick-gelu-unfuse
 )
 """Every rule, in action-id order.  Append only."""
 

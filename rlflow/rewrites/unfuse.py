@@ -374,3 +374,16 @@ class RotaryUnfuse(Rule):
         if size != head:
             out = emit(graph, "Concat", [out, cut(x, size, head)], {"axis": -1})
         graph.replace_uses(node.outputs[0], out)
+
+
+class QuickGeluUnfuse(_Unfuse):
+    """Replaces onnxruntime's `QuickGelu(x)` with `x * sigmoid(alpha * x)` (`x * sigmoid(x)` for alpha 1)."""
+
+    name = "quick-gelu-unfuse"
+    root_ops = ("QuickGelu",)
+
+    def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
+        node = nodes[match.root]
+        x, alpha = node.inputs[0], float(node.attrs.get("alpha", 1.702))
+        scaled = x if alpha == 1.0 else emit(graph, "Mul", [x, _const(graph, alpha, x, "alpha")])
+        graph.replace_uses(node.outputs[0], emit(graph, "Mul", [x, emit(graph, "Sigmoid", [scaled])]))

@@ -370,11 +370,16 @@ def test_skip_layernorm_keeps_a_shared_sum_as_its_fourth_output():
     assert "LayerNormalization" in assert_rewrites(new, "skip-layernorm-unfuse").op_counts()
 
 
-def test_skip_layernorm_refuses_a_sum_that_is_a_graph_output():
+@pytest.mark.parametrize("shape", [[2, 4, 8], ["batch", 3, 8], [5, 8]])
+def test_skip_layernorm_keeps_a_sum_that_is_a_graph_output(shape):
+    """Older Hugging Face exports return the residual sum too (issue #78): the fourth output writes it, by its name."""
     g = graph([node("Add", ["x", "z"], "s"), node("LayerNormalization", ["s", "g", "b"])],
-              {"x": [2, 4, 8], "z": [2, 4, 8]}, outputs=("y", "s"), opset=17,
+              {"x": shape, "z": shape}, outputs=("y", "s"), opset=17,
               consts={"g": weights(8), "b": weights(8, seed=1)})
-    assert_refuses(g, "skip-layernorm-fusion", "graph output")
+    new = assert_rewrites(g, "skip-layernorm-fusion")
+    skip = next(n for n in new.gs.nodes if n.op == "SkipLayerNormalization")
+    assert new.op_counts() == {"SkipLayerNormalization": 1} and skip.outputs[3].name == "s"
+    assert [t.name for t in new.gs.outputs] == ["y", "s"]
 
 
 @pytest.mark.parametrize("lookups", [2, 3])

@@ -24,10 +24,11 @@ from . import (
     test_nan_guard,
     test_rmsnorm,
     test_rotary,
+    test_wild_forms,
 )
 
 CASE_MODULES = (test_algebra, test_cleanup, test_fold, test_fusion, test_inverse, test_layout, test_merge, test_rmsnorm,
-                test_rotary, test_decoder_attention, test_gqa_absorb, test_gqa_causal, test_nan_guard)
+                test_rotary, test_decoder_attention, test_gqa_absorb, test_gqa_causal, test_nan_guard, test_wild_forms)
 """The test modules with a CASES table (rule name -> positive builder, negative builder, reason)."""
 
 CASES = {name: case[0] for module in CASE_MODULES for name, case in module.CASES.items()}

@@ -46,7 +46,7 @@ def test_contrib_flag_matches_what_rules_emit():
                        "rmsnorm-fusion", "skip-rmsnorm-fusion", "skip-rmsnorm-unfuse",
                        "rotary-fusion", "decoder-attention-fusion", "group-query-attention-fusion",
                        "group-query-attention-rotary", "group-query-attention-pack-qkv",
-                       "group-query-attention-causal", "tied-head-fusion"}
+                       "group-query-attention-causal", "tied-head-fusion", "quick-gelu-fusion"}
 
 
 def test_groups_cover_every_rule_once():

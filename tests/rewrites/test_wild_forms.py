@@ -6,9 +6,11 @@ import math
 
 import numpy as np
 import pytest
+from onnx import TensorProto, numpy_helper
 
 from rlflow.rewrites import rule
-from tests.rewrites.helpers import assert_refuses, assert_rewrites, graph, node, weights
+from tests.rewrites.helpers import F32, assert_refuses, assert_rewrites, case_tests, graph, node, weights
+from tests.rewrites.test_fusion import _embeddings
 
 
 def _factored_fast_gelu(x_shape, k=0.044715):
@@ -73,3 +75,56 @@ def test_a_bias_free_match_is_not_offered_inside_a_shifted_one():
     matches = rule("layernorm-fusion").find(g)
     assert len(matches) == 1 and g.node_map()[matches[0].root].op == "Add"
     assert "the shift Add after it roots the match" in [r.reason for r in rule("layernorm-fusion").reasons(g)]
+
+
+def _quick_gelu(shape=(2, 5), alpha=1.702, order=("x", "sg")):
+    """CLIP's `x * sigmoid(1.702 * x)`; alpha None writes SiLU, `x * sigmoid(x)`."""
+    scaled = [node("Mul", ["a", "x"], "ax")] if alpha is not None else []
+    return graph([*scaled, node("Sigmoid", ["ax" if alpha is not None else "x"], "sg"), node("Mul", list(order))],
+                 {"x": list(shape)}, consts={"a": np.array(alpha or 1.0, np.float32)} if alpha is not None else None)
+
+
+def _quick_gelu_of_another_tensor():
+    return graph([node("Mul", ["a", "z"], "az"), node("Sigmoid", ["az"], "sg"), node("Mul", ["x", "sg"])],
+                 {"x": [2, 5], "z": [2, 5]}, consts={"a": np.array(1.702, np.float32)})
+
+
+def _contrib_quick_gelu(shape, dtype):
+    return graph([node("QuickGelu", ["x"], domain="com.microsoft", alpha=1.702)], {"x": (shape, dtype)},
+                 {"y": (dtype, list(shape))})
+
+
+CASES = {
+    "quick-gelu-fusion": (lambda: _quick_gelu(), _quick_gelu_of_another_tensor, "is not the x read before"),
+    "quick-gelu-unfuse": (lambda: _contrib_quick_gelu(("n", 3, 8), F32),
+                          lambda: _contrib_quick_gelu((4, 8), TensorProto.INT64), "not a float operator"),
+}
+test_matches_and_keeps_numbers, test_refuses_with_reason = case_tests(CASES)
+
+
+@pytest.mark.parametrize("shape,alpha,order", [((2, 5), 1.702, ("x", "sg")), ((3, 4, 8), 1.702, ("sg", "x")),
+                                               (("b", 16), None, ("x", "sg")), ((1, 7, 32), None, ("sg", "x"))])
+def test_quick_gelu_fusion_at_several_shapes_and_both_forms(shape, alpha, order):
+    new = assert_rewrites(_quick_gelu(shape, alpha, order), "quick-gelu-fusion", count=1)
+    assert new.op_counts() == {"QuickGelu": 1}
+    assert new.gs.nodes[0].attrs["alpha"] == pytest.approx(alpha or 1.0)
+
+
+def test_quick_gelu_unfuse_gives_back_what_the_fusion_takes():
+    fused = assert_rewrites(_quick_gelu(), "quick-gelu-fusion")
+    unfused = assert_rewrites(fused, "quick-gelu-unfuse")
+    assert rule("quick-gelu-fusion").find(unfused)
+
+
+@pytest.mark.parametrize("lookups", [2, 3])
+def test_embed_layernorm_keeps_a_sum_that_is_a_graph_output(lookups):
+    """The embeddings' sum returned as an output beside the norm (issue #78): the third output writes it, by name."""
+    g = _embeddings(lookups)
+    total = "s3" if lookups == 3 else "s2"
+    proto = g.to_model()
+    g = graph(list(proto.graph.node), {"ids": (["batch", 5], TensorProto.INT64), "pos": ([1, 5], TensorProto.INT64),
+                                       **({"seg": (["batch", 5], TensorProto.INT64)} if lookups == 3 else {})},
+              outputs=("y", total), opset=17, consts={t.name: numpy_helper.to_array(t) for t in proto.graph.initializer})
+    new = assert_rewrites(g, "embed-layernorm-fusion")
+    fused = next(n for n in new.gs.nodes if n.op == "EmbedLayerNormalization")
+    assert fused.outputs[2].name == total and [t.name for t in new.gs.outputs] == ["y", total]
