@@ -82,7 +82,12 @@ def _probe_model(graph: Graph, nodes: list[gs.Node], sources: list[gs.Tensor],
         copies.append(gs.Node(node.op, node.name, dict(node.attrs), ins, [gs.Variable(t.name) for t in node.outputs],
                               domain=node.domain))
         by_name.update({t.name: out for t, out in zip(node.outputs, copies[-1].outputs)})
-    outs = [by_name[t.name] for t in outputs]
+    outs = []
+    for t in outputs:
+        if t.name not in by_name:  # a constant (a mask constant-fold computed at a static shape): passed on
+            copies.append(gs.Node("Identity", inputs=[t], outputs=[gs.Variable(f"{t.name}_probed")]))
+            by_name[t.name] = copies[-1].outputs[0]
+        outs.append(by_name[t.name])
     for out, t in zip(outs, outputs):
         out.dtype = t.dtype
     sub = gs.Graph(nodes=copies, inputs=inputs, outputs=outs, opset=graph.opset)

@@ -25,7 +25,8 @@ def _prefill(mask: str, last: str = "last") -> Graph:
     """GroupQueryAttention over S positions, no cache (2 heads, 1 KV head, head size 16, S dynamic at 4), its bias
     `causal` (a triangle computed from S), `zeros` (every key seen: not causal) or `input` (read from input m); its
     seqlens_k S - 1 (`last`), or S - 2 (`short`: the kernel would mask the last key)."""
-    inputs = {"q": [1, "s", 32], "k": [1, "s", 16], "v": [1, "s", 16]}
+    s = 4 if mask.startswith("constant") else "s"  # a constant mask comes of a static export
+    inputs = {"q": [1, s, 32], "k": [1, s, 16], "v": [1, s, 16]}
     consts = {"one": np.ones(1, np.int32), "scalar": np.zeros(0, np.int64), "ones2": ints(1, 1), "zero": ints(0),
               "step": ints(1), "ax0": ints(0), "ax1": ints(1), "ax01": ints(0, 1), "fzero": np.zeros((), np.float32),
               "low": np.array(-np.inf, np.float32)}
@@ -43,13 +44,16 @@ def _prefill(mask: str, last: str = "last") -> Graph:
         nodes += [node("Concat", ["ones2", "s64", "s64"], "bias_shape", axis=0),
                   node("ConstantOfShape", ["bias_shape"], "bias", value=onnx.numpy_helper.from_array(
                       np.zeros(1, np.float32)))]
+    elif mask in ("constant", "constant-zeros"):  # what constant-fold leaves of either at a static shape
+        triangle = np.where(np.tril(np.ones((4, 4), bool)), 0.0, -np.inf).astype(np.float32)
+        consts["bias"] = (triangle if mask == "constant" else np.zeros((4, 4), np.float32)).reshape(1, 1, 4, 4)
     else:
         inputs["m"] = [1, 1, "s", "s"]
         nodes.append(node("Identity", ["m"], "bias"))
     nodes.append(node("GroupQueryAttention", ["q", "k", "v", "", "", "seqlens", "total", "", "", "", "bias"], "y",
                       domain=MS, num_heads=2, kv_num_heads=1, scale=0.25, causal=0))
     shapes = {name: [4 if d == "s" else d for d in dims] for name, dims in inputs.items()}
-    return graph(nodes, inputs, {"y": (TensorProto.FLOAT, [1, "s", 32])}, consts=consts, opset=18, input_shapes=shapes,
+    return graph(nodes, inputs, {"y": (TensorProto.FLOAT, [1, s, 32])}, consts=consts, opset=18, input_shapes=shapes,
                  custom=[MS])
 
 
@@ -67,6 +71,13 @@ def test_a_causal_mask_computed_from_shapes_is_dropped():
                                                 ("causal", "short", "seqlens_k is not T - 1 for every row")])
 def test_refuses_a_mask_that_is_not_provably_causal(mask, last, reason):
     assert_refuses(_prefill(mask, last), CAUSAL, reason)
+
+
+def test_a_constant_mask_is_proved_or_refused_without_error():
+    """constant-fold computes a static export's mask into a constant (a DeiT's, after random rewrites, issue #78):
+    the proof reads it as it is, where it raised KeyError."""
+    assert_rewrites(_prefill("constant"), CAUSAL, count=1)
+    assert_refuses(_prefill("constant-zeros"), CAUSAL, "not causal at S=4, T=4")
 
 
 @pytest.fixture(scope="module")
