@@ -81,6 +81,10 @@ class Options:
     max_error: float | None = None
     """With `precision`: the relative error norm each output may reach against the input (None: the precision's
     default, `DEFAULT_MAX_ERROR`)."""
+    padding: Mapping[str, str] | None = None
+    """A contract on the model's inputs (`{"attention_mask": "right"}`: every row's mask is ones then zeros, its
+    cache valid in its first positions): attentions then read each row's length instead of a bias computed from the
+    mask (`rlflow.optimize.padding`, docs/padding.md), which is valid under the contract only, and verified so."""
     data: str | os.PathLike | None = None
     """With `precision`: an .npz of arrays named after the model's inputs, first axis = samples, to measure the error
     on (None: random inputs, and the report says so)."""
@@ -96,6 +100,9 @@ class Options:
         from rlflow.optimize.precision import check_precision
 
         check_precision(self.precision, self.max_error, self.data, self.ops)
+        from rlflow.optimize.padding import check_padding
+
+        check_padding(self.padding, self.precision)
 
 
 def default_method(provider: str, agent: str | os.PathLike | None = None, graph: Graph | None = None,

@@ -29,6 +29,8 @@ from rlflow.measure.shape_profiles import Profile, arrange, attach, default_prof
 from rlflow.measure.timing import Comparison, Pace, Ratio, Timing, check_and_time
 from rlflow.measure.verify import verify
 from rlflow.optimize.options import DEFAULT_TIME_LIMITS, Options, default_method, rules_for
+from rlflow.optimize.padding import apply_padding, check_mask, unpadded
+from rlflow.optimize.padding import record as record_padding
 from rlflow.optimize.precision import exact_rules, lower_precision, precision_rules
 from rlflow.optimize.result import Result
 from rlflow.rewrites import REGISTRY_VERSION, Rule
@@ -61,6 +63,8 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     start = time.monotonic()
     graph, given = load_input(model, input_shapes, profiles, options.fix_dims, options.fix_values)
     samples = load_data(options.data, given) if options.data is not None else None  # its mistakes before any work
+    if options.padding:
+        check_mask(given, *options.padding)
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     rules = exact_rules(rules_for(rules, ops, resolved), options.precision)
@@ -93,6 +97,13 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     checked = None if candidate is None else verify(
         given, candidate, seeds=(seed, seed + 1, seed + 2), shapes=verification_shapes(graph),
         fallback=batch_changed_shapes(graph), share_weights=settings.share_weights)
+    contract = None
+    if options.padding:
+        (mask,) = options.padding
+        search, checked, contract = apply_padding(graph, given, search, checked, mask, seed)
+        if contract.applied:
+            candidate = search.graph.to_model(static=False)
+            record_padding(candidate, mask)
     lowered = None
     if options.precision:
         search, checked, lowered = lower_precision(
@@ -106,6 +117,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                 "fixed_dims": dict(options.fix_dims or {}),
                 "fixed_values": dict(options.fix_values or {}),
                 "input_repairs": graph.input_repairs,
+                "padding": dict(options.padding or {}),
                 "profiles": [p.as_dict() for p in graph.profiles],
                 "rules": len(rules), "ops": ops, "gate_seconds": gate_seconds, "precision": options.precision,
                 "registry_version": REGISTRY_VERSION}
@@ -129,7 +141,9 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
         reason = f"input kept: the rewritten model does not verify ({verification.message})"
     measured = None
     if verification is not None and verification.ok:
-        measured = measure_gate(graph, search.graph, settings, paces, rounds=rounds, budget=gate_seconds, seed=seed)
+        timed = (graph, search.graph) if not (contract and contract.applied) else (
+            unpadded(graph, contract.mask), unpadded(search.graph, contract.mask))
+        measured = measure_gate(*timed, settings, paces, rounds=rounds, budget=gate_seconds, seed=seed)
         gate, keep = measured.ratio, measured.keep
         comparison = measured.comparisons[0]
         if measured.profiles:  # the report's speedup is the decision's: the mean over profiles
@@ -147,6 +161,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
                   rejected=[] if keep else [str(m) for m in search.applied],
                   memory={"weights": weight_bytes(graph), "predicted_peak": predicted_peak, "peak": peak_rss_bytes()},
                   precision=lowered.as_dict() if lowered else None,
+                  padding=contract.as_dict() if contract else None,
                   **common)
 
 
@@ -171,7 +186,7 @@ GREEDY_PLANNED_STEPS = 2
 """Steps of the input's size greedy's default time plans for: its usual run on a decoder is a first step won by every
 fusion at once and a second step that measures all of its candidates to find none faster.  Planned for the first
 alone, five of the seven decode steps stopped for time: two in their second step, three in their first, where a
-candidate took about a fifth longer than planned (docs/results/archive/decoders/session-spread/before/)."""
+candidate took about a fifth longer than planned."""
 
 
 def _planned_candidates(method: str, graph: Graph, rules: Sequence[Rule]) -> int:
@@ -193,7 +208,7 @@ def _default_time_limit(method: str, paces: Sequence[Pace], candidates: int) -> 
                                                           for p in paces)
     measuring = candidates * candidate
     if method == "agent":  # its rollouts take the rest of its limit: planned for two candidates whole, the agent's
-        # limit measured one of four on Qwen3's 1 GiB decode step (docs/results/agent-deploy/decoders/)
+        # limit measured one of four on Qwen3's 1 GiB decode step
         from rlflow.search.agent import MEASURE_SHARE
 
         measuring /= MEASURE_SHARE

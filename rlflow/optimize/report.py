@@ -44,6 +44,7 @@ def format_report(result: Result) -> str:
                              f"{max(c.max_abs for c in part):.2e}, rel-norm {most}{max(c.rel_norm for c in part):.2e} "
                              f"(tolerance {part[0].tolerance:.0e})")
     lines += _precision_lines(result.precision)
+    lines += _padding_lines(result.padding)
     lines.append(f"  rewrites    {len(result.applied)}" + (": " + _by_rule(result.applied) if result.applied else "")
                  + (f" (not kept: {_by_rule(result.rejected)})" if result.rejected else ""))
     ops = sorted(set(result.op_counts_before) | set(result.op_counts_after))
@@ -154,6 +155,19 @@ def _dropped_lines(dropped: list[dict]) -> list[str]:
     made_by = "; ".join(f"{rules} ({n})" if n > 1 else rules for rules, n in counts.most_common())
     return [f"  dropped     {len(dropped)} candidate(s) onnxruntime could not run, made by: {made_by}",
             f"              first error: {dropped[0]['error']}"]
+
+
+def _padding_lines(p: dict | None) -> list[str]:
+    """What the declared padding contract changed, and the padded batches it was verified on."""
+    if not p:
+        return []
+    if not p["applied"]:
+        return [f"  padding     {p['mask']} right-padded (declared): nothing changed: {p['reason']}"]
+    lengths = " and ".join(str(x) for x in p["verified_lengths"])
+    checked = f"verified on padded batches, rows of lengths {lengths}, each against the row alone" if not p["reason"] \
+        else f"not verified: {p['reason']}"
+    return [f"  padding     {p['mask']} right-padded (declared): {p['applied']} GroupQueryAttention read the rows' "
+            f"lengths; {checked}"]
 
 
 def _precision_lines(p: dict | None) -> list[str]:

@@ -39,6 +39,8 @@ class Result:
         precision: with `--precision`, what was lowered and why (`PrecisionOutcome.as_dict`): layers per rule, the
             error budget and the samples it was measured on, the errors and logit metrics, weight bytes before and
             after, and each layer's measured error and gain per rule.
+        padding: with `--padding`, the declared mask, how many attentions read the rows' lengths (or why none), and
+            the row lengths of the padded batches verified (`PaddingOutcome.as_dict`).
         profiles: with several shape profiles, one dict each (shapes, weight, label, input_ms, and output_ms and
             speedup when the final measurement ran); `speedup` is then their weighted geometric mean.
     """
@@ -68,6 +70,7 @@ class Result:
     search_stop: str = ""
     search_steps: list[dict] = field(default_factory=list)
     precision: dict | None = None
+    padding: dict | None = None
     output_model: onnx.ModelProto | None = field(default=None, repr=False)
 
     @property
