@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_DIR := build/demo
 
-.PHONY: install demo test lint fuzz bench bench-precision agent agent-wide agent-cuda agent-decoders ppo-agent ppo-agent-cuda ppo-agent-decoders genai-builder clean
+.PHONY: install demo test lint results-index fuzz bench bench-precision agent agent-wide agent-cuda agent-decoders ppo-agent ppo-agent-cuda ppo-agent-decoders genai-builder clean
 
 install: $(STAMP)
 
@@ -27,7 +27,12 @@ test: $(STAMP)
 
 # ruff (pyproject.toml's [tool.ruff]): pyflakes, the pycodestyle errors and import order; `ruff check --fix` fixes most
 lint: $(STAMP)
-	$(BIN)/ruff check rlflow tests gpu models docs
+	$(BIN)/ruff check rlflow tests gpu models docs benchmarks
+
+# docs/results/README.md, written from each run folder's manifest.json and removed.json (benchmarks/results_index.py;
+# the standard library alone; tests/test_docs.py checks that the index is what it writes)
+results-index:
+	$(PYTHON) benchmarks/results_index.py
 
 fuzz: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow tests
@@ -76,10 +81,10 @@ AGENT_SEED ?= 0
 AGENT_STEPS ?= 4096
 # Where the two trainers report: the world-model seeds (pooler-cls/seedN/) and the PPO baseline they compare with
 # (pooler-cls/ppo/, the shipped ppo.pt), trained under the 107-rule registry against a cost table filled one process at
-# a time (docs/results/agent-deploy/run.sh)
+# a time (benchmarks/agent-deploy/run.sh)
 AGENT_RESULTS := docs/results/agent-deploy/pooler-cls
 PPO_RESULTS := docs/results/agent-deploy/pooler-cls/ppo
-# The two trainers' options (docs/results/agent-deploy/run.sh reads them and the folders from here for its seeds)
+# The two trainers' options (benchmarks/agent-deploy/run.sh reads them and the folders from here for its seeds)
 WORLDMODEL_OPTIONS = $(AGENT_OPTIONS) --iterations 3 --random-steps 250
 PPO_OPTIONS = $(AGENT_OPTIONS) --holdout $(AGENT_HOLDOUT) --total-steps $(AGENT_STEPS) --no-evaluate
 

@@ -152,6 +152,32 @@ def test_the_cli_is_the_one_entry_point():
     assert mains == {"rlflow.cli"}
 
 
+def test_only_the_command_layer_parses_arguments():
+    """Issue #80: argument parsing lives in the `rlflow` command alone (`rlflow.cli` and its modules); the library's
+    modules expose functions, so none imports argparse or reads `sys.argv`."""
+
+    def parses_arguments(source: str) -> bool:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "argparse" for a in node.names):
+                return True
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "argparse":
+                return True
+            if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "argv" for a in node.names):
+                return True
+            if (isinstance(node, ast.Attribute) and node.attr == "argv" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"):
+                return True
+        return False
+
+    assert parses_arguments("def f():\n    import argparse\n") and parses_arguments("import sys\nx = sys.argv[1:]\n")
+    assert parses_arguments("from sys import argv\n") and not parses_arguments("import sys\nsys.exit(0)\n")
+    command_layer = LAYERS[0]
+    parsers = {name for name, path in modules().items()
+               if (name == "rlflow" or layer(name) != 0) and parses_arguments(path.read_text())}
+    assert parsers == set(), f"only {', '.join(command_layer)} may parse arguments"
+    assert parses_arguments((PACKAGE / "cli" / "__init__.py").read_text())  # the walk sees the command layer's
+
+
 def test_the_circle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -169,3 +195,19 @@ def test_optimize_with_the_shipped_agent_loads_no_trainer(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
     assert "rlflow.agents.actor" in import_graph()["rlflow.search.agent"]
+
+
+RESULTS = PACKAGE.parent / "docs" / "results"
+RESULTS_MAX_BYTES = 15_000_000
+RESULTS_MAX_FOLDERS = 100
+"""Issue #80: docs/results/ keeps the runs the docs cite, not a lab notebook; superseded runs leave the tree (git
+keeps them, and docs/results/README.md names the commit for each).  Folders as `find docs/results -type d` counts
+them, the top one included."""
+
+
+def test_the_results_stay_small():
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    folders = 1 + sum(1 for p in RESULTS.rglob("*") if p.is_dir())
+    assert size <= RESULTS_MAX_BYTES, f"docs/results holds {size / 1e6:.1f} MB (at most {RESULTS_MAX_BYTES / 1e6:g})"
+    assert folders <= RESULTS_MAX_FOLDERS, f"docs/results has {folders} folders (at most {RESULTS_MAX_FOLDERS})"

@@ -126,3 +126,19 @@ def _ok():
     from rlflow.measure.verify import Verification
 
     return Verification(True, [], (0,), [], "disable")
+
+
+@pytest.mark.parametrize("spec,message", [("attention_mask", "bad --padding 'attention_mask'"),
+                                          ("attention_mask=left", "only right padding can be declared")])
+def test_the_command_refuses_a_bad_contract_in_one_line(tmp_path, capsys, spec, message):
+    from onnx import TensorProto, helper
+
+    from rlflow.cli import main
+
+    model = tiny_model([helper.make_node("Relu", ["x"], ["y"])], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    out = tmp_path / "out.onnx"
+    assert main(["optimize", str(save(model, tmp_path / "m.onnx")), "-o", str(out), "--padding", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and not out.exists()
+

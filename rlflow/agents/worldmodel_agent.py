@@ -138,7 +138,7 @@ class Planning:
     """One-step planning in M for greedy episodes (`greedy_by="model"`, `rlflow.train.worldmodel.config.Config`): the rule
     M predicts to pay most, as the dream would pay it, instead of the controller's argmax; terminate once none is
     predicted to pay.  Greedy episodes of the controller fell short of what M knows: on the training models the same
-    checkpoints returned more by M's predicted reward than by the controller's argmax (docs/results/agent-deploy/).
+    checkpoints returned more by M's predicted reward than by the controller's argmax.
 
     Attributes:
         reward_scale: M predicts rewards divided by this (`AgentSpec.reward_scale`).

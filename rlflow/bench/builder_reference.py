@@ -10,12 +10,11 @@ the peers, never as a rewrite of the input.
    the export (`compare`, each model fed its own inputs), and both graphs' node counts after onnxruntime's
    ORT_ENABLE_ALL on the CPU provider (the structure target's measure), static and as the files are.
 The genai runtime shares one cache buffer of the context length between steps; here the cache is at the step's length.
-`rlflow bench --peers` adds the row to zoo decoders when the builder's venv exists; `rlflow bench-builder` (`main`)
-makes it alone.
+`rlflow bench --peers` adds the row to zoo decoders when the builder's venv exists; `rlflow bench-builder`
+(`bench_builder`) makes it alone.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -231,36 +230,30 @@ def bench_row(graph, source: onnx.ModelProto, settings: SessionSettings, config)
                          model_name=Path(graph.source or dec.name).stem)
 
 
-def main(argv=None) -> dict:
-    """`rlflow bench-builder MODEL...`: the reference row of each zoo decoder step, one at a time; a JSON file."""
+def bench_builder(models, precision: str = "fp32", execution_provider: str = "cpu", threads: int = 1, rounds: int = 30,
+                  seed: int = 0, cuda_graph: bool = False, out: str | Path = Path("builder-reference.json")) -> dict:
+    """`rlflow bench-builder MODEL...`: the reference row of each zoo decoder step in `models` (files named as `rlflow
+    zoo build` names them), one at a time: the builder's graph at `precision` (its -p) for `execution_provider` (its
+    -e, and the provider both graphs are measured on; with `cuda_graph`, as captured CUDA graphs), measured against
+    the export in `rounds` interleaved rounds; the JSON file `out` is written after every model; returns it."""
+    import onnxruntime
+
     from rlflow.graph.core import load
     from rlflow.measure.memory import shares_weights
     from rlflow.measure.session import check_capture, resolve_provider
 
-    parser = argparse.ArgumentParser(prog="rlflow bench-builder", description="onnxruntime-genai's builder's graph of each zoo decoder step (same weights) against the export: time, nodes after ORT_ENABLE_ALL, logits.")
-    parser.add_argument("models", nargs="+", type=Path, help="zoo decoder steps, named as `rlflow zoo build` does")
-    parser.add_argument("--precision", choices=("fp32", "fp16"), default="fp32", help="the builder's -p")
-    parser.add_argument("--execution-provider", choices=("cpu", "cuda"), default="cpu",
-                        help="the builder's -e, and the provider both graphs are measured on")
-    for option, default in (("--threads", 1), ("--rounds", 30), ("--seed", 0)):  # as `rlflow bench` has them
-        parser.add_argument(option, type=int, default=default)
-    parser.add_argument("--cuda-graph", action="store_true", help="measure both with CUDA graph capture (CUDA only)")
-    parser.add_argument("--out", type=Path, default=Path("builder-reference.json"))
-    args = parser.parse_args(argv)
-    import onnxruntime
-
-    provider = resolve_provider(args.execution_provider)
-    check_capture(provider, args.cuda_graph)
-    settings = SessionSettings(provider=provider, threads=args.threads, cuda_graph=args.cuda_graph)
-    rows = []
-    for path in args.models:
+    provider = resolve_provider(execution_provider)
+    check_capture(provider, cuda_graph)
+    settings = SessionSettings(provider=provider, threads=threads, cuda_graph=cuda_graph)
+    rows, results, out = [], None, Path(out)
+    for path in map(Path, models):
         dec = decoder(path.with_suffix(".json") if path.with_suffix(".json").is_file() else path.stem)
-        builder = build_reference(dec, precision=args.precision, provider=args.execution_provider)
+        builder = build_reference(dec, precision=precision, provider=execution_provider)
         graph = load(path)  # after the build, and dropped before measuring: one copy of the weights fewer
         shapes, shared, source = dict(graph.input_shapes), shares_weights(graph), graph.to_model(static=True)
         del graph
-        row = reference_row(source, shapes, dec, replace(settings, share_weights=shared), rounds=args.rounds,
-                            seed=args.seed, precision=args.precision, provider=args.execution_provider,
+        row = reference_row(source, shapes, dec, replace(settings, share_weights=shared), rounds=rounds,
+                            seed=seed, precision=precision, provider=execution_provider,
                             builder=builder, export_file=path, model_name=path.stem)
         del source
         rows.append(asdict(row))
@@ -271,7 +264,7 @@ def main(argv=None) -> dict:
               f"as built: export {built['export']}, "
               f"builder {built[REFERENCE]}; logits max diff {row.peer_settings['logits_max_abs_diff']:.2e} "
               f"({row.status})")
-        results = {"date": datetime.date.today().isoformat(), "settings": settings.as_dict(), "rounds": args.rounds,
-                   "seed": args.seed, "onnxruntime": onnxruntime.__version__, "rows": rows}
-        write_text_atomic(args.out, json.dumps(results, indent=1, default=str) + "\n")
+        results = {"date": datetime.date.today().isoformat(), "settings": settings.as_dict(), "rounds": rounds,
+                   "seed": seed, "onnxruntime": onnxruntime.__version__, "rows": rows}
+        write_text_atomic(out, json.dumps(results, indent=1, default=str) + "\n")
     return results

@@ -14,7 +14,6 @@ what the device runs; measured figures need the GPU (`rlflow bench --provider cu
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -108,7 +107,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict:
+def bench_estimate(models, provider: str = "cuda", agent: str | Path | None = None, time_limit: float = 30.0,
+                   methods=METHODS, seed: int = 0, out: str | Path = Path("bench-estimate")) -> dict:
+    """`rlflow bench-estimate`: each of `methods` (of `METHODS`) on each of `models` (ONNX files), scored by the cost
+    model of `provider`, which this machine must lack; `agent` [default: the one shipped for the provider] plays
+    method agent.  Writes results.json and results.md into `out` after every model and returns the results."""
     from rlflow.agents.checkpoint import checkpoint_identity
     from rlflow.errors import InputError
     from rlflow.measure.costmodel.gpu_estimate import EstimatedCostModel, cost_model_for
@@ -118,45 +121,35 @@ def main(argv=None) -> dict:
     from rlflow.rewrites import RULES
     from rlflow.search.agent import shipped_agent
 
-    parser = argparse.ArgumentParser(prog="rlflow bench-estimate", description=__doc__.split("\n")[0])
-    parser.add_argument("models", nargs="+", type=Path, help="ONNX files")
-    parser.add_argument("--provider", default="cuda", help="cuda (the shipped table and estimate) or cpu")
-    parser.add_argument("--agent", type=Path, default=None, help="the agent (default: the one shipped for the provider)")
-    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds per search")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"comma-separated, of {', '.join(METHODS)} (the last two do not depend on the agent)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench-estimate"), help="folder for results.json and .md")
-    args = parser.parse_args(argv)
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    methods, models, out = tuple(methods), [Path(m) for m in models], Path(out)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown or not methods:
         raise InputError(f"unknown methods {', '.join(unknown) or '(none given)'}: choose from {', '.join(METHODS)}")
-    missing = [str(p) for p in args.models if not p.is_file()]
+    missing = [str(p) for p in models if not p.is_file()]
     if missing:
         raise InputError(f"no such model file: {', '.join(missing)}")
-    cost_model = cost_model_for(args.provider)
+    cost_model = cost_model_for(provider)
     if not isinstance(cost_model, EstimatedCostModel):
-        raise InputError(f"{args.provider} runs on this machine: measure it with `rlflow bench --provider "
-                         f"{args.provider}` instead of estimating")
-    provider = cost_model.settings.provider
-    agent = args.agent or shipped_agent(provider)
-    rules = rules_for(RULES, "all", provider)
-    estimate = json.loads(Path(SHIPPED[args.provider.lower()][1]).read_text())
-    results = {"provider": provider, "cost_model": f"{cost_model.path.name} and {cost_model.estimate.source}",
+        raise InputError(f"{provider} runs on this machine: measure it with `rlflow bench --provider "
+                         f"{provider}` instead of estimating")
+    resolved = cost_model.settings.provider
+    agent = Path(agent) if agent else shipped_agent(resolved)
+    rules = rules_for(RULES, "all", resolved)
+    estimate = json.loads(Path(SHIPPED[provider.lower()][1]).read_text())
+    results = {"provider": resolved, "cost_model": f"{cost_model.path.name} and {cost_model.estimate.source}",
                "estimate": {"held_out": estimate.get("held_out"), "in_sample": estimate.get("in_sample")},
-               "agent": checkpoint_identity(agent), "methods": list(methods), "time_limit": args.time_limit,
-               "seed": args.seed, "rows": []}
-    args.out.mkdir(parents=True, exist_ok=True)
-    for path in args.models:
-        row = estimate_model(path, cost_model, rules, agent, args.time_limit, args.seed, methods)
+               "agent": checkpoint_identity(agent), "methods": list(methods), "time_limit": time_limit,
+               "seed": seed, "rows": []}
+    out.mkdir(parents=True, exist_ok=True)
+    for path in models:
+        row = estimate_model(path, cost_model, rules, agent, time_limit, seed, methods)
         results["rows"].append(row)
         results["summary"] = summarize(results["rows"])
         print(f"{row['model']:<34} " + "  ".join(f"{m} {row['methods'][m]['estimated_speedup']:.3f}"
                                                  for m in METHODS if m in methods), flush=True)
-        write_text_atomic(args.out / "results.json", json.dumps(results, indent=1) + "\n")
-        write_text_atomic(args.out / "results.md", markdown(results))
+        write_text_atomic(out / "results.json", json.dumps(results, indent=1) + "\n")
+        write_text_atomic(out / "results.md", markdown(results))
         release_freed_memory()  # a model's rollouts leave gigabytes freed but scattered (`release_freed_memory`)
-    print(f"results in {args.out}/: results.json, results.md")
+    print(f"results in {out}/: results.json, results.md")
     return results
 

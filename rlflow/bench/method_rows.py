@@ -170,7 +170,7 @@ def measurement_seed(seed: int, model: str) -> int:
     """The seed of a model's measurement in a bench run (its random inputs, the order its sessions are built and run
     in): the run's seed mixed with the model's name.  With one seed for every model, an effect of that order fell
     alike on all of them and did not average out over a run (the input's copy read faster than the input on 20 of 24
-    models: docs/results/bench-control/)."""
+    models: docs/measurement.md)."""
     return zlib.crc32(f"{seed}:{model}".encode())
 
 

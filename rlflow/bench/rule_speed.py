@@ -11,7 +11,6 @@ finish_edit, and finish_edit's cleanup / toposort / shape inference), prints a t
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -130,7 +129,7 @@ def _ms(seconds: float) -> str:
 
 
 def run(names=DEFAULT_MODELS, models_dir: Path = Path("models"), repeats: int = 5, applies: int = 40,
-        profile: bool = False) -> dict:
+        profile: bool = False, command: str = "rlflow bench-rules") -> dict:
     """Measures and returns the figures (see the module docstring)."""
     logging.getLogger("rlflow").setLevel(logging.ERROR)
     started = time.perf_counter()
@@ -165,7 +164,7 @@ def run(names=DEFAULT_MODELS, models_dir: Path = Path("models"), repeats: int = 
     parts = [_finish_parts(graph) for _ in range(7)]
 
     figures = {
-        "command": "rlflow bench-rules " + " ".join(sys.argv[1:]),
+        "command": command,
         "graph": {"models": list(names), "nodes": len(graph), "opset": graph.opset, "load_s": round(load_s, 2)},
         "rules": len(RULES),
         "find_matches": {"median_s": _median(find_times), "min_s": min(find_times), "runs": repeats,
@@ -234,24 +233,20 @@ def report(figures: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rlflow bench-rules", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help="zoo models stacked into one graph")
-    parser.add_argument("--models-dir", default="models", type=Path, help="where built zoo models are read from")
-    parser.add_argument("--repeats", type=int, default=5, help="find_matches runs (the median is reported)")
-    parser.add_argument("--applies", type=int, default=40, help="different matches applied (the median is reported)")
-    parser.add_argument("--out", default="docs/results/rules-speed.json", help="JSON file written ('' for none)")
-    parser.add_argument("--profile", action="store_true", help="also print where apply spends its time (cProfile)")
-    args = parser.parse_args(argv)
-    figures = run(args.models.split(","), args.models_dir, args.repeats, args.applies, args.profile)
+def bench_rules(names=DEFAULT_MODELS, models_dir: Path = Path("models"), repeats: int = 5, applies: int = 40,
+                out: str | Path | None = "docs/results/rules-speed.json", profile: bool = False,
+                command: str = "rlflow bench-rules") -> dict:
+    """`rlflow bench-rules`: `run`, its table printed (with `profile`, cProfile's view of apply too) and its figures
+    written as JSON to `out` (None or '': none), with `command` recorded as what produced them; returns them."""
+    figures = run(list(names), Path(models_dir), repeats, applies, profile, command)
     print(report(figures))
-    if args.profile:
+    if profile:
         print(figures["apply"]["profile_top"])
-    if args.out:
-        out = Path(args.out)
+    if out:
+        out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         saved = {k: v for k, v in figures.items()}
         saved["apply"] = {k: v for k, v in figures["apply"].items() if k != "profile_top"}
         out.write_text(json.dumps(saved, indent=2) + "\n")
         print(f"wrote {out}")
-    return 0
+    return figures

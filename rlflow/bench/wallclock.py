@@ -11,7 +11,6 @@ writes optimize-wallclock.json and optimize-wallclock.md into --out (atomically,
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import subprocess
@@ -24,7 +23,6 @@ from tqdm import tqdm
 
 from rlflow.bench.machine import environment
 from rlflow.bench.run import find_models
-from rlflow.errors import RlflowError
 from rlflow.files import write_text_atomic
 from rlflow.measure.session import SessionSettings, resolve_provider
 
@@ -86,31 +84,34 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlflow wallclock",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="ONNX files or folders of them")
-    parser.add_argument("--out", type=Path, default=Path("docs/results"), help="folder for the results files")
-    parser.add_argument("--optimize-args", default="", help="extra options passed to every `rlflow optimize` run")
-    args = parser.parse_args(argv)
-    try:
-        models = find_models(args.models)
-    except RlflowError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    extra_args = shlex.split(args.optimize_args)  # quoted values (paths with spaces) stay one argument
+def wallclock(models, out: str | Path = Path("docs/results"), optimize_args: str = "",
+              invocation: str | None = None) -> dict:
+    """`rlflow wallclock`: times `rlflow optimize` on each of `models` (ONNX files or folders of them), with the
+    options `optimize_args` (one string, split as a shell does), in a fresh process each, one at a time; writes
+    optimize-wallclock.json and optimize-wallclock.md into `out`, prints the table and returns the results.  Every
+    row's `exit` says whether its run succeeded.  `invocation` is recorded as the command that produced them
+    [default: the `rlflow wallclock` line that does the same].
+
+    Raises:
+        RlflowError: a model path that is neither an ONNX file nor a folder of them (before any run).
+    """
+    models = list(models)
+    models_found = find_models(models)
+    extra_args = shlex.split(optimize_args)  # quoted values (paths with spaces) stay one argument
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlflow-wallclock-") as workdir:
-        for model in tqdm(models, desc="optimize", unit="model"):
+        for model in tqdm(models_found, desc="optimize", unit="model"):
             rows.append(time_optimize(model, Path(workdir), extra_args))
     settings = SessionSettings(provider=resolve_provider("auto"))  # what `rlflow optimize` picks by default
-    invocation = " ".join(["rlflow wallclock", *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    invocation = invocation or shlex.join(["rlflow", "wallclock", *map(str, models), "--out", str(out)]
+                                          + (["--optimize-args", optimize_args] if optimize_args else []))
     results = {"invocation": invocation, "command": "rlflow optimize MODEL -o OUT --json REPORT --quiet",
                "extra_args": extra_args,
                "environment": environment(settings), "limit_seconds": LIMIT_SECONDS, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.out / "optimize-wallclock.json", json.dumps(results, indent=2) + "\n")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "optimize-wallclock.json", json.dumps(results, indent=2) + "\n")
     table = markdown(results)
-    write_text_atomic(args.out / "optimize-wallclock.md", table)
+    write_text_atomic(out / "optimize-wallclock.md", table)
     print(table)
-    return 0 if all(row["exit"] == 0 for row in rows) else 1
+    return results

@@ -73,42 +73,33 @@ def _restore(value: str | None) -> None:
         os.environ["RLFLOW_CACHE"] = value
 
 
-def main(argv=None) -> int:
-    """`rlflow simulate-cluster`: a simulated cluster that stays up until Ctrl-C (or `--seconds`), its address
-    printed (and written to `--address-file`) for `rlflow bench --ray ADDRESS` and `rlflow train ... --ray ADDRESS`
-    from another shell."""
-    import argparse
+def serve(nodes: int = 3, root: str | os.PathLike | None = None, address_file: str | os.PathLike | None = None,
+          seconds: float = 0.0, remove_node_after: float | None = None) -> None:
+    """`rlflow simulate-cluster`: a simulated cluster of `nodes` measuring nodes (caches under `root`, default a new
+    temporary folder) that stays up until Ctrl-C (or `seconds`), its address printed (and written to `address_file`)
+    for `rlflow bench --ray ADDRESS` and `rlflow train ... --ray ADDRESS` from another shell; `remove_node_after`
+    seconds after the start one measuring node goes, as a machine lost mid-run."""
     import tempfile
     import time
 
-    parser = argparse.ArgumentParser(prog="rlflow simulate-cluster", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=3, help="measuring nodes, one slot each (default: 3)")
-    parser.add_argument("--root", default=None, help="folder of the nodes' caches, root/node<i> (default: a new "
-                                                     "temporary folder)")
-    parser.add_argument("--address-file", default=None, help="write the cluster's address here once it is up")
-    parser.add_argument("--seconds", type=float, default=0.0, help="stop after this long (default: at Ctrl-C)")
-    parser.add_argument("--remove-node-after", type=float, default=None, metavar="SECONDS",
-                        help="remove one measuring node this long after start, as a machine lost mid-run")
-    args = parser.parse_args(argv)
-    if args.nodes < 1:
-        parser.error("--nodes must be at least 1")
-    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="rlflow-cluster-"))
-    with simulated_cluster(args.nodes, root) as cluster:
-        print(f"a simulated Ray cluster of {args.nodes} measuring nodes at {cluster.address} (node caches under "
+    if nodes < 1:
+        raise ValueError("nodes must be at least 1")
+    root = Path(root) if root else Path(tempfile.mkdtemp(prefix="rlflow-cluster-"))
+    with simulated_cluster(nodes, root) as cluster:
+        print(f"a simulated Ray cluster of {nodes} measuring nodes at {cluster.address} (node caches under "
               f"{root}); try: rlflow bench MODELS --ray {cluster.address}", flush=True)
-        if args.address_file:
+        if address_file:
             from rlflow.files import write_text_atomic
 
-            write_text_atomic(args.address_file, cluster.address + "\n")
+            write_text_atomic(address_file, cluster.address + "\n")
         start = time.monotonic()
         try:
-            while not args.seconds or time.monotonic() - start < args.seconds:
-                if args.remove_node_after is not None and time.monotonic() - start >= args.remove_node_after:
+            while not seconds or time.monotonic() - start < seconds:
+                if remove_node_after is not None and time.monotonic() - start >= remove_node_after:
                     node = cluster.nodes[-1]
                     cluster.remove(node)
                     print(f"removed node {node.node_id[:8]} after {time.monotonic() - start:.0f} s", flush=True)
-                    args.remove_node_after = None
+                    remove_node_after = None
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
-    return 0

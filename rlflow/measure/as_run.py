@@ -4,7 +4,7 @@ Two rewritten graphs that differ only by what onnxruntime removes or folds anywa
 Reshape to the shape it has, a shape computation folded to a constant) run the very same kernels: measuring both is
 measuring one model twice, and their figures part by noise alone.  The bench measures such outputs once
 (`rlflow.bench.method_rows`).  In four cases where greedy's output measured 1.2-5.7% ahead of the agent's on the
-held-out exports, greedy's one extra step was such a rewrite (docs/results/agent-wide/joint/as-run.md).
+held-out exports, greedy's one extra step was such a rewrite.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ runs: gains of 8-13% went unconfirmed.  So the plan here is made from the input'
 fewer rounds per block and fewer warm-up runs before fewer blocks, within a budget that grows with the search's own
 time limit (a thorough search is worth a thorough check; the quick default agent keeps GATE_SECONDS), and on a model
 slow to load up to what the whole plan takes, where a fixed ceiling left a 1 GiB decoder step two to four blocks
-(docs/results/gate-budget/).  A graph measured at several shape profiles splits the budget between them.
+(docs/measurement.md).  A graph measured at several shape profiles splits the budget between them.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def gate_budget(time_limit: float, paces: Sequence[Pace] = (), rounds: int = 30)
     """Seconds the gate may take after a search limited to `time_limit` seconds: half the limit between GATE_SECONDS
     and GATE_MAX_SECONDS, or, up to half the limit, what the whole plan of `rounds` takes at every profile by the
     input's `paces`.  Fewer blocks are both wider (a real gain goes unconfirmed) and less calibrated (a step called
-    faster than itself: docs/results/archive/decoders/first-step-limit-no-undo/placebo.txt)."""
+    faster than itself in placebo trials)."""
     budget = min(GATE_MAX_SECONDS, max(GATE_SECONDS, time_limit / 2))
     whole = sum(plan_gate(pace, rounds, math.inf).seconds for pace in paces)
     return max(budget, min(time_limit / 2, whole))

@@ -76,7 +76,7 @@ class SessionSettings:
             (`SHARE_WEIGHTS_BYTES`), where every session's own copy made a 2.5 GiB model peak at 6x its size.
         cuda_graph: CUDA only: onnxruntime captures a run as one CUDA graph and replays it (`enable_cuda_graph`), with
             inputs and outputs at fixed device addresses (`rlflow.measure.timing.Runner`). At batch 1 on an H100 the
-            setting alone made the zoo 1.28-4.31x faster (docs/results/gpu), so a rewrite for such a deployment must
+            setting alone made the zoo 1.28-4.31x faster (docs/gpu.md), so a rewrite for such a deployment must
             be measured with it on.
     """
 

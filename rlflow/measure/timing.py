@@ -29,7 +29,7 @@ SWITCH_RUNS = 3
 """Untimed runs that start a model's round, where it runs often enough in a round for them to cost at most a quarter
 more (`round_runs`): the first runs after the other models ran are slower by varying amounts (the caches hold the
 other models' weights), and on a model of about a millisecond they alone made a screening's interval several times
-wider than the gain it was screening for (docs/results/round-length/)."""
+wider than the gain it was screening for (docs/measurement.md)."""
 
 RUN_PROBES = 5
 """Runs in a row at most that set a round's length by the fastest of them (`warm_run_seconds`)."""
@@ -294,10 +294,9 @@ def compare(models: Sequence[onnx.ModelProto], settings: SessionSettings | None 
     gives confidently wrong intervals.  Every second block builds and warms them in the reverse of the order before,
     so that each model's mean place in that order is the same: sessions built and warmed later tended to run faster
     (with the same order in every trial, a copy of the input read faster than the input in up to 19 of 20,
-    docs/results/bench-control/).  The interval resamples blocks, then rounds within them, and so covers that as far
+    docs/measurement.md).  The interval resamples blocks, then rounds within them, and so covers that as far
     as the blocks show it: one block (a search's screening) shows nothing of it, and on a decode step a model was
-    called faster or slower than itself far more often than 5% even with three blocks (placebo trials,
-    docs/results/archive/decoders/first-step-limit-no-undo/).
+    called faster or slower than itself far more often than 5% even with three blocks (placebo trials).
 
     Args:
         models: model 0 is the baseline.
@@ -367,7 +366,7 @@ def warm_run_seconds(runner: Runner) -> float:
     MIN_ROUND_SECONDS (a model that slow runs once a round anyway).  A single run after the other models ran is cold
     (a 0.8 ms model's first run after a switch took 1.5-2 ms): it gave a round half the runs it needs and one untimed
     run instead of SWITCH_RUNS, and a one-block screening of a 1.2-1.3x gain intervals from 0.95 to 1.45
-    (docs/results/round-length/)."""
+    (docs/measurement.md)."""
     fastest, spent = math.inf, 0.0
     for _ in range(RUN_PROBES):
         seconds = runner.time(1)

@@ -28,6 +28,17 @@ LONGER_PAST = 7
 """Positions added to the past of the verification's second set of shapes, so that a length baked in is caught."""
 
 
+def parse_padding(spec: str | None) -> dict[str, str] | None:
+    """`NAME=SIDE` (the CLI's --padding) as {NAME: SIDE}; None for None."""
+    if spec is None:
+        return None
+    name, sep, side = spec.partition("=")
+    if not sep or not name.strip() or not side.strip():
+        raise InputError(f"bad --padding '{spec}': expected a mask input's name and its padding, such as "
+                         "attention_mask=right")
+    return {name.strip(): side.strip()}
+
+
 def check_padding(padding: Mapping[str, str] | None, precision: str | None) -> None:
     """Raises InputError for a contract no run could use."""
     if not padding:

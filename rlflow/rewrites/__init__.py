@@ -4,8 +4,12 @@
 environment and the agent, so it is append-only (changing it changes `REGISTRY_VERSION`, which checkpoints record; an
 agent trained before rules were appended still acts, on the rules it knows: `rlflow.search.agent.known_rules`).
 `PRECISION_RULES`, a table of its own, holds the rules that store a weight in fewer bits: they change what a model
-computes, so only `rlflow optimize --precision` offers them.  `GROUPS` sorts the rules by what kind of rewrite they are.  A rule's code lives in the module of its topic
-(`base.py` says what a rule is; `queries.py` and `edits.py` hold the small graph helpers rules share).
+computes, so only `rlflow optimize --precision` offers them.  `GROUPS` sorts the rules by what kind of rewrite they
+are.  A rule's code lives in the module of its topic, by concept: `substitutions/` (standard operators into standard
+operators: cleanup, layout, algebra, folding, merging), `fusions/` (a subgraph into one operator, and back: norms,
+activations, linear layers, embeddings) and `fusions/attention/` (encoder, decoder, grouped-query, rotary, packed
+QKV).  `base.py` says what a rule is, `pattern.py` matches rules written as patterns, and `queries.py` and
+`edits.py` hold the small graph helpers rules share.
 
 Example:
     >>> import rlflow

@@ -94,7 +94,7 @@ def bypass(graph: Graph, node: gs.Node, source: gs.Tensor) -> None:
 def gemm_weight(graph: Graph, gemm: gs.Node) -> gs.Tensor:
     """A Gemm's B as a MatMul's operand: B itself where neither transposed nor scaled, else a constant with transB
     and alpha folded in (B constant): a copy of every weight had held a large model's candidates at several times its
-    size (docs/results/large/)."""
+    size."""
     transposed, alpha = gemm.attrs.get("transB", 0), float(gemm.attrs.get("alpha", 1.0))
     weight = Graph.constant(gemm.inputs[1])
     if weight is None or not (transposed or alpha != 1.0):

@@ -244,6 +244,25 @@ def perm_of(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
     return tuple(reversed(range(rank))) if rank is not None else None
 
 
+def squeeze_axes(node: gs.Node, rank: int | None) -> tuple[int, ...] | None:
+    """Normalised constant axes of a Squeeze/Unsqueeze against `rank` (input rank for Squeeze, output for Unsqueeze)."""
+    axes = int_list(constant_input(node, 1)) if len(node.inputs) > 1 else node.attrs.get("axes")
+    if axes is None or rank is None:
+        return None
+    normal = [normalize_axis(a, rank) for a in axes]
+    return None if None in normal else tuple(sorted(normal))
+
+
+def reduce_axes(node: gs.Node, rank: int) -> tuple[int, ...] | None:
+    """Normalised constant axes of a Reduce* node that keeps its dimensions (attribute below opset 18, else input)."""
+    axes = node.attrs.get("axes") if "axes" in node.attrs else (int_list(constant_input(node, 1))
+                                                                if has_input(node, 1) else None)
+    if axes is None or not node.attrs.get("keepdims", 1):
+        return None
+    normal = [normalize_axis(a, rank) for a in axes]
+    return None if None in normal else tuple(sorted(normal))
+
+
 def split_sizes(graph: Graph, node: gs.Node) -> tuple[int, tuple[int, ...]] | None:
     """A Split's (axis, part sizes) from its static input shape, or None when unknown or uneven."""
     shape = graph.shape(node.inputs[0])

@@ -12,31 +12,11 @@ in: the cleanup rules fold (nothing is computed), and a rule that undoes a merge
 """
 from __future__ import annotations
 
-from rlflow.rewrites import (
-    algebra_elementwise,
-    algebra_products,
-    attention_nan_guard,
-    cleanup,
-    fold,
-    fusion_attention,
-    fusion_decoder_attention,
-    fusion_embedding,
-    fusion_gelu,
-    fusion_gqa_absorb,
-    fusion_gqa_causal,
-    fusion_layernorm,
-    fusion_linear,
-    fusion_packed_qkv,
-    fusion_rmsnorm,
-    fusion_rotary,
-    layout,
-    merge,
-    merge_batch,
-    precision,
-    unfuse,
-    unmerge,
-)
+from rlflow.rewrites import precision
 from rlflow.rewrites.base import GROUP_NAMES, Rule, registry_version
+from rlflow.rewrites.fusions import activations, embedding, layernorm, linear, rmsnorm, unfuse
+from rlflow.rewrites.fusions.attention import decoder, encoder, gqa_absorb, gqa_causal, nan_guard, packed_qkv, rotary
+from rlflow.rewrites.substitutions import cleanup, elementwise, fold, layout, merge, merge_batch, products, unmerge
 
 RULES: tuple[Rule, ...] = (
     # module.Rule(group=...)                                        # action id, name
@@ -67,20 +47,20 @@ RULES: tuple[Rule, ...] = (
     layout.TransposeUnarySink(group="layout"),                      # 24 transpose-unary-sink
     layout.TransposeBinarySink(group="layout"),                     # 25 transpose-binary-sink
     layout.Conv1x1NhwcMatmul(group="layout"),                       # 26 conv1x1-nhwc-matmul
-    algebra_products.MatMulAssoc(group="algebra"),                  # 27 matmul-assoc
-    algebra_products.MatMulConstChainFold(group="algebra"),         # 28 matmul-const-chain-fold
-    algebra_products.MatMulFactorLhs(group="algebra"),              # 29 matmul-factor-lhs
-    algebra_products.MatMulFactorRhs(group="algebra"),              # 30 matmul-factor-rhs
-    algebra_products.MulFactor(group="algebra"),                    # 31 mul-factor
-    algebra_products.TransposeMatMul(group="algebra"),              # 32 transpose-matmul
-    algebra_products.MatMulTransposeFactor(group="algebra"),        # 33 matmul-transpose-factor
-    algebra_elementwise.ConcatUnaryCommute(group="algebra"),        # 34 concat-unary-commute
-    algebra_elementwise.ConcatBinaryCommute(group="algebra"),       # 35 concat-binary-commute
-    algebra_elementwise.SplitUnaryHoist(group="algebra"),           # 36 split-unary-hoist
-    algebra_elementwise.SplitBinaryHoist(group="algebra"),          # 37 split-binary-hoist
-    algebra_elementwise.ScalarMulHoist(group="algebra"),            # 38 scalar-mul-hoist
-    algebra_elementwise.ScalarMulThroughLayout(group="algebra"),    # 39 scalar-mul-through-layout
-    algebra_elementwise.MulAddDistribute(group="algebra"),          # 40 mul-add-distribute
+    products.MatMulAssoc(group="algebra"),                          # 27 matmul-assoc
+    products.MatMulConstChainFold(group="algebra"),                 # 28 matmul-const-chain-fold
+    products.MatMulFactorLhs(group="algebra"),                      # 29 matmul-factor-lhs
+    products.MatMulFactorRhs(group="algebra"),                      # 30 matmul-factor-rhs
+    products.MulFactor(group="algebra"),                            # 31 mul-factor
+    products.TransposeMatMul(group="algebra"),                      # 32 transpose-matmul
+    products.MatMulTransposeFactor(group="algebra"),                # 33 matmul-transpose-factor
+    elementwise.ConcatUnaryCommute(group="algebra"),                # 34 concat-unary-commute
+    elementwise.ConcatBinaryCommute(group="algebra"),               # 35 concat-binary-commute
+    elementwise.SplitUnaryHoist(group="algebra"),                   # 36 split-unary-hoist
+    elementwise.SplitBinaryHoist(group="algebra"),                  # 37 split-binary-hoist
+    elementwise.ScalarMulHoist(group="algebra"),                    # 38 scalar-mul-hoist
+    elementwise.ScalarMulThroughLayout(group="algebra"),            # 39 scalar-mul-through-layout
+    elementwise.MulAddDistribute(group="algebra"),                  # 40 mul-add-distribute
     fold.ConvMulFold(group="fold"),                                 # 41 conv-mul-fold
     fold.ConvAddFold(group="fold"),                                 # 42 conv-add-fold
     fold.MatMulBatchNorm(group="fold"),                             # 43 matmul-bn-fold
@@ -99,21 +79,21 @@ RULES: tuple[Rule, ...] = (
     merge.MatMulAddMerge(group="merge"),                            # 56 matmul-add-merge
     merge_batch.MatMulBatchSharedWeight(group="merge"),             # 57 matmul-batch-shared-weight
     merge_batch.ConvBatchSharedWeight(group="merge"),               # 58 conv-batch-shared-weight
-    fusion_linear.MatMulAddToGemm(group="fusion"),                  # 59 matmul-add-to-gemm
-    fusion_linear.GemmToMatMulAdd(group="inverse"),                 # 60 gemm-to-matmul-add
-    fusion_layernorm.LayerNormFusion(group="fusion"),               # 61 layernorm-fusion
-    fusion_layernorm.SkipLayerNormFusion(group="fusion"),           # 62 skip-layernorm-fusion
-    fusion_gelu.GeluFusion(group="fusion"),                         # 63 gelu-fusion
-    fusion_gelu.FastGeluFusion(group="fusion"),                     # 64 fast-gelu-fusion
-    fusion_linear.ConvActivationFusion(group="fusion"),             # 65 conv-activation-fusion
-    fusion_linear.GemmActivationFusion(group="fusion"),             # 66 gemm-activation-fusion
-    fusion_linear.MatMulTransposeFusion(group="fusion"),            # 67 matmul-transpose-fusion
+    linear.MatMulAddToGemm(group="fusion"),                         # 59 matmul-add-to-gemm
+    linear.GemmToMatMulAdd(group="inverse"),                        # 60 gemm-to-matmul-add
+    layernorm.LayerNormFusion(group="fusion"),                      # 61 layernorm-fusion
+    layernorm.SkipLayerNormFusion(group="fusion"),                  # 62 skip-layernorm-fusion
+    activations.GeluFusion(group="fusion"),                         # 63 gelu-fusion
+    activations.FastGeluFusion(group="fusion"),                     # 64 fast-gelu-fusion
+    linear.ConvActivationFusion(group="fusion"),                    # 65 conv-activation-fusion
+    linear.GemmActivationFusion(group="fusion"),                    # 66 gemm-activation-fusion
+    linear.MatMulTransposeFusion(group="fusion"),                   # 67 matmul-transpose-fusion
     layout.TransposeIntoGemm(group="layout"),                       # 68 transpose-into-gemm
     layout.MatMulTransposeToGemm(group="layout"),                   # 69 matmul-transpose-to-gemm
     layout.MatMul3dToGemm(group="layout"),                          # 70 matmul3d-add-to-gemm
-    fusion_gelu.BiasGeluFusion(group="fusion"),                     # 71 bias-gelu-fusion
-    fusion_gelu.BiasFastGeluFusion(group="fusion"),                 # 72 bias-fast-gelu-fusion
-    fusion_attention.AttentionFusion(group="fusion"),               # 73 attention-fusion
+    activations.BiasGeluFusion(group="fusion"),                     # 71 bias-gelu-fusion
+    activations.BiasFastGeluFusion(group="fusion"),                 # 72 bias-fast-gelu-fusion
+    encoder.AttentionFusion(group="fusion"),                        # 73 attention-fusion
     unmerge.MatMulSplitUnmerge(group="inverse"),                    # 74 matmul-split-unmerge
     unmerge.GemmSplitUnmerge(group="inverse"),                      # 75 gemm-split-unmerge
     unmerge.ConvSplitUnmerge(group="inverse"),                      # 76 conv-split-unmerge
@@ -126,28 +106,28 @@ RULES: tuple[Rule, ...] = (
     unfuse.BiasGeluUnfuse(group="inverse"),                         # 83 bias-gelu-unfuse
     unfuse.SkipLayerNormUnfuse(group="inverse"),                    # 84 skip-layernorm-unfuse
     unfuse.AttentionUnfuse(group="inverse"),                        # 85 attention-unfuse
-    fusion_packed_qkv.AttentionPackQkv(group="fusion"),             # 86 attention-pack-qkv
-    fusion_embedding.EmbedLayerNormFusion(group="fusion"),          # 87 embed-layernorm-fusion
-    fusion_rmsnorm.RMSNormFusion(group="fusion"),                   # 88 rmsnorm-fusion
-    fusion_rmsnorm.SkipRMSNormFusion(group="fusion"),               # 89 skip-rmsnorm-fusion
-    fusion_rmsnorm.RMSNormStandardFusion(group="fusion"),           # 90 rmsnorm-standard-fusion
+    packed_qkv.AttentionPackQkv(group="fusion"),                    # 86 attention-pack-qkv
+    embedding.EmbedLayerNormFusion(group="fusion"),                 # 87 embed-layernorm-fusion
+    rmsnorm.RMSNormFusion(group="fusion"),                          # 88 rmsnorm-fusion
+    rmsnorm.SkipRMSNormFusion(group="fusion"),                      # 89 skip-rmsnorm-fusion
+    rmsnorm.RMSNormStandardFusion(group="fusion"),                  # 90 rmsnorm-standard-fusion
     unfuse.RMSNormUnfuse(group="inverse"),                          # 91 rmsnorm-unfuse
     unfuse.SkipRMSNormUnfuse(group="inverse"),                      # 92 skip-rmsnorm-unfuse
-    fusion_rotary.RotaryFusion(group="fusion"),                     # 93 rotary-fusion
-    fusion_rotary.RotaryStandardFusion(group="fusion"),             # 94 rotary-standard-fusion
+    rotary.RotaryFusion(group="fusion"),                            # 93 rotary-fusion
+    rotary.RotaryStandardFusion(group="fusion"),                    # 94 rotary-standard-fusion
     unfuse.RotaryUnfuse(group="inverse"),                           # 95 rotary-unfuse
-    fusion_decoder_attention.DecoderAttentionFusion(group="fusion"),  # 96 decoder-attention-fusion
-    fusion_decoder_attention.GroupQueryAttentionFusion(group="fusion"),  # 97 group-query-attention-fusion
-    fusion_decoder_attention.AttentionStandardFusion(group="fusion"),  # 98 attention-standard-fusion
-    fusion_gqa_absorb.GroupQueryAttentionRotary(group="fusion"),  # 99 group-query-attention-rotary
-    fusion_gqa_absorb.GroupQueryAttentionPackQkv(group="fusion"),  # 100 group-query-attention-pack-qkv
-    fusion_gqa_causal.GroupQueryAttentionCausal(group="fusion"),  # 101 group-query-attention-causal
-    fusion_linear.TiedHeadFusion(group="fusion"),                   # 102 tied-head-fusion
+    decoder.DecoderAttentionFusion(group="fusion"),                 # 96 decoder-attention-fusion
+    decoder.GroupQueryAttentionFusion(group="fusion"),              # 97 group-query-attention-fusion
+    decoder.AttentionStandardFusion(group="fusion"),                # 98 attention-standard-fusion
+    gqa_absorb.GroupQueryAttentionRotary(group="fusion"),           # 99 group-query-attention-rotary
+    gqa_absorb.GroupQueryAttentionPackQkv(group="fusion"),          # 100 group-query-attention-pack-qkv
+    gqa_causal.GroupQueryAttentionCausal(group="fusion"),           # 101 group-query-attention-causal
+    linear.TiedHeadFusion(group="fusion"),                          # 102 tied-head-fusion
     fold.ShapeDimFold(group="fold"),                                # 103 shape-dim-fold
     cleanup.ConcatEmptyElim(group="fold"),                          # 104 concat-empty-elim
-    attention_nan_guard.AttentionNanGuardElim(group="fusion"),      # 105 attention-nan-guard-elim
-    fusion_layernorm.ResidualBiasReorder(group="layout"),           # 106 residual-bias-reorder
-    fusion_gelu.QuickGeluFusion(group="fusion"),                    # 107 quick-gelu-fusion
+    nan_guard.AttentionNanGuardElim(group="fusion"),                # 105 attention-nan-guard-elim
+    layernorm.ResidualBiasReorder(group="layout"),                  # 106 residual-bias-reorder
+    activations.QuickGeluFusion(group="fusion"),                    # 107 quick-gelu-fusion
     unfuse.QuickGeluUnfuse(group="inverse"),                        # 108 quick-gelu-unfuse
 )
 """Every rule, in action-id order.  Append only."""

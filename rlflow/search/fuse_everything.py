@@ -5,11 +5,10 @@ Measured beside the rollouts' graphs, they are what greedy measures first, and o
 training set the graph its policy most often misses.  The cost table knows much that one measurement against the
 input cannot show among four candidates: on the CPU onnxruntime's SkipLayerNormalization was slower than the Adds and
 LayerNormalization it replaces on every encoder measured, so every fusion at once gains more with it undone
-(docs/results/agent-wide/prior/skip-layernorm.md).  But it prices groups timed apart, and on MiniLM-L12's three
+(docs/agents.md).  But it prices groups timed apart, and on MiniLM-L12's three
 held-out exports a filled table ranked every fusion first and the same with the skip-LayerNorms undone second, which
-measured faster; its first two held the fastest on all eighteen held-out exports (docs/results/fuse-variants/).  On
-an empty table it must also estimate the groups that tell the variants apart (docs/results/cold-table/).  So two are
-measured, and the measurement decides.
+measured faster; its first two held the fastest on all eighteen held-out exports.  On an empty table it must also
+estimate the groups that tell the variants apart.  So two are measured, and the measurement decides (docs/agents.md).
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def fuse_everything(start: Candidate, rules: Sequence[Rule], cost_model, deadlin
     VARIANTS_MEASURED the cost model prices lowest (none where no two fusion rules match).
 
     The groups that tell the variants apart are priced first (`CostModel.graph_costs`): on an empty table the pricing
-    time otherwise went to the largest groups, which the variants share (docs/results/cold-table/).
+    time otherwise went to the largest groups, which the variants share.
     """
     variants = fuse_variants(start, rules, deadline)
     if len(variants) < 2:

@@ -12,13 +12,13 @@ first had refused ran greedy out of time.  What a step makes possible is new and
 changes with each fusion step, and rules matching the new nodes are new matches.
 
 A step is taken on one measurement: measuring the fastest again before stepping (against the dozen candidates a batch
-screens at 95% each) lost true steps to noise on the small BERTs (docs/results/agent-deploy/greedy-kinds/).  But a step
+screens at 95% each) lost true steps to noise on the small BERTs.  But a step
 never undoes an earlier step of one rule: a rewrite of the other direction (an inverse rule after a fusion or a merge,
 a fusion or a merge after an inverse) on nodes that step made is not measured.  Both measured faster means one of the
 two was noise, and on the decode steps greedy otherwise went round in circles (rotary fused, then unfused;
 skip-RMSNorm unfused, one re-fused, RMSNorm unfused and fused again), each step "faster", the gate finding nothing.
 The nodes of a step of several rules (every fusion at once) may be undone: every fusion but one kind is a true step
-on the encoders (skip-LayerNormalization, docs/results/agent-wide/prior/skip-layernorm.md)."""
+on the encoders (skip-LayerNormalization, docs/agents.md)."""
 from __future__ import annotations
 
 import time
@@ -74,7 +74,7 @@ class GreedyConfig:
 LARGE_MODEL_CANDIDATES = 2
 """Candidates built per batch at most for a model whose weights are shared between sessions (`shares_weights`): a
 candidate holds its rewritten weights, and building all of GPT-2 large's single rewrites at once took 11 GiB (4 per
-batch: a 9.2 GiB peak for 2.9 GiB of weights; 2: see docs/results/large)."""
+batch: a 9.2 GiB peak for 2.9 GiB of weights; 2: see docs/measurement.md)."""
 
 
 def phases(current: Candidate, rules: Sequence[Rule], seen: set[str], deadline: float,

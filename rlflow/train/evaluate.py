@@ -14,9 +14,8 @@ Training writes `ppo.json` without this section when run with `--no-evaluate`; t
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
+import shlex
 import time
 import typing
 from pathlib import Path
@@ -149,22 +148,20 @@ def evaluate_results(result: dict, policy, config, cost_model, writer=None) -> d
     return result
 
 
-def main(argv: typing.Sequence[str] | None = None) -> dict:
-    """Evaluates a checkpoint into a copy of its training results; writes ppo.json and the learning curve."""
+def evaluate_checkpoint(checkpoint: str | Path, results: str | Path, out: str | Path = "docs/results",
+                        command: str | None = None) -> dict:
+    """`rlflow evaluate`: evaluates a checkpoint into a copy of its training results (`results`, a ppo.json); writes
+    the evaluated ppo.json and the learning curve into `out`.  `command` is recorded as `eval_command` [default: the
+    `rlflow evaluate` line that does the same]."""
     from types import SimpleNamespace
 
     from rlflow.agents.policy import load_checkpoint
     from rlflow.measure.costmodel.model import CostModel
     from rlflow.train.common import seed_everything, write_ppo_results
 
-    parser = argparse.ArgumentParser(prog="rlflow evaluate", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="the policy (ppo.pt)")
-    parser.add_argument("--results", required=True, help="the training run's ppo.json")
-    parser.add_argument("--out", default="docs/results", help="folder of the evaluated ppo.json and its plot")
-    args = parser.parse_args(argv)
     wall = time.monotonic()
-    result = json.loads(Path(args.results).read_text())
-    policy, payload = load_checkpoint(args.checkpoint)
+    result = json.loads(Path(results).read_text())
+    policy, payload = load_checkpoint(checkpoint)
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in result["config"].items()}
     fields.setdefault("scope", "match")  # runs from before the rule scope applied one match per action
     config = SimpleNamespace(**fields)  # the training run's PPO Config, as ppo.json recorded it
@@ -173,7 +170,7 @@ def main(argv: typing.Sequence[str] | None = None) -> dict:
     evaluate_results(result, policy, config, cost_model)
     cost_model.save()
     result["eval_wall_seconds"] = time.monotonic() - wall
-    result["eval_command"] = "rlflow evaluate " + " ".join(sys.argv[1:] if argv is None
-                                                                                 else argv)
-    write_ppo_results(result, Path(args.out))
+    result["eval_command"] = command or shlex.join(["rlflow", "evaluate", "--checkpoint", str(checkpoint),
+                                                    "--results", str(results), "--out", str(out)])
+    write_ppo_results(result, Path(out))
     return result

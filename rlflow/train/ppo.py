@@ -367,11 +367,3 @@ def main(config: Config) -> dict:
     write_ppo_results(result, out)
     writer.close()
     return result
-
-
-# ----------------------------------------------------------------------------------------------------- command line
-def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
-    """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
-    from rlflow.train.options import config_from_args
-
-    return config_from_args(Config, argv, "rlflow train --algo ppo", __doc__.split("\n")[0])

@@ -12,7 +12,6 @@ architecture, rule-registry and observation versions and the training config, no
 """
 from __future__ import annotations
 
-import argparse
 import json
 import typing
 from pathlib import Path
@@ -143,22 +142,12 @@ def is_held_out(model: str, out: Path = AGENTS_DIR, name: str = "default") -> bo
     return architecture(model) not in trained
 
 
-def main(argv: typing.Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="rlflow ship", description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="the training run's ppo.pt or worldmodel.pt")
-    parser.add_argument("--results", required=True, help="the training run's ppo.json or worldmodel.json")
-    parser.add_argument("--out", type=Path, default=AGENTS_DIR, help="folder of the shipped agent")
-    parser.add_argument("--name", default=None, help="file stem (default: 'default' for a world-model agent, the one "
-                                                     "rlflow optimize uses; 'ppo' for a PPO policy)")
-    args = parser.parse_args(argv)
+def ship_checkpoint(checkpoint: str | Path, results: str | Path, out: Path = AGENTS_DIR,
+                    name: str | None = None) -> dict:
+    """`rlflow ship`: a world-model run's checkpoint as `ship_worldmodel` ships it (as `default`, the agent `rlflow
+    optimize` uses, unless `name` says otherwise), a PPO run's as `ship` does (as `ppo`); returns the metadata."""
     from rlflow.agents.checkpoint import checkpoint_algo
 
-    if checkpoint_algo(args.checkpoint) == "worldmodel":
-        meta = ship_worldmodel(args.checkpoint, args.results, args.out, args.name or "default")
-    else:
-        meta = ship(args.checkpoint, args.results, args.out, args.name or "ppo")
-    held = meta["held_out"]  # every zoo model not trained on: over a hundred names, listed in the JSON beside it
-    print(f"shipped {args.out / meta['checkpoint']} ({meta['bytes'] / 1e6:.2f} MB, registry "
-          f"{meta['registry_version']}, trained on {len(meta['trained_on'])} models, {len(held)} zoo models held out: "
-          f"{args.out / Path(meta['checkpoint']).with_suffix('.json').name})")
-    return meta
+    if checkpoint_algo(checkpoint) == "worldmodel":
+        return ship_worldmodel(checkpoint, results, out, name or "default")
+    return ship(checkpoint, results, out, name or "ppo")

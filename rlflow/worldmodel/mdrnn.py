@@ -34,7 +34,7 @@ training episodes against 0.55 on held-out ones).  With `reward_knee` the heads 
 (`symlog`, as DreamerV3 does) and their outputs are turned back into rewards before the mean and spread are taken:
 rewards are heavy-tailed (an attention fusion saves 20% of the runtime, most rewrites under 1%), and a squared error
 on the rewards themselves spends M on the few large ones, leaving the order of the many small ones to chance (with
-the knee, M ranks held-out rewards better at little cost in Pearson: docs/results/agent-deploy/).
+the knee, M ranks held-out rewards better at little cost in Pearson).
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -73,11 +72,11 @@ def gpt2_large(folder: str | os.PathLike) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlflow zoo build-large", description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=["dense", "gpt2-large"])
-    parser.add_argument("--out", type=Path, required=True, help="folder to write the model and its data into")
-    args = parser.parse_args(argv)
-    path = dense_chain(args.out) if args.case == "dense" else gpt2_large(args.out)
-    print(path)
-    return 0
+CASES = ("dense", "gpt2-large")
+
+
+def build_large(case: str, folder: str | os.PathLike) -> Path:
+    """`rlflow zoo build-large CASE --out FOLDER`: builds one of `CASES` into `folder`; returns the model's path."""
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}: choose from {', '.join(CASES)}")
+    return dense_chain(folder) if case == "dense" else gpt2_large(folder)

@@ -61,10 +61,12 @@ def test_a_world_model_run_plays_its_real_episodes_on_the_cluster(two_nodes, tin
 
 
 def test_the_ray_option_alone_means_a_cluster_started_here():
-    from rlflow.train.worldmodel.loop import parse_args
+    from rlflow.cli.train import parse_config
+    from rlflow.train.worldmodel.config import Config
 
-    assert parse_args(["--ray"]).ray == "local"
-    assert parse_args(["--ray", "auto"]).ray == "auto" and parse_args([]).ray is None
+    assert parse_config(Config, ["--ray"]).ray == "local"
+    assert parse_config(Config, ["--ray", "--seed", "1"]).ray == "local"  # an option after it leaves its value out
+    assert parse_config(Config, ["--ray", "auto"]).ray == "auto" and parse_config(Config, []).ray is None
 
 
 def test_masked_ppo_plays_each_update_as_one_segment_per_node(two_nodes, tiny_model, tmp_path):

@@ -56,22 +56,24 @@ def test_evaluation_against_random_walk(tmp_path, zoo_paths, monkeypatch):
 
 
 def test_evaluate_command_adds_the_evaluation_to_a_training_run(tmp_path, zoo_paths, monkeypatch):
-    from rlflow.train import evaluate
+    from rlflow.cli import main
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     config = tiny_config(tmp_path, [zoo_paths["resnet-18-tiny"]], eval_walks=2, eval_rounds=3, eval_time_limit=5.0)
     ppo.main(config)
     assert "eval" not in json.loads((tmp_path / "out" / "ppo.json").read_text())
-    result = evaluate.main(["--checkpoint", str(tmp_path / "run" / "ppo.pt"), "--results",
-                            str(tmp_path / "out" / "ppo.json"), "--out", str(tmp_path / "evaluated")])
+    assert main(["evaluate", "--checkpoint", str(tmp_path / "run" / "ppo.pt"), "--results",
+                 str(tmp_path / "out" / "ppo.json"), "--out", str(tmp_path / "evaluated")]) == 0
     written = json.loads((tmp_path / "evaluated" / "ppo.json").read_text())
-    assert [r["model"] for r in written["eval"]] == ["resnet-18-tiny"] == [r["model"] for r in result["eval"]]
+    assert [r["model"] for r in written["eval"]] == ["resnet-18-tiny"]
     assert written["train"]["real_steps"] == 16 and "--checkpoint" in written["eval_command"]
     assert (tmp_path / "evaluated" / "ppo-learning-curve.png").stat().st_size > 0
 
 
 def test_parse_args():
-    config = ppo.parse_args(["--models", "a-tiny,b.onnx", "--total-steps", "64", "--no-evaluate",
-                             "--target-kl", "0.02", "--out", "x"])
+    from rlflow.cli.train import parse_config
+
+    config = parse_config(ppo.Config, ["--models", "a-tiny,b.onnx", "--total-steps", "64", "--no-evaluate",
+                                       "--target-kl", "0.02", "--out", "x"])
     assert config.models == ("a-tiny", "b.onnx") and config.total_steps == 64 and not config.evaluate
     assert config.target_kl == 0.02 and config.out == "x" and config.holdout == ppo.Config().holdout
 

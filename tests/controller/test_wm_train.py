@@ -125,7 +125,7 @@ def test_dream_returns_are_uncapped_unless_asked(run):
 
 def test_quality_recomputed_from_the_checkpoint_is_the_reported_one(run):
     """The checkpoint holds what the last quality figures were computed from (less the last greedy evaluation's
-    episodes): docs/results/agent-deploy/requality.py rests on it.  The moved-only Spearman counts its transitions."""
+    episodes): benchmarks/agent-deploy/requality.py rests on it.  The moved-only Spearman counts its transitions."""
     from pathlib import Path
 
     from rlflow.train.worldmodel.rerun_quality import checkpoint_quality
@@ -445,13 +445,13 @@ def test_a_run_whose_world_model_reads_the_random_matches(run, tmp_path):
 def test_an_unknown_match_input_on_the_command_line_is_a_usage_error(capsys):
     """The command line offers match_input's values as choices: a wrong one exits 2 with one error line, before any
     work; a right one reaches the Config."""
-    from rlflow.train.worldmodel.loop import parse_args
+    from rlflow.cli import main
+    from rlflow.cli.train import parse_config
+    from rlflow.train.worldmodel.config import Config
 
-    assert parse_args(["--match-input", "score"]).match_input == "score"
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--match-input", "everything"])
-    assert exit_info.value.code == 2
-    assert "invalid choice: 'everything'" in capsys.readouterr().err
+    assert parse_config(Config, ["--match-input", "score"]).match_input == "score"
+    assert main(["train", "--algo", "worldmodel", "--match-input", "everything"]) == 2
+    assert "'everything' is not one of" in capsys.readouterr().err
 
 
 def test_a_negative_reward_symlog_is_refused_before_anything_is_written(tmp_path):

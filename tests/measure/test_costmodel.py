@@ -161,13 +161,13 @@ def test_rankdata_and_spearman_with_ties():
 
 
 def test_check_command_writes_json_and_markdown(tmp_path):
-    from rlflow.measure.costmodel import check as costmodel_check
+    from rlflow.cli import main
     path = tmp_path / "cnn.onnx"
     graph = _conv_bn_relu()
     graph.save(path)
     out = tmp_path / "results" / "costmodel.json"
-    code = costmodel_check.main([str(path), "--out", str(out), "--sequences", "2", "--length", "2", "--rounds", "3",
-                                 "--cache-dir", str(tmp_path / "cache")])
+    code = main(["costmodel", "check", str(path), "--out", str(out), "--sequences", "2", "--length", "2", "--rounds",
+                 "3", "--cache-dir", str(tmp_path / "cache")])
     assert code == 0
     report = json.loads(out.read_text())
     result = report["models"]["cnn"]

@@ -9,8 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from rlflow.cli import main
 from rlflow.graph.core import Graph
-from rlflow.measure.costmodel.audit import GroupAudit, audit_graphs, main, refresh, summary
+from rlflow.measure.costmodel.audit import GroupAudit, audit_graphs, refresh, summary
 from rlflow.measure.costmodel.model import CostModel
 
 
@@ -76,7 +77,7 @@ def test_the_summary_gives_how_far_cached_and_new_costs_are_apart():
 
 
 def test_a_missing_model_is_one_line_and_exit_2(tmp_path, capsys):
-    code = main([str(tmp_path / "missing.onnx"), "--cache-dir", str(tmp_path)])
+    code = main(["costmodel", "audit", str(tmp_path / "missing.onnx"), "--cache-dir", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ")
 
@@ -85,8 +86,10 @@ def test_the_command_writes_its_report(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(_graph().to_model(), str(path))
     out = tmp_path / "audit.json"
-    assert main([str(path), "--sequences", "2", "--length", "2", "--repeats", "1", "--cache-dir", str(tmp_path),
-                 "--out", str(out)]) == 0
+    assert main(["costmodel", "audit", str(path), "--sequences", "2", "--length", "2", "--repeats", "1",
+                 "--cache-dir", str(tmp_path), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["command"] == (f"rlflow costmodel audit {path} --sequences 2 --length 2 --repeats 1 --cache-dir "
+                                 f"{tmp_path} --out {out}")
     assert report["models"]["m"]["graphs"] >= 1 and report["models"]["m"]["disagreeing"] >= 0
     assert "| m |" in out.with_suffix(".md").read_text()

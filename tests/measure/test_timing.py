@@ -55,7 +55,7 @@ def test_check_and_time_refuses_a_model_that_builds_but_cannot_run():
 
 def test_self_comparison_runs_every_round_and_names_the_baseline_one(mlp):
     """A real comparison of a model with itself: every round is timed and the baseline's ratio is exactly 1.  Whether
-    its interval holds 1 as often as it should is measured, not asserted: `docs/results/bench-control/placebo.py`
+    its interval holds 1 as often as it should is measured, not asserted: `benchmarks/bench-control/placebo.py`
     (a shared machine's noise made a two-attempt test of it fail)."""
     comparison = compare([mlp, mlp], rounds=30, seed=0)
     ratio = comparison.ratios[1]

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 from rlflow import load, zoo
 from rlflow.graph.core import Graph
 from rlflow.rewrites import rule
-from rlflow.rewrites.fusion_attention import _where_mask
+from rlflow.rewrites.fusions.attention.encoder import _where_mask
 from tests.conftest import tiny_model
 
 from .helpers import assert_rewrites

@@ -1,4 +1,4 @@
-"""Decoder attention fusions (`rlflow/rewrites/fusion_decoder_attention.py`): synthetic attentions for each rule's
+"""Decoder attention fusions (`rlflow/rewrites/fusions/attention/decoder.py`): synthetic attentions for each rule's
 match, refusals and numerics, then the exporters' real forms (transformers' Llama and Qwen3, float32 and float16,
 TorchScript and dynamo; prefills and decode steps with a KV cache, rotary decomposed or fused), verified through
 onnxruntime at several batches, sequences and past lengths with random 0/1 attention masks, and again with a row whose

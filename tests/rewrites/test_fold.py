@@ -171,7 +171,7 @@ def test_constant_fold_gather_elements_of_a_dynamo_bert_export():
 def test_constant_fold_runs_on_onnxruntime(monkeypatch):
     """The root cause of #50: the one-node model declared its outputs of type UNDEFINED, which onnxruntime refuses, so
     every fold fell back to onnx's reference evaluator (whose GatherElements fails past 32-64 entries on the axis)."""
-    from rlflow.rewrites import constant_eval
+    from rlflow.rewrites.substitutions import constant_eval
 
     def no_reference(model):
         raise AssertionError("fell back to the reference evaluator")
@@ -190,7 +190,7 @@ def test_constant_fold_runs_on_onnxruntime(monkeypatch):
 def test_reference_fallback_agrees_with_onnxruntime(op, inputs, attrs):
     """Where onnxruntime refuses a node the reference evaluator computes it, with onnx 1.23's wrong GatherElements
     (past np.choose's limit; indices smaller than the data) and LpNormalization (p=1) replaced."""
-    from rlflow.rewrites import constant_eval
+    from rlflow.rewrites.substitutions import constant_eval
 
     inputs = [x.astype(np.int64) if x.dtype.kind == "i" else x for x in inputs]
     names = [f"c{k}" for k in range(len(inputs))]

@@ -1,4 +1,4 @@
-"""GroupQueryAttention absorptions (`rlflow/rewrites/fusion_gqa_absorb.py`): the rotary embedding taken in
+"""GroupQueryAttention absorptions (`rlflow/rewrites/fusions/attention/gqa_absorb.py`): the rotary embedding taken in
 (`group-query-attention-rotary`) and the Q, K, V projections packed (`group-query-attention-pack-qkv`) on synthetic
 forms of what group-query-attention-fusion and rotary-fusion leave, with refusals; then the exporters' real decode
 steps and prefills after every fusion, verified through onnxruntime with random 0/1 masks and position ids that are

@@ -1,7 +1,7 @@
-"""group-query-attention-causal (`rlflow/rewrites/fusion_gqa_causal.py`): a GroupQueryAttention's bias dropped where
-it is provably the causal mask, on synthetic prefills (a causal mask from shapes, a mask that is not causal, a mask
-read from an input); then the zoo's tiny Llama decode step with `--fix-value attention_mask=1`, verified at batch 1
-and 2, past lengths 3, 16 and 40."""
+"""group-query-attention-causal (`rlflow/rewrites/fusions/attention/gqa_causal.py`): a GroupQueryAttention's bias
+dropped where it is provably the causal mask, on synthetic prefills (a causal mask from shapes, a mask that is not
+causal, a mask read from an input); then the zoo's tiny Llama decode step with `--fix-value attention_mask=1`,
+verified at batch 1 and 2, past lengths 3, 16 and 40."""
 from __future__ import annotations
 
 import numpy as np

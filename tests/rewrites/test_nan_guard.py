@@ -1,4 +1,4 @@
-"""attention-nan-guard-elim (`rlflow/rewrites/attention_nan_guard.py`): the exporters' NaN guard after a fused
+"""attention-nan-guard-elim (`rlflow/rewrites/fusions/attention/nan_guard.py`): the exporters' NaN guard after a fused
 attention, dropped where every mask is finite and kept where a row can be all -inf (TorchScript's fill, boolean or
 float16 masks, a mask read from an input); then on real exports, verified at several shapes."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rlflow.graph.core import load
 from rlflow.measure.verify import verify
 from rlflow.optimize.pipeline import load_input
 from rlflow.rewrites import apply, rule
-from rlflow.rewrites.attention_nan_guard import finite_from_constants
+from rlflow.rewrites.fusions.attention.nan_guard import finite_from_constants
 from rlflow.search.candidates import Candidate, all_fusions
 
 from .helpers import assert_refuses, assert_rewrites, graph, node

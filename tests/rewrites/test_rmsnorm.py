@@ -1,4 +1,4 @@
-"""RMSNorm fusions (`rlflow/rewrites/fusion_rmsnorm.py`): the forms both torch exporters write for transformers'
+"""RMSNorm fusions (`rlflow/rewrites/fusions/rmsnorm.py`): the forms both torch exporters write for transformers'
 Llama and Qwen3 (float32 and float16, Qwen3's per-head query and key norms), cut from tiny exports and fused and
 verified one by one, whole exports fused everywhere, and synthetic cases for each rule's match and refusals.
 

@@ -1,8 +1,8 @@
-"""Rotary embedding fusions (`rlflow/rewrites/fusion_rotary.py`, `rotary-unfuse` in `unfuse.py`): synthetic forms of
-transformers' `apply_rotary_pos_emb` as each exporter writes it, with each rule's match and refusals; whole tiny
-decoders (Llama and Qwen3, float32 and float16, both exporters) fused everywhere and verified; a zoo decode step at
-positions up to the end of the table and one past it (onnxruntime refuses it); GPT-NeoX's and Phi-3's partial
-rotations; and the round trip through the inverse.
+"""Rotary embedding fusions (`rlflow/rewrites/fusions/attention/rotary.py`, `rotary-unfuse` in
+`fusions/unfuse.py`): synthetic forms of transformers' `apply_rotary_pos_emb` as each exporter writes it, with each
+rule's match and refusals; whole tiny decoders (Llama and Qwen3, float32 and float16, both exporters) fused everywhere
+and verified; a zoo decode step at positions up to the end of the table and one past it (onnxruntime refuses it);
+GPT-NeoX's and Phi-3's partial rotations; and the round trip through the inverse.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from onnx import TensorProto
 from rlflow.graph.core import Graph, load
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.verify import verify
-from rlflow.rewrites import apply_everywhere, fusion_rotary, rule
+from rlflow.rewrites import apply_everywhere, rule
+from rlflow.rewrites.fusions.attention import rotary
 
 from .conftest import DECODERS, DYNAMO_DECODERS
 from .helpers import fused, graph, ints, node, weights
@@ -30,7 +31,7 @@ TABLE = 64
 @pytest.fixture(autouse=True)
 def small_tables(request, monkeypatch):
     if "decode_step" not in request.fixturenames:  # the zoo's decode step is fused with the full table
-        monkeypatch.setattr(fusion_rotary, "CACHE_POSITIONS", TABLE)
+        monkeypatch.setattr(rotary, "CACHE_POSITIONS", TABLE)
 
 
 # ------------------------------------------------------------------------------------------ synthetic patterns
@@ -353,7 +354,7 @@ def test_positions_to_the_end_of_the_table_and_past_it(decode_step):
     reference, candidate = (ort.InferenceSession(m.to_model(static=False).SerializeToString(),
                                                  providers=["CPUExecutionProvider"]) for m in (g, out))
     feeds = random_inputs(g.to_model(static=False), 0, _step_sizes(2, 16))
-    last = fusion_rotary.CACHE_POSITIONS - 1
+    last = rotary.CACHE_POSITIONS - 1
     assert out.gs.nodes and Graph.constant(next(n for n in out.gs.nodes if n.op == "RotaryEmbedding").inputs[2]).shape[0] == last + 1
     for positions in ([[last], [last - 17]], [[30000], [4097]], [[0], [1]]):
         feeds["position_ids"] = np.array(positions, np.int64)

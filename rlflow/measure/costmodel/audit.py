@@ -4,12 +4,11 @@ that the new measurements do not confirm; with `--refresh`, puts the new measure
 The table measures each group once, when it first meets it, and keeps that cost for good.  The measurement takes the
 fastest of several batches (`rlflow.measure.costmodel.group_timing.time_beyond`), yet on the -tiny models a group costs a few
 to a few tens of microseconds, and one measurement of it scatters by about as much. On nasrnn-tiny,
-Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh is cached at 0.0331 ms and measures 0.0026, 0.0133 and 0.0109 ms in
-docs/results/costmodel-audit-v3.md. That one entry makes matmul-add-to-gemm pay -36.6% and a later rewrite +37.6%
+Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh is cached at 0.0331 ms and measures 0.0026, 0.0133 and 0.0109 ms when
+measured again. That one entry makes matmul-add-to-gemm pay -36.6% and a later rewrite +37.6%
 on graphs whose end-to-end latencies differ by about 1%: a phantom reward, and the kind that decides the world
 model's held-out reward Pearson.  That was table version 3; version 4 (`rlflow.measure.costmodel.model.CACHE_VERSION`)
-times small groups as many copies at once and scales out the machine's slowdown, and this audit is how it was checked
-(docs/results/costmodel-audit.md).
+times small groups as many copies at once and scales out the machine's slowdown, and this audit is how it was checked.
 
 The graphs audited are the model itself and the graphs of random rewrite sequences from it, drawn as
 `rlflow.measure.costmodel.check` draws them (the same graphs, for the same options).  Without `--refresh` the audit
@@ -20,7 +19,6 @@ otherwise idle machine, or the new measurements carry the same noise they are me
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -106,7 +104,7 @@ def refresh(cost_model: CostModel, audits: list[GroupAudit]) -> int:
 
     The table's entries are meant to be measured on an idle machine; those that training processes wrote while
     another seed trained beside them read 1-4x what the same groups measure alone, unevenly enough to reorder graphs
-    (DeiT-tiny's estimates against measurement lost all rank correlation: docs/results/agent-deploy/).
+    (DeiT-tiny's estimates against measurement lost all rank correlation; docs/agents.md).
     Run it on an idle machine, and only between training runs: the rewards of a run rest on the table it read.
     """
     written = 0
@@ -158,57 +156,55 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def audit_models(models, sequences: int = 20, length: int = 10, everywhere: bool = False, repeats: int = 3,
+                 refresh_table: bool = False, seed: int = 0, factor: float = FACTOR, floor_ms: float = FLOOR_MS,
+                 cache_dir: str | Path | None = None, out: str | Path | None = None,
+                 command: str | None = None) -> dict:
+    """`rlflow costmodel audit`: audits the table entries of each of `models` (ONNX files or zoo names) over the
+    graphs `drawn_graphs` draws, prints what disagrees, with `refresh_table` writes the new medians into the table,
+    and writes the report to `out` (JSON, a markdown page beside it) when given; returns the report.  `command` is
+    recorded in it [default: the `rlflow costmodel audit` line that does the same].
+
+    Raises:
+        RlflowError: a model that cannot be read or a table that cannot be used (nothing is written then).
+    """
     from tqdm.auto import tqdm
 
     from rlflow.graph.core import load
     from rlflow.measure.costmodel.check import drawn_graphs, resolve_model, write_atomic
 
-    parser = argparse.ArgumentParser(prog="rlflow costmodel audit",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="ONNX files or zoo names")
-    parser.add_argument("--sequences", type=int, default=20, help="random rewrite sequences per model")
-    parser.add_argument("--length", type=int, default=10, help="longest sequence")
-    parser.add_argument("--everywhere", action="store_true",
-                        help="each step applies a random rule wherever it matches (as `rlflow costmodel check --everywhere`)")
-    parser.add_argument("--repeats", type=int, default=3, help="new measurements per table entry")
-    parser.add_argument("--refresh", action="store_true",
-                        help="write each audited entry's new median into the table (on an idle machine only)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--factor", type=float, default=FACTOR, help="disagreement factor")
-    parser.add_argument("--floor-ms", type=float, default=FLOOR_MS, help="smallest difference that counts (ms)")
-    parser.add_argument("--cache-dir", default=None, help="cost table folder (default $RLFLOW_CACHE/costmodel)")
-    parser.add_argument("--out", default=None, help="JSON report (and a markdown page beside it)")
-    args = parser.parse_args(argv)
+    if command is None:
+        import shlex
+
+        command = shlex.join(["rlflow", "costmodel", "audit", *map(str, models), "--sequences", str(sequences),
+                              "--length", str(length), "--repeats", str(repeats), "--seed", str(seed)]
+                             + ["--everywhere"] * everywhere + ["--refresh"] * refresh_table)
     try:
-        cost_model = CostModel(cache_dir=args.cache_dir)
-        report = {"cost_table": str(cost_model.path), "settings": cost_model.settings.as_dict(),
-                  "command": "rlflow costmodel audit " + " ".join(argv or sys.argv[1:]),
+        cost_model = CostModel(cache_dir=cache_dir)
+        report = {"cost_table": str(cost_model.path), "settings": cost_model.settings.as_dict(), "command": command,
                   "models": {}}
-        for spec in args.models:
+        for spec in models:
             name, path = resolve_model(spec)
             start = time.monotonic()
-            graphs = [g for _, g in drawn_graphs(name, load(path), args.sequences, args.length, args.seed,
-                                                 args.everywhere)]
+            graphs = [g for _, g in drawn_graphs(name, load(path), sequences, length, seed, everywhere)]
             with tqdm(total=len(graphs), desc=f"audit {name}", leave=False, file=sys.stderr) as bar:
-                audits = audit_graphs(cost_model, graphs, repeats=args.repeats, progress=bar)
-            result = {**summary(audits, args.factor, args.floor_ms), "graphs": len(graphs),
+                audits = audit_graphs(cost_model, graphs, repeats=repeats, progress=bar)
+            result = {**summary(audits, factor, floor_ms), "graphs": len(graphs),
                       "seconds": time.monotonic() - start}
             report["models"][name] = result
             print(f"{name}: {result['disagreeing']} of {result['cached']} cached entries disagree with "
-                  f"{args.repeats} new measurements (over {len(graphs)} graphs, {result['seconds']:.0f} s); "
+                  f"{repeats} new measurements (over {len(graphs)} graphs, {result['seconds']:.0f} s); "
                   f"cached/new ratio median {result['ratio_median'] or 0:.2f}, 90th percentile "
                   f"{result['ratio_p90'] or 0:.2f}; cached over new {result['cached_over_new_geomean'] or 0:.2f}x "
                   f"(geometric mean), {result['cached_above_new'] or 0:.0%} of the entries higher", flush=True)
             for row in result["disagreeing_entries"][:10]:
                 print(f"  cached {row['cached_ms']:.4f} ms, now {row['fresh_median_ms']:.4f} ms  {row['ops'][:80]}")
-            if args.refresh:
+            if refresh_table:
                 result["refreshed"] = refresh(cost_model, audits)
                 print(f"  refreshed {result['refreshed']} entries in {cost_model.path}", flush=True)
-    except (OSError, RlflowError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.out:
-        write_atomic(Path(args.out), json.dumps(report, indent=1) + "\n")
-        write_atomic(Path(args.out).with_suffix(".md"), markdown(report))
-    return 0
+    except (OSError, ValueError) as exc:  # a file that cannot be read, a model onnx refuses: one line, as an input's
+        raise RlflowError(str(exc)) from exc
+    if out:
+        write_atomic(Path(out), json.dumps(report, indent=1) + "\n")
+        write_atomic(Path(out).with_suffix(".md"), markdown(report))
+    return report

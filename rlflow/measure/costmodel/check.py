@@ -11,7 +11,6 @@ Results are merged by model into the JSON file (written atomically) and summaris
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -283,37 +282,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlflow costmodel check", description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="+", help="ONNX files or zoo names")
-    parser.add_argument("--out", default="docs/results/costmodel.json", help="JSON report (merged by model)")
-    parser.add_argument("--sequences", type=int, default=12, help="random rewrite sequences per model")
-    parser.add_argument("--length", type=int, default=6, help="longest sequence")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per comparison")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="independent measurement repeats; with 2 or more the report gives their rank agreement "
-                             "(retest Spearman), the ceiling any estimate can reach")
-    parser.add_argument("--everywhere", action="store_true",
-                        help="each step applies a random rule wherever it matches (graphs a measurement separates)")
-    parser.add_argument("--rules", default=None,
-                        help="draw the rewrites from a rule group (such as fusion) or comma-separated rule names only")
-    parser.add_argument("--provider", default="cpu", help="auto, cpu or cuda")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--cache-dir", default=None, help="cost table folder (default $RLFLOW_CACHE/costmodel)")
-    args = parser.parse_args(argv)
-    from rlflow.errors import RlflowError
-
-    try:
-        rules = rule_subset(args.rules)
-    except RlflowError as exc:
-        parser.exit(2, f"error: {exc}\n")
-
+def check_models(models, out: str | os.PathLike = "docs/results/costmodel.json", sequences: int = 12, length: int = 6,
+                 seed: int = 0, rounds: int = 20, repeats: int = 2, everywhere: bool = False, rules: str | None = None,
+                 provider: str = "cpu", threads: int = 1, cache_dir: str | os.PathLike | None = None) -> dict:
+    """`rlflow costmodel check`: `check_model` on each of `models` (ONNX files or zoo names) with the rewrites drawn
+    from `rules` (a rule group or comma-separated rule names; None: all), merged by model into the JSON report `out`
+    (kept where its settings and machine are these) and its markdown page beside it, after every model; returns the
+    report."""
     import onnxruntime as ort
 
-    settings = SessionSettings(provider=resolve_provider(args.provider), threads=args.threads)
-    cost_model = CostModel(settings, cache_dir=args.cache_dir)
-    out = Path(args.out)
+    subset = rule_subset(rules)  # an unknown group or rule is an RlflowError before any work
+    settings = SessionSettings(provider=resolve_provider(provider), threads=threads)
+    cost_model = CostModel(settings, cache_dir=cache_dir)
+    out = Path(out)
     try:
         report = json.loads(out.read_text())
         if report.get("settings") != settings.as_dict() or report.get("machine") != cost_model.key["machine"]:
@@ -323,12 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     report = report or {"models": {}}
     report.update(settings=settings.as_dict(), machine=cost_model.key["machine"], onnxruntime=ort.__version__,
                   cost_table=str(cost_model.path))
-    for spec in args.models:
-        result = check_model(spec, cost_model, settings, sequences=args.sequences, length=args.length,
-                             seed=args.seed, rounds=args.rounds, repeats=args.repeats, everywhere=args.everywhere,
-                             rules=rules)
-        result.update(sequences=args.sequences, length=args.length, seed=args.seed, rounds=args.rounds,
-                      repeats=args.repeats, everywhere=args.everywhere, rules=args.rules or "all")
+    for spec in models:
+        result = check_model(spec, cost_model, settings, sequences=sequences, length=length, seed=seed,
+                             rounds=rounds, repeats=repeats, everywhere=everywhere, rules=subset)
+        result.update(sequences=sequences, length=length, seed=seed, rounds=rounds, repeats=repeats,
+                      everywhere=everywhere, rules=rules or "all")
         report["models"][result["model"]] = result
         rho = "n/a" if result["spearman"] is None else f"{result['spearman']:.3f}"
         print(f"{result['model']}: spearman {rho} over {result['graphs']} graphs "
@@ -336,4 +316,4 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(out, json.dumps(report, indent=1, sort_keys=True) + "\n")
         write_atomic(out.with_suffix(".md"), markdown(report))
     cost_model.save()
-    return 0
+    return report

@@ -18,7 +18,6 @@ figures, and the estimate says it is uncalibrated.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import zlib
 from pathlib import Path
@@ -166,29 +165,30 @@ def report_markdown(result: dict) -> str:
         f"{result['in_sample']['within_2x']:.2f}, Spearman {result['in_sample']['spearman']:.3f}.", ""])
 
 
-def main(argv: list[str] | None = None) -> int:
-    from rlflow import zoo
+def fit_to_table(table: str | Path, out: str | Path, models=None, sequences: int = 8, length: int = 4, seed: int = 0,
+                 report: str | Path | None = None) -> dict:
+    """`rlflow costmodel fit`: fits the estimate to the cost table at `table` (measured on the device) over the table
+    entries of `models` (zoo names or .onnx files; None: every full-size zoo model) and `sequences` random rewrite
+    sequences of each, and reports its error on the architectures of `HELD_OUT` kept out of one fit; writes the
+    result to `out` (JSON) and the markdown report to `report`, prints the report and returns the result."""
+    if models is None:
+        from rlflow import zoo
 
-    parser = argparse.ArgumentParser(prog="rlflow costmodel fit", description=__doc__.splitlines()[0])
-    parser.add_argument("--table", required=True, help="a cost table measured on the device")
-    parser.add_argument("--models", nargs="+", default=zoo.names(include_tiny=False), help="zoo names or .onnx files")
-    parser.add_argument("--sequences", type=int, default=8, help="random rewrite sequences per model")
-    parser.add_argument("--length", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help="JSON: the estimate fitted on every entry, and the report")
-    parser.add_argument("--report", help="markdown report")
-    args = parser.parse_args(argv)
-    table = json.loads(Path(args.table).read_text())
-    per_model = table_entries(table, args.models, args.sequences, args.length, args.seed)
+        models = zoo.names(include_tiny=False)
+    models = list(models)
+    table_path = table
+    table = json.loads(Path(table_path).read_text())
+    per_model = table_entries(table, models, sequences, length, seed)
     unique: dict[str, tuple] = {}
     for rows in per_model.values():
         for key, feats, cost in rows:
             unique.setdefault(key, (feats, cost))
     if len(unique) < len(FEATURES):
-        raise SystemExit(f"only {len(unique)} table entries found: too few to fit")
+        raise RlflowError(f"only {len(unique)} table entries found: too few to fit")
     x_all = np.array([f for f, _ in unique.values()])
     y_all = np.array([c for _, c in unique.values()])
-    source = f"{args.table} ({len(unique)} entries; {table['key']['machine']}, onnxruntime {table['key']['onnxruntime']})"
+    source = (f"{table_path} ({len(unique)} entries; {table['key']['machine']}, "
+              f"onnxruntime {table['key']['onnxruntime']})")
     estimate = fit(x_all, y_all, source)
     held = [m for m in HELD_OUT if m in per_model]
     train_keys = {k for m, rows in per_model.items() if m not in held for k, _, _ in rows}
@@ -198,16 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     held_rows = {m: rows for m, rows in held_rows.items() if rows}
     every = [r for rows in held_rows.values() for r in rows]
     result = {
-        "table": args.table, "models": list(per_model), "sequences": args.sequences, "length": args.length,
-        "seed": args.seed, "entries": len(unique), "estimate": estimate.as_dict(),
+        "table": str(table_path), "models": list(per_model), "sequences": sequences, "length": length,
+        "seed": seed, "entries": len(unique), "estimate": estimate.as_dict(),
         "in_sample": error(estimate, x_all, y_all),
         "held_out": {"models": held, "fitted_on_entries": len(train), "estimate": partial.as_dict(),
                      "all": error(partial, np.array([f for f, _ in every]), np.array([c for _, c in every])),
                      "per_model": {m: error(partial, np.array([f for f, _ in rows]), np.array([c for _, c in rows]))
                                    for m, rows in held_rows.items()}},
     }
-    write_text_atomic(args.out, json.dumps(result, indent=1) + "\n")
-    if args.report:
-        write_text_atomic(args.report, report_markdown(result))
+    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
+    if report:
+        write_text_atomic(report, report_markdown(result))
     print(report_markdown(result))
-    return 0
+    return result

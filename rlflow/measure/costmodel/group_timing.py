@@ -131,10 +131,10 @@ class Gauge:
     an entry that changed later would change the cost of graphs an environment has already cached, a phantom reward
     of its own.  The baseline is not kept in the table, yet processes differ in it (47.0 to 55.5 us seen), and the
     entries that training processes wrote read 1.2-1.8x what a process alone on the machine measures for them now,
-    though its own three measurements agree within 5% (docs/results/costmodel-audit.md).  On DeiT-tiny, entries
+    though its own three measurements agree within 5%.  On DeiT-tiny, entries
     written while another seed trained on the other core read 1-4x what they measure alone, unevenly enough to
-    reorder graphs (docs/results/agent-deploy/).  So tables are filled one process at a time
-    (run.sh), and a table filled otherwise is measured again with `rlflow costmodel audit
+    reorder graphs (docs/agents.md).  So tables are filled one process at a time
+    (benchmarks/agent-deploy/run.sh), and a table filled otherwise is measured again with `rlflow costmodel audit
     --refresh`; a reference with compute in it, its baseline kept in the table, remains the thing to try for a gauge
     that sees such a neighbour."""
 

@@ -27,8 +27,8 @@ the model's estimate where end-to-end measurement puts the two graphs within a f
 4: a group faster than `REPLICA_TARGET_S` is timed as up to `MAX_REPLICAS` copies in one model, and each entry is the
 median over three session pairs (version 3 timed one copy, whose few microseconds were the size of the noise of the
 per-call overhead subtracted from them: on nasrnn-tiny a Gemm+Tanh+Add+Sigmoid+Add+Tanh+Mul+Tanh group was cached
-at 33.1 us against 2.6-13.3 us measured again, a phantom reward of -36.6% for one rewrite and +37.6% for the next
-(docs/results/costmodel-audit-v3.md).  Four one-copy measurements of a group spread by 2.7-3.3 us (median over 30
+at 33.1 us against 2.6-13.3 us measured again, a phantom reward of -36.6% for one rewrite and +37.6% for the next.
+Four one-copy measurements of a group spread by 2.7-3.3 us (median over 30
 groups), replicated ones by 0.4-0.7 us); and each difference is scaled by the machine's slowdown at the time it was
 taken, read from a reference model timed beside it (`Gauge`: in stretches when everything ran 1.6-2x slower, a
 group's difference doubled while its ratio to the probe held)."""

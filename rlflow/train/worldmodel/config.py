@@ -23,9 +23,9 @@ class Config(AgentSpec):
     Attributes:
         models: zoo model names (built into `zoo_dir` when needed) or .onnx paths; trained and evaluated on.
         iterations: collect -> train V, M -> train the controller in the dream -> evaluate, this many times.
-        random_steps: real steps of uniformly random rule-level actions in the first iteration (`make agent`: 250;
-            with uncapped returns, half the default's random walks cost nothing on held-out BERT and three seeds of
-            four reached the PPO baseline's final return within a fifth of its steps, docs/results/agent-deploy/).
+        random_steps: real steps of uniformly random rule-level actions in the first iteration (`make agent`: 250,
+            docs/agents.md; with uncapped returns, half the default's random walks cost nothing on held-out BERT and
+            still reached the PPO baseline's final return within a fifth of its steps).
         random_terminate: probability that a random action is terminate (lower explores deeper graphs).
         collect_steps: real steps with the current controller in each later iteration.
         explore_epsilon: probability of an exploratory action during controller collection.
@@ -35,8 +35,7 @@ class Config(AgentSpec):
             candidate would (PPO's start); False: uniformly among the rules.  A rewrite that only a few rewrites
             of a common rule open is otherwise almost never seen: resnet-50-tiny starts with 17 conv-bn-fold
             matches beside two other rules, and conv-add-merge (+7.2 on cost table version 4, PPO's whole return
-            there) needs the two folds of one residual block.  Off: in two seeds it found that merge on
-            resnext-50-32x4d-tiny once and never on resnet-50-tiny (docs/results/archive/worldmodel-v4-session24/).
+            there) needs the two folds of one residual block, which uniform choices among the rules almost never took.
         heldout_fraction: share of collected episodes held out of V and M training (for the quality figures).
         latent_size: size of z.
         hidden: graph-encoder width (embedding size).
@@ -56,13 +55,10 @@ class Config(AgentSpec):
         markov_reward: M's reward heads read z and the action, not the LSTM's history
             (`rlflow.worldmodel.mdrnn.MDRNN`).
         reward_bootstrap: each of M's reward heads learns from this share of the episodes, drawn once per episode
-            (`reward_bootstrap`); 0: every head from every episode.  0.5 raised the held-out reward Pearson on three
-            seeds of four (mean 0.740 against 0.589) but reached PPO's final on one seed where the default reaches
-            it on two (docs/results/archive/worldmodel-v3/worldmodel-options/b5s*, cost table version 3); on version 4,
-            seeds 1 and 2: 0.693 and 0.821 against 0.696 and 0.791, PPO's final reached on seed 1 only, where the
-            default reaches it on both (docs/results/archive/worldmodel-v4/).  On seed 2 its controller stops after the
-            attention fusions of bert-base-tiny and vit-b-16-tiny (+10 against +17 to +21); with half the dream's
-            uncertainty penalty it goes on (+15 to +17) and the Pearson falls to 0.666.  So it is off by default.
+            (`reward_bootstrap`); 0: every head from every episode.  Bagging raised the held-out reward Pearson on
+            the `-tiny` models but reached PPO's final return on fewer seeds than the default: its controller
+            stopped after the attention fusions, and halving the dream's uncertainty penalty let it go on at the
+            cost of the Pearson.  So it is off by default.
         sample_latents: M learns from, and the dream starts at, latents sampled from V's posteriors; False: their
             means.  The environment is deterministic and V's posterior noise (rms ~0.2 per dimension) is far larger
             than the latent change of one rewrite (~0.01), so sampled latents teach M a random walk that the
@@ -72,8 +68,8 @@ class Config(AgentSpec):
         location_gamma: the scorer learns a match's reward plus this times the best return the real transitions
             show after it (`rlflow.worldmodel.location.best_returns`); 0: the reward alone (checkpoints from before
             it).  Two matches of a rule can pay the same now and very differently later (on nasrnn-tiny one MatMul
-            merge opens a Gemm fusion worth 8%, another of the same reward opens nothing); with 0.95 two seeds of
-            four reached PPO's final in time and without it none did (docs/results/archive/worldmodel-v3/worldmodel-options/).
+            merge opens a Gemm fusion worth 8%, another of the same reward opens nothing); with it some seeds reached
+            PPO's final return in time on the `-tiny` models, without it none did.
         avoid_revisits: the greedy real evaluation never returns to a graph of its episode, as `rlflow optimize`
             plays the agent (inverse rules would let a greedy controller step back and forth between two graphs);
             where its choice would, it takes its next one.  Finding that out applies the rewrite without taking the
@@ -86,25 +82,22 @@ class Config(AgentSpec):
             besides the bit that says so: "none"; "score", the location scorer's rating of the match; "embedding",
             the rating and the scorer's embedding of the matched nodes (`rlflow.worldmodel.location
             .match_descriptors`; a correction only random steps get, `rlflow.worldmodel.mdrnn.MDRNN`).  The agent's
-            own steps, and so the dream's, are predicted as without it.  Held-out reward Pearson with and without
-            it, same seed and code (cost table version 4 as refilled in session 24): seed 1 0.862 against 0.502,
-            seed 3 0.874 against 0.806 (docs/results/archive/worldmodel-v4-session24/).
+            own steps, and so the dream's, are predicted as without it.  It raised the held-out reward Pearson,
+            same seed and code, on the `-tiny` models.
         location_epochs: epochs of the location scorer per iteration.
         location_lr: the location scorer's Adam learning rate.
         mask_weight: weight of M's availability loss.
         reward_scale: rewards are predicted divided by this.
         reward_symlog: M's reward heads learn sign(r)·log(1 + |r|/knee) with the knee at this many % of the runtime
             (`rlflow.worldmodel.mdrnn.symlog`); 0: the rewards as they are.  With the knee at 1%, M ranks held-out
-            rewards better (Spearman) at little cost in Pearson (docs/results/agent-deploy/).
+            rewards better (Spearman) at little cost in Pearson.
         temperature: sampling temperature of the dream.
         reward_penalty: the dream pays the ensemble mean reward minus this times the ensemble spread.
         dream_horizon: at most this many steps per dream episode (0: only max_episode_steps).
         cap_returns: a dream episode earns at most the best return real episodes of its model reached.  Off by
             default: with caps set by mostly random real episodes, any route that fills the cap is as good to the
-            controller as the best first step, and on the small-hidden training set the capped controllers fused
-            attention on 1 of 12 held-out outputs, the uncapped ones on 14 of 24, and their outputs were faster
-            (geomean 1.225 [1.164, 1.249] over four seeds against greedy's 1.162-1.217 in the same runs;
-            docs/results/archive/agent-deploy/no-cap/).
+            controller as the best first step: capped controllers rarely fused attention on
+            held-out models, uncapped ones often did, and their outputs were faster.
         first_start_share: share of dreams that start from a starting graph (the others start from later states of
             the training episodes).
         dream_steps: dream steps of controller training per iteration.

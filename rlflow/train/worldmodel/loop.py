@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import sys
 import time
-import typing
 from pathlib import Path
 
 import numpy as np
@@ -218,11 +217,3 @@ def main(config: Config) -> dict:
     if config.report:
         write_report(result, history, points, out)
     return result
-
-
-# ----------------------------------------------------------------------------------------------------- command line
-def parse_args(argv: typing.Sequence[str] | None = None) -> Config:
-    """A Config from `--kebab-case` options (tuples comma-separated, booleans as --flag / --no-flag)."""
-    from rlflow.train.options import config_from_args
-
-    return config_from_args(Config, argv, "rlflow train --algo worldmodel", __doc__.split("\n")[0])

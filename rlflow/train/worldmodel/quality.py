@@ -28,7 +28,7 @@ MOVED = 0.2
 """Smallest real reward, in % of the estimated runtime, that `reward_spearman_moved` ranks: below it a step changes
 the graph's time by less than an end-to-end measurement separates (on a table filled one process at a time, a
 quarter of the held-out transitions lie under it, a tenth at exactly 0, and their order is most of what keeps
-Spearman below Pearson: docs/results/agent-deploy/)."""
+Spearman below Pearson)."""
 
 
 @torch.no_grad()

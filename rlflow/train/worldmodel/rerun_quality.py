@@ -2,7 +2,7 @@
 
 The checkpoint holds V, M, the location scorer and the replay as they stood after the last iteration, so the figures
 `rlflow.train.worldmodel.quality.quality` gave then can be computed again, with any figure added to it since (such as
-`reward_spearman_moved`) beside them: docs/results/agent-deploy/requality.py does so for runs already made.  Apart
+`reward_spearman_moved`) beside them: benchmarks/agent-deploy/requality.py does so for runs already made.  Apart
 from `report` because it loads agents, which `report` must not import (the agent's modules use its correlations).
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ def last_figures_episodes(replay: Replay, payload: dict) -> tuple[list, list]:
 
 def checkpoint_quality(path) -> tuple[dict, dict]:
     """`quality` of the run checkpointed at `path`, recomputed (it includes figures added since the run), and the
-    figures the run reported after its last iteration (docs/results/agent-deploy/requality.py).  The last
+    figures the run reported after its last iteration (benchmarks/agent-deploy/requality.py).  The last
     iteration's greedy evaluation episodes are left out (`last_figures_episodes`)."""
     agent, payload, replay, mu, logvar, descriptors = checkpoint_inputs(path)
     held, train = last_figures_episodes(replay, payload)

@@ -41,7 +41,7 @@ def _load_ppo(path: str) -> dict | None:
 
 def steps_to_reach(curve: list[dict], final: float | None) -> int | None:
     """Real steps until a greedy evaluation of the `curve` first reached `final` (PPO's final mean return), else None:
-    issue #49's sample-efficiency figure, here for training and for docs/results/agent-cuda/sample_efficiency.py."""
+    issue #49's sample-efficiency figure, here for training and for benchmarks/agent-cuda/sample_efficiency.py."""
     return next((p["real_steps"] for p in curve if final is not None and p["eval_mean_return"] >= final), None)
 
 
