@@ -3,7 +3,7 @@ onnxruntime's ORT_ENABLE_ALL on the CPU provider of the export, of the export wi
 projections packed (`rlflow.bench.builder_reference.fused_and_packed`), the same with the attention mask declared
 all ones (`--fix-value attention_mask=1`: the mask then leaves GroupQueryAttention), the same under the padding
 contract (`--padding attention_mask=right`, docs/padding.md: the builder's own form, the attentions reading the rows'
-lengths), and of onnxruntime-genai's builder's graph of the same weights (as builder-reference/ recorded it: one
+lengths) with chains of Reshapes cleaned (`CLEANUP`), and of onnxruntime-genai's builder's graph of the same weights (as builder-reference/ recorded it: one
 builder graph per decoder, whichever exporter).  Target (issue #79): the padding contract's graph at most the
 builder's node count.
 
@@ -20,7 +20,8 @@ import onnxruntime
 from rlflow.bench.builder_reference import fused_and_packed, optimized_ops
 from rlflow.graph.core import Graph, load
 from rlflow.graph.input_values import fix_values
-from rlflow.rewrites import RULES, apply_everywhere, rule
+from rlflow.rewrites import RULES, rule
+from rlflow.rewrites.base import apply_everywhere
 from rlflow.rewrites.padding import GqaPaddingLengths
 
 here = Path(__file__).resolve().parents[2] / "docs" / "results" / "decoders"
@@ -31,11 +32,16 @@ STEPS = {"smollm2-135m-decode-p128-dynamo": "smollm2-135m-decode-p128-dynamo",
 TARGET = 1.0
 
 
+CLEANUP = ("reshape-chain", "reshape-noop-elim")
+"""Layout rules any search has, applied after the contract: the value's Reshape to heads and back that the packed
+projections leave before the attention (Qwen3's query and key keep theirs, around their norms, as the builder's do)."""
+
+
 def under_contract(model):
-    """`model` (the fused and packed step) as `--padding attention_mask=right` leaves it."""
+    """`model` (the fused and packed step) as `--padding attention_mask=right` leaves it, Reshape chains cleaned."""
     graph = Graph.from_model(model)
-    for step in (GqaPaddingLengths("attention_mask"), rule("attention-nan-guard-elim")):
-        graph, _ = apply_everywhere(graph, step, step.find(graph))
+    for step in (GqaPaddingLengths("attention_mask"), rule("attention-nan-guard-elim"), *map(rule, CLEANUP)):
+        graph, _ = apply_everywhere(graph, step, step.find(graph), [step])
     return graph.to_model(static=True)
 
 

@@ -291,6 +291,8 @@ def apply_everywhere(graph: Graph, rule: Rule, matches: Sequence[Match], rules: 
     """
     import time
 
+    if all(r.name != rule.name for r in rules):  # a rule outside the registry (a contract's): its own matches apply
+        rules = [*rules, rule]
     applied: list[Match] = []
     matches = list(matches)
     limit = len(matches) + EVERYWHERE_LIMIT

@@ -191,3 +191,24 @@ def test_residual_bias_reorder_on_real_exports(export):
     sizes = [{"input_ids": [b, s], "attention_mask": [b, s]} for b, s in ((1, 8), (2, 5), (1, 33))]
     result = verify(g.to_model(static=False), new.to_model(static=False), shapes=sizes)
     assert result.ok, result.message
+
+
+@pytest.mark.parametrize("inner,outer,shape", [
+    ((-1, 1, 2, 16), (0, 1, -1), [1, 1, 32]),     # a packed value split to heads and back: Qwen3's V (issue #79)
+    ((4, 3, 2, 2), (0, 12), [4, 3, 4]),            # a static size written out where 0 would copy it
+    ((-1, 3, 2, 2), (0, 12), ["b", 3, 4]),         # -1 keeps a dynamic batch where the other sizes match
+])
+def test_reshape_chain_sees_a_kept_dimension_written_out(inner, outer, shape):
+    g = graph([node("Reshape", ["x", "s1"], "t"), node("Reshape", ["t", "s2"])], {"x": shape},
+              consts={"s1": ints(*inner), "s2": ints(*outer)})
+    assert assert_rewrites(g, "reshape-chain", count=1).op_counts() == {"Reshape": 1}
+
+
+@pytest.mark.parametrize("inner,outer,shape", [
+    ((2, 3, 2, 2), (0, 12), ["b", 3, 4]),          # a literal where the batch is dynamic
+    ((-1, 2), (0, 1, 2), [4, 3, 4]),               # -1 is 24 there, not the input's 4
+])
+def test_reshape_chain_refuses_a_dimension_the_inner_reshape_moves(inner, outer, shape):
+    g = graph([node("Reshape", ["x", "s1"], "t"), node("Reshape", ["t", "s2"])], {"x": shape},
+              consts={"s1": ints(*inner), "s2": ints(*outer)})
+    assert_refuses(g, "reshape-chain", "copies a dimension (0)")

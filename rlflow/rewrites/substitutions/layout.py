@@ -86,9 +86,22 @@ class ReshapeChain(Rule):
 
     @staticmethod
     def _keeps_dim(graph: Graph, inner: gs.Node, i: int) -> bool:
-        if inner.op == "Reshape":
+        if inner.op == "Reshape":  # copied (0), or written as the input's own static size at the same place
             target = int_list(constant_input(inner, 1))
-            return target is not None and i < len(target) and target[i] == 0 and not inner.attrs.get("allowzero", 0)
+            if target is None or i >= len(target) or (target[i] == 0 and inner.attrs.get("allowzero", 0)):
+                return False
+            if target[i] == 0:
+                return True
+            shape, dynamic = graph.shape(inner.inputs[0]), dynamic_axes(graph, inner.inputs[0])
+            if shape is None or dynamic is None or i >= len(shape):
+                return False
+            if target[i] != -1:
+                return shape[i] == target[i] and not dynamic[i]
+            # -1: the input's size there where the other sizes, all static, multiply to the same on both sides
+            rest = [j for j in range(len(shape)) if j != i]
+            written = [shape[j] if t == 0 and j < len(shape) else t for j, t in enumerate(target) if j != i]
+            return (not any(dynamic[j] for j in rest) and 0 not in written and -1 not in written
+                    and int(np.prod([shape[j] for j in rest])) == int(np.prod(written)))
         if inner.op == "Flatten":
             rank = _rank(graph, inner.inputs[0])
             return rank is not None and i == 0 and normalize_axis(inner.attrs.get("axis", 1), rank + 1) == 1
