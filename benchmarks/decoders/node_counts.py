@@ -32,9 +32,11 @@ STEPS = {"smollm2-135m-decode-p128-dynamo": "smollm2-135m-decode-p128-dynamo",
 TARGET = 1.0
 
 
-CLEANUP = ("reshape-chain", "reshape-noop-elim")
-"""Layout rules any search has, applied after the contract: the value's Reshape to heads and back that the packed
-projections leave before the attention (Qwen3's query and key keep theirs, around their norms, as the builder's do)."""
+CLEANUP = ("shape-dim-fold", "constant-fold", "reshape-chain", "reshape-noop-elim", "concat-single-elim")
+"""Layout and fold rules any search has, applied after the contract: the value's Reshape to heads and back that the
+packed projections leave before the attention (Qwen3's query and key keep theirs, around their norms, as the
+builder's do), whose target the TorchScript export computes from shapes (folded first), and the one-input Concat
+that exporter writes before the first layer's cache."""
 
 
 def under_contract(model):
