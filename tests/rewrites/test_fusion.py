@@ -66,11 +66,12 @@ def _bias_act(op, bias_input=False, bias_shape=(8,)):
 
 
 def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dynamic=True, mask_shape=(1, 1, 5, 5),
-              guard=False):
+              guard=False, cast=False):
     """Self-attention as exporters write it: Q, K, V projections split into heads, scaled scores, Softmax, heads
     merged back; `k_form` "0231" transposes K once, "twice" like the dynamo exporter; `scale_form` "div" divides the
     scores, "qk" multiplies Q and K by sqrt(scale) each (scaled_dot_product_attention); `mask` adds a constant of
-    `mask_shape` to the scores (-inf in one place), `guard` the exporters' `Where(IsNaN(p), 0, p)` after the Softmax."""
+    `mask_shape` to the scores (-inf in one place), `guard` the exporters' `Where(IsNaN(p), 0, p)` after the Softmax,
+    `cast` GPT-2's no-op Cast of the probabilities to the values' type."""
     d = heads * size
     consts = {f"w{k}": weights(d, d, seed=i) for i, k in enumerate("qkv")}
     consts.update({f"b{k}": weights(d, seed=10 + i) for i, k in enumerate("qkv")})
@@ -92,7 +93,9 @@ def attention(heads=2, size=4, k_form="0231", scale_form="div", mask=False, dyna
         nodes += [node("MatMul", ["q3", key], "s0"), node("Div", ["s0", "div"], "s1")]
     if mask:
         nodes.append(node("Add", ["s1", "mask"], "s2"))
-    nodes.append(node("Softmax", ["s2" if mask else "s1"], "p0" if guard else "p", axis=-1))
+    nodes.append(node("Softmax", ["s2" if mask else "s1"], "p0" if guard or cast else "p", axis=-1))
+    if cast:
+        nodes.append(node("Cast", ["p0"], "p", to=TensorProto.FLOAT))
     if guard:
         nodes += [node("IsNaN", ["p0"], "nan"), node("Where", ["nan", "zero", "p0"], "p")]
     nodes += [node("MatMul", ["p", "v3"], "a0"),

@@ -128,3 +128,13 @@ def test_embed_layernorm_keeps_a_sum_that_is_a_graph_output(lookups):
     new = assert_rewrites(g, "embed-layernorm-fusion")
     fused = next(n for n in new.gs.nodes if n.op == "EmbedLayerNormalization")
     assert fused.outputs[2].name == total and [t.name for t in new.gs.outputs] == ["y", total]
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_attention_fusion_sees_through_gpt2s_cast_of_the_probabilities(mask):
+    """Hugging Face's eager GPT-2 casts the Softmax to the values' type, a no-op in float32 (issue #78)."""
+    from tests.rewrites.test_fusion import attention
+
+    new = assert_rewrites(attention(mask=mask, cast=True), "attention-fusion", count=1)
+    assert new.op_counts()["MultiHeadAttention"] == 1 and "Cast" not in new.op_counts()
+

@@ -21,6 +21,7 @@ from rlflow.rewrites.queries import (
     input_producer,
     is_float,
     normalize_axis,
+    np_dtype,
     perm_of,
     scalar,
     standard_producer,
@@ -157,6 +158,11 @@ def probabilities(graph: Graph, merge: gs.Node, keep_shape: bool) -> tuple | str
     softmax, guard = sole_producer(graph, context, 0, "Softmax"), []
     if softmax is None and (found := _nan_guard(graph, context)) is not None:
         softmax, guard = found
+    cast = sole_producer(graph, context, 0, "Cast") if softmax is None else None
+    same = cast is not None and np_dtype(cast.outputs[0]) is not None and (
+        np_dtype(cast.inputs[0]) == np_dtype(cast.outputs[0]))
+    if same:
+        softmax, guard = sole_producer(graph, cast, 0, "Softmax"), [cast]  # GPT-2's `.type(value.dtype)`: a no-op
     if softmax is None or normalize_axis(softmax.attrs.get("axis", -1 if graph.opset >= 13 else 1), 4) != 3:
         return "the probabilities are not a Softmax over the last axis"
     return context, between, softmax, guard
