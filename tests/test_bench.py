@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -342,3 +343,17 @@ def test_each_model_of_a_run_is_measured_with_a_seed_of_its_own():
     seeds = {measurement_seed(0, f"model-{i}") for i in range(20)}
     assert len(seeds) == 20 and measurement_seed(0, "model-1") == measurement_seed(0, "model-1")
     assert measurement_seed(0, "model-1") != measurement_seed(1, "model-1")
+
+
+def test_a_cuda_results_file_names_its_gpu(tmp_path, monkeypatch):
+    """Issue #80: a GPU results.json says which card it is about (it said so only in the kit's environment.json)."""
+    from rlflow.bench.machine import gpu_name
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert gpu_name("CUDAExecutionProvider") == "NVIDIA H200"
+    assert gpu_name("CPUExecutionProvider") is None
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert gpu_name("CUDAExecutionProvider") is None

@@ -74,7 +74,21 @@ def environment(settings: SessionSettings) -> dict:
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "onnx": onnx.__version__, "rlflow": __version__,
-            "commit": source_commit(), "provider": settings.provider}
+            "commit": source_commit(), "provider": settings.provider, "gpu": gpu_name(settings.provider)}
+
+
+def gpu_name(provider: str) -> str | None:
+    """The GPU a CUDA measurement ran on, as nvidia-smi names it (`NVIDIA H200`), so that every results file says
+    which card it is about; None on the CPU or where nvidia-smi cannot tell."""
+    if provider != "CUDAExecutionProvider":
+        return None
+    try:
+        found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = [line.strip() for line in found.stdout.splitlines() if line.strip()] if found.returncode == 0 else []
+    return ", ".join(dict.fromkeys(names)) or None
 
 
 def source_commit() -> str | None:
