@@ -148,8 +148,17 @@ def test_only_the_plotting_module_imports_matplotlib():
 
 
 def test_the_cli_is_the_one_entry_point():
-    mains = {name for name, path in modules().items() if "__main__" in path.read_text()}
-    assert mains == {"rlflow.cli"}
+    """The `rlflow` command (its `python -m rlflow.cli` included) is the only way in: no other module runs as a script
+    (an `if __name__ == "__main__"` block) or is one (`__main__.py`)."""
+
+    def runs_as_script(source: str) -> bool:
+        return any(isinstance(node, ast.Compare) and isinstance(node.left, ast.Name) and node.left.id == "__name__"
+                   and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.comparators)
+                   for node in ast.walk(ast.parse(source)))
+
+    scripts = {name for name, path in modules().items() if path.name == "__main__.py" or runs_as_script(path.read_text())}
+    assert scripts == {"rlflow.cli.__main__"}
+    assert runs_as_script('if __name__ == "__main__":\n    main()\n') and not runs_as_script('"""__main__"""\n')
 
 
 def test_only_the_command_layer_parses_arguments():
