@@ -156,7 +156,8 @@ def test_the_cli_is_the_one_entry_point():
                    and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.comparators)
                    for node in ast.walk(ast.parse(source)))
 
-    scripts = {name for name, path in modules().items() if path.name == "__main__.py" or runs_as_script(path.read_text())}
+    scripts = {name for name, path in modules().items()
+               if path.name == "__main__.py" or runs_as_script(path.read_text())}
     assert scripts == {"rlflow.cli.__main__"}
     assert runs_as_script('if __name__ == "__main__":\n    main()\n') and not runs_as_script('"""__main__"""\n')
 
