@@ -112,3 +112,16 @@ def gemm_bias(graph: Graph, gemm: gs.Node, shape: tuple[int, ...] | None = None)
         return c
     value = (bias.astype(np.float64) * beta).astype(bias.dtype)
     return graph.add_constant(value if shape is None else value.reshape(shape), f"{gemm.name}_C")
+
+
+def expand_rows(graph: Graph, mask: gs.Tensor, query: gs.Tensor) -> gs.Tensor:
+    """`mask` [B, H, 1, T] expanded to [B, H, S, T], S the length of `query` [B, S, hidden], read at run time (an
+    attention's bias must give every query row, where an additive mask broadcasts them)."""
+    length = emit(graph, "Gather", [emit(graph, "Shape", [query]), graph.add_constant(np.array([1], np.int64), "at")])
+    ones = graph.add_constant(np.array([1, 1], np.int64), "ones")
+    shape = emit(graph, "Concat", [ones, length, graph.add_constant(np.array([1], np.int64), "one")], {"axis": 0})
+    out = emit(graph, "Expand", [mask, shape], hint="attention_bias")
+    rows = graph.shape(mask)
+    out.dtype, out.shape = mask.dtype, (*rows[:2], graph.shape(query)[1], rows[3])
+    return out
+

@@ -203,7 +203,7 @@ CASES = {
     "embed-layernorm-fusion": (lambda: _embeddings(), lambda: _embeddings(table_input=True),
                                "two or three embedding lookups"),
     "attention-fusion": (lambda: attention(), lambda: attention(mask=True, mask_shape=(5,)),
-                         "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"),
+                         "the mask added to the scores is not float32 [B or 1, H or 1, S or 1, T]"),
     "tied-head-fusion": (lambda: _tied_head([1, 32, 4]), lambda: _tied_head([1, 32, 4], untied=True),
                          "not the transpose of an embedding table a Gather reads"),
 }

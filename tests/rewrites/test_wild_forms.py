@@ -138,3 +138,21 @@ def test_attention_fusion_sees_through_gpt2s_cast_of_the_probabilities(mask):
     new = assert_rewrites(attention(mask=mask, cast=True), "attention-fusion", count=1)
     assert new.op_counts()["MultiHeadAttention"] == 1 and "Cast" not in new.op_counts()
 
+
+
+@pytest.mark.parametrize("batch", [2, "batch"])
+def test_attention_fusion_takes_the_classic_key_padding_mask(batch):
+    """Older BERT exports add `(1 - mask) * -10000` as [B, 1, 1, T] (issue #78): the fused attention reads it
+    expanded to every query row, at any batch and length."""
+    from tests.rewrites.test_fusion import attention
+
+    g = attention(mask=True, mask_shape=(1, 1, 1, 5), dynamic=batch == "batch")
+    new = assert_rewrites(g, "attention-fusion", count=1)
+    assert new.op_counts()["MultiHeadAttention"] == 1 and new.op_counts()["Expand"] == 1
+
+
+def test_attention_fusion_refuses_a_mask_that_broadcasts_over_the_keys():
+    from tests.rewrites.test_fusion import attention
+
+    assert_refuses(attention(mask=True, mask_shape=(1, 1, 5, 1)), "attention-fusion",
+                   "the mask added to the scores is not float32 [B or 1, H or 1, S or 1, T]")

@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
-from rlflow.rewrites.edits import emit, replace_typed
+from rlflow.rewrites.edits import emit, expand_rows, replace_typed
 from rlflow.rewrites.queries import (
     MS,
     constant_input,
@@ -129,10 +129,8 @@ exp underflows long before, for any score short of 1e8."""
 
 
 def _where_mask(where: gs.Node) -> tuple[gs.Tensor, np.ndarray] | None:
-    """For a causal mask written as `Where(C, fill, scores)` or `Where(C, scores, fill)` with C a constant and fill a
-    constant far below any score (`MASK_FILL`), as models that `masked_fill` a fixed triangle export it: (the scores,
-    the additive bias that gives the same probabilities: fill where masked, 0 elsewhere).  None when some row of the
-    mask has every key masked: there `Where` gives equal scores and a bias would not."""
+    """A fixed causal mask `Where(C, fill, scores)` or `Where(C, scores, fill)` (C constant, fill below `MASK_FILL`,
+    a `masked_fill` triangle) as (the scores, the additive bias it equals); None where a row masks every key."""
     condition = constant_input(where, 0)
     if condition is None or condition.dtype != np.bool_ or len(where.inputs) != 3:
         return None
@@ -341,9 +339,9 @@ class AttentionFusion(Rule):
             batch, length = shapes[0][0], shapes[0][1]
             total = graph.shape(key.present)[2] if key.present is not None else shapes[1][1]
             m = graph.shape(mask)
-            if (m is None or len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, heads) or m[2:] != (length, total)
-                    or not is_float(mask) or np.dtype(mask.dtype) != np.float32):
-                return "the mask added to the scores is not float32 [B or 1, H or 1, S, T]"
+            if (m is None or len(m) != 4 or m[0] not in (1, batch) or m[1] not in (1, heads) or m[2] not in (1, length)
+                    or m[3] != total or not is_float(mask) or np.dtype(mask.dtype) != np.float32):
+                return "the mask added to the scores is not float32 [B or 1, H or 1, S or 1, T]"
         nodes = [node, merge, *kept, context, *guard, softmax, *mask_nodes, *scale_nodes, qk, *q_nodes, q_t, query[0],
                  *k_nodes, key.reshape, *key.nodes, value.reshape, *value.nodes]
         if not shape_readers_die(graph, nodes):
@@ -373,6 +371,8 @@ class AttentionFusion(Rule):
         if match.param("where_mask") is not None:  # the Where's constant mask as the bias it equals, [1, 1, S, T]
             _, bias = _where_mask(nodes[match.nodes[match.param("where_mask")]])
             mask = graph.add_constant(bias.reshape(1, 1, *bias.shape[-2:]), "attention_bias")
+        if mask is not None and graph.shape(mask)[2] == 1:  # the classic key-padding mask [B, 1, 1, T]
+            mask = expand_rows(graph, mask, query)
         empty = gs.Variable.empty
         inputs = [query, match.input("key", nodes), match.input("value", nodes), empty(), empty(),
                   mask if mask is not None else empty()]
