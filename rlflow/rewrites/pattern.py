@@ -59,17 +59,19 @@ class Found(NamedTuple):
             return self if seen is tensor else None
         return Found(self.nodes, self.bound + ((name, tensor),), self.shared)
 
-    def closed(self, graph: Graph) -> bool:
-        """Whether every shared tensor is read by the pattern's nodes alone (and is no graph output)."""
+    def closed(self, outputs: set[int]) -> bool:
+        """Whether every shared tensor is read by the pattern's nodes alone (and is none of the graph's `outputs`,
+        by id)."""
         inside = {id(n) for n in self.nodes}
-        return all(not graph.is_output(t) and all(id(n) in inside for n in t.outputs) for t in self.shared)
+        return all(id(t) not in outputs and all(id(n) in inside for n in t.outputs) for t in self.shared)
 
 
 class _Search:
     """One match attempt at one root: the graph, and the deepest failure met, for the NoMatch's reason."""
 
-    def __init__(self, graph: Graph):
-        self.graph = graph
+    def __init__(self, graph: Graph, relaxed: bool = False):
+        self.graph, self.relaxed = graph, relaxed  # relaxed: inner nodes may be shared; checked once matched
+        self.outputs = {id(t) for t in graph.gs.outputs}
         self.failure: tuple = (-1, "")  # (nodes matched, reason format, its arguments): formatted once, if reported
 
     def fail(self, state: Found, reason: str, *args) -> Iterator[Found]:
@@ -217,7 +219,7 @@ def _producer(search: _Search, tensor: gs.Tensor, state: Found, root: bool, op: 
     node = Graph.producer(tensor)
     if node is None or node.op != op or (node.domain or "") not in ((domain,) if domain else ("", "ai.onnx")):
         return None
-    if _among(node, state.nodes) or (not root and not private(search.graph, tensor)):
+    if _among(node, state.nodes) or (not root and not search.relaxed and not private(search.graph, tensor)):
         return None
     return node
 
@@ -341,6 +343,9 @@ class PatternRule(Rule):
 
     pattern: ClassVar[Pattern]
     needed_ops: ClassVar[frozenset[str]] = frozenset()  # from the pattern: operators every match contains
+    inner_reads: ClassVar[str | None] = None
+    """Where set, inner nodes may be read elsewhere while matching, and a match whose inner values are read outside it
+    is refused with this reason (a rule's own words, where a failure deep in the pattern would say less)."""
     variables: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
@@ -371,11 +376,12 @@ class PatternRule(Rule):
 
     def found(self, graph: Graph, node: gs.Node) -> Found | str:
         """The first way the pattern matches at `node` that `condition` accepts, or why none does."""
-        search = _Search(graph)
+        search = _Search(graph, relaxed=self.inner_reads is not None)
         refused = None
         for found in self.pattern.states(search, node.outputs[0], Found(()), root=True):
-            if not found.closed(graph):
-                refused = refused or "an intermediate tensor is read outside the pattern"
+            inner = Found(found.nodes, found.bound, found.shared + tuple(o for n in found.nodes[1:] for o in n.outputs))
+            if not (inner if search.relaxed else found).closed(search.outputs):
+                refused = refused or self.inner_reads or "an intermediate tensor is read outside the pattern"
                 continue
             refused = self.condition(graph, found)
             if refused is None:

@@ -9,7 +9,6 @@ import pytest
 
 from rlflow.graph.core import load
 from rlflow.rewrites import RULES, apply, rule
-from rlflow.rewrites.fusions import rmsnorm
 from rlflow.rewrites.fusions.attention import decoder, rotary
 from rlflow.rewrites.substitutions import fold, layout
 
@@ -40,7 +39,6 @@ SHAPES = {"bert-tiny-dynamo": {"input_ids": (1, 8), "attention_mask": (1, 8)}}
 
 MATCHERS = {"conv-mul-fold": (fold, "_conv_channel_constant"), "conv-add-fold": (fold, "_conv_channel_constant"),
             "transpose-into-gemm": (layout, "_swapped_2d"), "matmul-transpose-to-gemm": (layout, "_swapped_2d"),
-            "rmsnorm-fusion": (rmsnorm, "_rms_chain"), "rmsnorm-standard-fusion": (rmsnorm, "_rms_chain"),
             "rotary-fusion": (rotary, "_angles"), "rotary-standard-fusion": (rotary, "_angles"),
             **{name: (decoder, "_pattern") for name in test_decoder_attention.RULES}}
 """Module-level matchers a rule's `check` calls besides its own methods."""

@@ -17,6 +17,7 @@ from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.edits import emit, replace_typed, replace_with_skip_norm
+from rlflow.rewrites.pattern import ANY, Found, Pattern, PatternRule, const, constant, op, var
 from rlflow.rewrites.queries import (
     broadcast_shape,
     has_input,
@@ -37,73 +38,16 @@ _SKIP_TYPES = _TYPES[:2]
 """Element types of onnxruntime's SkipSimplifiedLayerNormalization kernels (CPU and CUDA)."""
 
 
-_NOT_RMS = "not a Mul of a normalised value by a weight"
+def _mean(t: Pattern) -> Pattern:
+    return op.ReduceMean(t) | op.ReduceMean(t, ANY)  # axes as an attribute (below opset 18) or an input
 
 
-def _constant_scalar(tensor: gs.Tensor, rank: int) -> float | None:
-    """The value of a one-element float or int constant that broadcasting cannot raise above `rank`, else None."""
-    value = Graph.constant(tensor)
-    if value is None or value.size != 1 or value.ndim > rank or value.dtype.kind not in "fiu":
-        return None
-    return float(value.reshape(-1)[0])
-
-
-def _other(node: gs.Node, tensor: gs.Tensor) -> gs.Tensor | None:
-    """The other operand of a binary node that reads `tensor`."""
-    if len(node.inputs) != 2:
-        return None
-    return node.inputs[1] if node.inputs[0] is tensor else node.inputs[0] if node.inputs[1] is tensor else None
-
-
-def _inverse_rms(graph: Graph, node: gs.Node, rank: int) -> tuple[list[gs.Node], gs.Node] | None:
-    """For `1 / sqrt(a)` written as Reciprocal(Sqrt(a)), Div(1, Sqrt(a)) or Pow(a, -0.5): its nodes and the node
-    writing `a` (the Add of the epsilon), else None."""
-    if node.op == "Pow" and _constant_scalar(node.inputs[1], rank) == -0.5:
-        chain = [node]
-    elif node.op == "Reciprocal" or (node.op == "Div" and _constant_scalar(node.inputs[0], rank) == 1.0):
-        sqrt = input_producer(node, len(node.inputs) - 1, "Sqrt")
-        if sqrt is None:
-            return None
-        chain = [node, sqrt]
-    else:
-        return None
-    add = input_producer(chain[-1], 0, "Add")
-    return (chain, add) if add is not None else None
-
-
-def _rms_chain(graph: Graph, normed: gs.Tensor):
-    """The RMSNorm that writes `normed`: (its nodes from the normalising Mul or Div back to the square, x, epsilon,
-    the ReduceMean), or a reason string."""
-    norm = standard_producer(normed)
-    if norm is None or norm.op not in ("Mul", "Div") or len(norm.inputs) != 2:
-        return _NOT_RMS
-    rank = len(graph.shape(normed) or ())
-    found = None
-    if norm.op == "Div":  # x / sqrt(a)
-        sqrt = input_producer(norm, 1, "Sqrt")
-        add = input_producer(sqrt, 0, "Add") if sqrt is not None else None
-        found = ([norm, sqrt], add, norm.inputs[0]) if add is not None else None
-    else:  # x * (1 / sqrt(a)), either order
-        for side in (0, 1):
-            inverse = standard_producer(norm.inputs[side])
-            chain = _inverse_rms(graph, inverse, rank) if inverse is not None else None
-            if chain is not None:
-                found = ([norm, *chain[0]], chain[1], norm.inputs[1 - side])
-                break
-    if found is None:
-        return _NOT_RMS
-    nodes, add, x = found
-    mean = next((p for i in (0, 1) if (p := input_producer(add, i, "ReduceMean")) is not None), None)
-    square = input_producer(mean, 0, ("Pow", "Mul")) if mean is not None else None
-    if square is None:
-        return "no mean square + epsilon under the square root"
-    if not ((square.op == "Mul" and square.inputs[0] is x and square.inputs[1] is x) or (
-            square.op == "Pow" and square.inputs[0] is x and _constant_scalar(square.inputs[1], rank) == 2.0)):
-        return "the mean is not of the normalised input squared"
-    epsilon = _constant_scalar(_other(add, mean.outputs[0]), rank)
-    if epsilon is None or not np.isfinite(epsilon):
-        return "the epsilon is not a constant scalar"
-    return [*nodes, add, mean, square], x, epsilon, mean
+X = var("x")
+_SUM = op.Add(_mean((op.Pow(X, const(2.0)) | op.Mul(X, X)).otherwise("the mean is not of the normalised input squared"))
+              .bind("mean"), constant("eps").otherwise("the epsilon is not a constant scalar"))
+_SQRT = op.Sqrt(_SUM)
+_NORMED = op.Div(X, _SQRT) | op.Mul(X, op.Reciprocal(_SQRT) | op.Div(const(1.0), _SQRT) | op.Pow(_SUM, const(-0.5)))
+_RMS = op.Mul(var("weight"), op.Cast(_NORMED).bind("back") | _NORMED)  # the class's `op` names what it emits
 
 
 def _is_centred(x: gs.Tensor) -> bool:
@@ -113,7 +57,7 @@ def _is_centred(x: gs.Tensor) -> bool:
     return mean is not None and mean.inputs[0] is sub.inputs[0]
 
 
-class RMSNormFusion(Rule):
+class RMSNormFusion(PatternRule):
     """Replaces the decomposed RMSNorm `x / sqrt(mean(x^2) + eps) * w` with onnxruntime's `SimplifiedLayerNormalization`.
 
         x --> Cast(float32) --+--> Pow(., 2) --> ReduceMean(-1) --> Add(eps) --> Sqrt --> Reciprocal --+
@@ -139,39 +83,29 @@ class RMSNormFusion(Rule):
     """
 
     name = "rmsnorm-fusion"
-    root_ops = ("Mul",)
     contrib = True
     op = "SimplifiedLayerNormalization"
+    pattern = _RMS
+    inner_reads = "a value inside the norm (the mean square, the normalised x) is read elsewhere"
 
-    def _pattern(self, graph: Graph, node: gs.Node):
-        """The pattern's nodes and values, or a reason string."""
-        reasons = []
-        for side in (0, 1):
-            normed, back = node.inputs[1 - side], None
-            cast = standard_producer(normed)
-            if cast is not None and cast.op == "Cast":
-                normed, back = cast.inputs[0], cast
-            found = _rms_chain(graph, normed)
-            if not isinstance(found, str):
-                return self._checked(graph, node, node.inputs[side], back, *found)
-            reasons.append(found)
-        return max(reasons, key=lambda r: r != _NOT_RMS)  # the reason of the side that looked like a norm
-
-    def _checked(self, graph: Graph, node: gs.Node, weight: gs.Tensor, back: gs.Node | None, chain: list[gs.Node],
-                 x: gs.Tensor, epsilon: float, mean: gs.Node):
-        nodes = [node, *([back] if back is not None else []), *chain]
+    def _derived(self, graph: Graph, found: Found):
+        """(the nodes consumed beyond the pattern's, axis, epsilon, the tensor normalised, the output's type where a
+        Cast stays after the norm), or why the match may not be rewritten."""
+        node, x, weight, back = found.nodes[0], found["x"], found["weight"], found.get("back")
+        back = Graph.producer(back) if back is not None else None
         value = Graph.constant(weight)
         if value is None:
             return "the weight is not a constant"
-        if any(not private(graph, n.outputs[0]) for n in nodes[1:]):
-            return "a value inside the norm (the mean square, the normalised x) is read elsewhere"
         if _is_centred(x):
             return "x is centred: a layer norm (layernorm-fusion)"
         shape = graph.shape(x)
         if shape is None or graph.shape(node.outputs[0]) != shape:
             return "input shape unknown, or the weight changes it"
         rank = len(shape)
-        axes = reduce_axes(mean, rank)
+        epsilon = Graph.constant(found["eps"])
+        if epsilon.size != 1 or epsilon.ndim > rank or epsilon.dtype.kind not in "fiu" or not np.isfinite(epsilon).all():
+            return "the epsilon is not a constant scalar"
+        axes = reduce_axes(Graph.producer(found["mean"]), rank)
         if axes is None or axes != tuple(range(rank - len(axes), rank)):
             return "the mean is not over the last axis (or trailing axes, keeping them)"
         normalized = shape[rank - len(axes):]
@@ -193,17 +127,18 @@ class RMSNormFusion(Rule):
         dtype = np_dtype(source)
         if dtype not in _TYPES or value.dtype != out or not np.array_equal(value.astype(dtype).astype(out), value):
             return "x, the weight and the output are not of float types onnxruntime normalises"
-        if source is not x:
-            nodes.append(cast_in)
-        return nodes, rank - len(axes), epsilon, source, weight, None if dtype == out else str(out)
+        extra = [cast_in] if source is not x else []
+        return extra, rank - len(axes), float(epsilon.reshape(-1)[0]), source, None if dtype == out else str(out)
 
     def check(self, graph: Graph, node: gs.Node) -> Match | NoMatch:
-        found = self._pattern(graph, node)
-        if isinstance(found, str):
-            return self.no(node, found)
-        nodes, axis, epsilon, x, weight, cast = found
-        return self.match(nodes, axis=axis, epsilon=epsilon, x=self.locate(nodes, x), weight=self.locate(nodes, weight),
-                          cast=cast)
+        found = self.found(graph, node)  # the first structural match decides, as it did by hand
+        derived = found if isinstance(found, str) else self._derived(graph, found)
+        if isinstance(derived, str):
+            return self.no(node, derived)
+        extra, axis, epsilon, x, cast = derived
+        nodes = [*found.nodes, *extra]
+        return self.match(nodes, axis=axis, epsilon=epsilon, x=self.locate(nodes, x),
+                          weight=self.locate(nodes, found["weight"]), cast=cast)
 
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
