@@ -15,11 +15,12 @@
 * `a.otherwise("reason")`: a failure inside `a` is refused with that reason.
 
 Every node but the root must be private (its output read by the pattern alone, not a graph output), since the rewrite
-removes it.  A `PatternRule` gives the pattern as its `pattern`, a `condition` on what was bound, and a `replacement`;
+removes it; a rule with `inner_reads` has that checked once the pattern matched, refused in its own words.  A
+`PatternRule` gives the pattern as its `pattern`, a `condition` on what was bound, and a `replacement`;
 the engine makes the `Rule` contract of `base.py` from them: `check` is pure and returns a `Match` (the nodes, root
 first, and each variable located among them) or a `NoMatch` naming the deepest place the pattern failed, and `apply`
 re-checks before it rewrites.  Learnt from onnxscript's rewriter (pattern, check, replacement) and torch inductor's
-pattern matcher; it works on rlflow's graph directly, so matching costs no conversion (docs/design.md, "Rules").
+pattern matcher; it works on rlflow's graph directly, so matching costs no conversion (docs/design.md, "Conventions").
 """
 from __future__ import annotations
 
