@@ -14,13 +14,12 @@
 * `a | b`: either form, tried in order (the variants each exporter writes).
 * `a.otherwise("reason")`: a failure inside `a` is refused with that reason.
 
-Every node but the root must be private (its output read by the pattern alone, not a graph output), since the rewrite
-removes it; a rule with `inner_reads` has that checked once the pattern matched, refused in its own words.  A
-`PatternRule` gives the pattern as its `pattern`, a `condition` on what was bound, and a `replacement`;
-the engine makes the `Rule` contract of `base.py` from them: `check` is pure and returns a `Match` (the nodes, root
-first, and each variable located among them) or a `NoMatch` naming the deepest place the pattern failed, and `apply`
-re-checks before it rewrites.  Learnt from onnxscript's rewriter (pattern, check, replacement) and torch inductor's
-pattern matcher; it works on rlflow's graph directly, so matching costs no conversion (docs/design.md, "Conventions").
+Every inner node must be private (read by the pattern alone, no graph output): the rewrite removes it (`inner_reads`:
+checked once matched).  A `PatternRule` gives a `pattern`, a `condition` on what was bound and a `replacement`; the
+engine makes the `Rule` contract of `base.py` from them: `check` is pure and returns a `Match` (the nodes, root first,
+each variable located among them) or a `NoMatch` naming the deepest place the pattern failed, and `apply` re-checks
+before it rewrites.  Learnt from onnxscript's rewriter (pattern, check, replacement) and torch inductor's pattern
+matcher; it works on rlflow's graph directly, so matching costs no conversion (docs/design.md, "Conventions").
 """
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ class Found(NamedTuple):
         return Found(self.nodes, self.bound + ((name, tensor),), self.shared)
 
     def closed(self, outputs: set[int]) -> bool:
-        """Whether every shared tensor is read by the pattern's nodes alone (and is none of the graph's `outputs`,
-        by id)."""
+        """Whether every shared tensor is read by the pattern's nodes alone, and is none of the graph's `outputs`."""
         inside = {id(n) for n in self.nodes}
         return all(id(t) not in outputs and all(id(n) in inside for n in t.outputs) for t in self.shared)
 
@@ -126,7 +124,8 @@ class Var(Pattern):
 
     def states(self, search, tensor, state, root=False):
         bound = state.bind(self.name, tensor)
-        return search.fail(state, "{} is not the {} read before", tensor.name, self.name) if bound is None else iter((bound,))
+        return iter((bound,)) if bound is not None else search.fail(state, "{} is not the {} read before", tensor.name,
+                                                                      self.name)
 
 
 @dataclass(frozen=True)
