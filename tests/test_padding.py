@@ -65,6 +65,9 @@ def test_nothing_changes_where_no_attention_reads_the_mask(fused):
     graph, given, _ = fused
     result, check, outcome = apply_padding(graph, given, _search(graph), _ok(), MASK, seed=0)
     assert outcome.applied == 0 and result.graph is graph and "no GroupQueryAttention" in outcome.reason
+    failed = replace(_ok(), ok=False, message="the exact rewrites do not verify")
+    result, check, outcome = apply_padding(graph, given, _search(graph), failed, MASK, seed=0)
+    assert check is failed and outcome.applied == 0  # the exact search's own verdict stands
 
 
 def test_the_rule_refuses_a_bias_of_another_input(fused):

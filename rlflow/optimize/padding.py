@@ -89,7 +89,7 @@ def apply_padding(graph: Graph, given: onnx.ModelProto, search: SearchResult, ex
     if not applied:
         reasons = sorted({r.reason for r in contract.reasons(base)})
         why = reasons[0] if reasons else "the graph has no GroupQueryAttention (no attention was fused)"
-        return search, exact if exact_kept else None, PaddingOutcome(mask, 0, why)
+        return search, exact, PaddingOutcome(mask, 0, why)  # as the exact search left it, its check included
     guard = rule("attention-nan-guard-elim")
     rewritten, dropped = apply_everywhere(rewritten, guard, guard.find(rewritten), [guard])
     shapes = [dict(graph.input_shapes), _longer_past(graph.input_shapes, mask)]
