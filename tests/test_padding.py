@@ -145,3 +145,14 @@ def test_the_command_refuses_a_bad_contract_in_one_line(tmp_path, capsys, spec, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and not out.exists()
 
+
+def test_a_contract_rewrite_that_does_not_verify_leaves_the_exact_result(fused, monkeypatch):
+    import rlflow.optimize.padding as module
+
+    graph, given, all_fused = fused
+    monkeypatch.setattr(module, "verify_padded", lambda *a, **k: replace(_ok(), ok=False, message="logits differ"))
+    search = _search(all_fused)
+    result, check, outcome = apply_padding(graph, given, search, _ok(), MASK, seed=0)
+    assert result is search and check.ok and outcome.applied == 0
+    assert outcome.reason == "the rewrite does not verify on padded batches: logits differ"
+

@@ -94,8 +94,9 @@ def apply_padding(graph: Graph, given: onnx.ModelProto, search: SearchResult, ex
     rewritten, dropped = apply_everywhere(rewritten, guard, guard.find(rewritten), [guard])
     shapes = [dict(graph.input_shapes), _longer_past(graph.input_shapes, mask)]
     check = verify_padded(given, rewritten.to_model(static=False), mask, shapes, seed=seed)
-    outcome = PaddingOutcome(mask, len(applied), "" if check.ok else check.message,
-                             [s["lengths"] for s in check.shapes])
+    if not check.ok:  # the exact search's result stands, as if nothing had been declared
+        return search, exact, PaddingOutcome(mask, 0, f"the rewrite does not verify on padded batches: {check.message}")
+    outcome = PaddingOutcome(mask, len(applied), "", [s["lengths"] for s in check.shapes])
     result = replace(search, graph=rewritten, applied=[*(search.applied if exact_kept else []), *applied, *dropped],
                      stop_reason=f"{search.stop_reason}; padding contract: {len(applied)} attention(s) read lengths")
     return result, check, outcome
