@@ -21,7 +21,7 @@ from rlflow.measure.shape_profiles import (
     read_profiles,
 )
 from rlflow.measure.timing import Ratio
-from rlflow.search.candidates import fastest
+from rlflow.search.selection import fastest
 from tests.conftest import save, tiny_model
 from tests.test_optimize import _accept_first_candidate
 
@@ -203,7 +203,7 @@ def test_the_search_measures_its_candidates_at_every_profile(text_model, monkeyp
     from rlflow.graph.core import Graph
     from rlflow.measure.session import SessionSettings
     from rlflow.measure.shape_profiles import attach
-    from rlflow.search import candidates
+    from rlflow.search import candidates, selection
 
     profiles = arrange([parse_profile(S16), parse_profile(S64)], text_model)
     graph = Graph.from_model(text_model, profiles[0].shapes)
@@ -218,7 +218,7 @@ def test_the_search_measures_its_candidates_at_every_profile(text_model, monkeyp
         return real_compare(models, settings, **{**kwargs, "rounds": 3})
 
     monkeypatch.setattr(profiled, "compare", counting)
-    screening = candidates.measure_against(graph, pool[:1], SessionSettings(threads=1), rounds=3, seed=0)
+    screening = selection.measure_against(graph, pool[:1], SessionSettings(threads=1), rounds=3, seed=0)
     assert seen == [(1, 16), (1, 64)] and len(screening.pairs) == 1
 
 

@@ -36,22 +36,19 @@ from rlflow.measure.profile_comparison import profile_count
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import (
+from rlflow.search.candidates import Candidate, SearchResult, distinct, rule_names
+from rlflow.search.frozen_heap import frozen_heap
+from rlflow.search.fuse_everything import INVERSE_NAMES, fuse_everything
+from rlflow.search.selection import (
     RESERVE_SLACK,
-    Candidate,
-    SearchResult,
     affordable,
     cost_table_lines,
     coverage,
-    distinct,
     measurement_reserve,
     measuring_until,
-    rule_names,
     select_estimated,
     select_measured,
 )
-from rlflow.search.frozen_heap import frozen_heap
-from rlflow.search.fuse_everything import INVERSE_NAMES, fuse_everything
 from rlflow.torch_threads import torch_threads
 
 if TYPE_CHECKING:

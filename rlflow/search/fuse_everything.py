@@ -16,7 +16,8 @@ import time
 from typing import Sequence
 
 from rlflow.rewrites import GROUPS, Rule
-from rlflow.search.candidates import Candidate, all_fusions, everywhere, measuring_until
+from rlflow.search.candidates import Candidate, all_fusions, everywhere
+from rlflow.search.selection import measuring_until
 
 INVERSE_NAMES = frozenset(r.name for r in GROUPS["inverse"])
 

@@ -36,20 +36,10 @@ from rlflow.measure.session import SessionSettings
 from rlflow.measure.shape_profiles import Profile
 from rlflow.measure.timing import Pace, Ratio
 from rlflow.rewrites import GROUPS, RULES, Rule, find_matches
-from rlflow.search.candidates import (
-    Candidate,
-    SearchResult,
-    affordable,
-    all_fusions,
-    children,
-    dropped,
-    everywhere,
-    fastest,
-    measure_against,
-    rule_names,
-)
+from rlflow.search.candidates import Candidate, SearchResult, all_fusions, children, dropped, everywhere, rule_names
 from rlflow.search.frozen_heap import frozen_heap
 from rlflow.search.location_kinds import alike, kinds_of_location
+from rlflow.search.selection import affordable, fastest, measure_against
 
 
 @dataclass

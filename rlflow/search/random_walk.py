@@ -19,17 +19,9 @@ from rlflow.graph.core import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule, find_matches
-from rlflow.search.candidates import (
-    Candidate,
-    SearchResult,
-    cost_table_lines,
-    coverage,
-    measurement_reserve,
-    measuring_until,
-    select_measured,
-    try_apply,
-)
+from rlflow.search.candidates import Candidate, SearchResult, try_apply
 from rlflow.search.frozen_heap import frozen_heap
+from rlflow.search.selection import cost_table_lines, coverage, measurement_reserve, measuring_until, select_measured
 
 
 @dataclass

@@ -7,7 +7,7 @@ end against the input and the fastest one that is measurably faster wins.
 
 The time limit covers both phases: expansion stops early enough to leave the final measurement what a probe of the
 input predicts one candidate needs (a quarter of the limit at least), and the measurement then starts only the
-batches that fit (see `rlflow.search.candidates`).
+batches that fit (see `rlflow.search.selection`).
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ from rlflow.graph.core import Graph
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace
 from rlflow.rewrites import RULES, Rule
-from rlflow.search.candidates import (
-    Candidate,
-    SearchResult,
-    children,
+from rlflow.search.candidates import Candidate, SearchResult, children
+from rlflow.search.frozen_heap import frozen_heap
+from rlflow.search.selection import (
     cost_table_lines,
     coverage,
     measurement_reserve,
@@ -34,7 +33,6 @@ from rlflow.search.candidates import (
     select_estimated,
     select_measured,
 )
-from rlflow.search.frozen_heap import frozen_heap
 
 
 @dataclass
@@ -45,7 +43,7 @@ class TasoConfig:
         alpha: children costing up to alpha x the best estimate stay in the queue (TASO uses 1.0-1.05).
         budget: graphs expanded at most.
         time_limit: seconds for the whole search, final measurements included; overrun by at most one step that
-            cannot be interrupted (see `rlflow.search.candidates`).
+            cannot be interrupted (see `rlflow.search.selection`).
         max_growth: children with more than this factor x the input's node count are dropped (TASO: 2).
         top_k: best-estimated graphs measured end to end at the end.
         rounds: interleaved rounds of those final measurements.

@@ -170,7 +170,7 @@ def test_a_rewritten_graph_reuses_its_parents_dynamic_axes_and_they_are_right(be
 def test_a_candidate_onnxruntime_cannot_run_is_dropped_and_named(bert, monkeypatch):
     """Under CUDA graph capture onnxruntime refuses a candidate that puts a node on the CPU: the search goes on without
     it, and its result (and the report) names the rules that made each one dropped."""
-    import rlflow.search.candidates as candidates
+    import rlflow.search.selection as selection
     from rlflow.errors import ProviderError
     from rlflow.measure.session import SessionSettings
     from rlflow.measure.timing import Ratio
@@ -182,7 +182,7 @@ def test_a_candidate_onnxruntime_cannot_run_is_dropped_and_named(bert, monkeypat
             raise ProviderError("This session cannot use the graph capture feature")
         return [(c, Ratio(1.0, 0.99, 1.01, 0.95)) for c in batch]
 
-    monkeypatch.setattr(candidates, "_measure_batch", measure)
+    monkeypatch.setattr(selection, "_measure_batch", measure)
     rules = [rule(n) for n in ("skip-layernorm-fusion", "attention-fusion")]
     result = greedy(bert, SessionSettings(), GreedyConfig(time_limit=60), rules=rules)
     assert result.stop_reason.startswith("no rewrite is measurably faster; the closest: ")
@@ -215,8 +215,8 @@ def test_greedy_does_not_measure_again_a_rewrite_an_earlier_step_refused(bert, m
 
     from rlflow.measure.session import SessionSettings
     from rlflow.measure.timing import Ratio
-    from rlflow.search.candidates import Screening
     from rlflow.search.greedy import GreedyConfig, greedy
+    from rlflow.search.selection import Screening
 
     greedy_module = sys.modules["rlflow.search.greedy"]
     steps: list[list[frozenset]] = []
@@ -252,8 +252,8 @@ def test_greedy_never_undoes_a_one_rule_step_but_may_undo_part_of_every_fusion(b
 
     from rlflow.measure.session import SessionSettings
     from rlflow.measure.timing import Ratio
-    from rlflow.search.candidates import Screening
     from rlflow.search.greedy import GreedyConfig, greedy
+    from rlflow.search.selection import Screening
 
     greedy_module = sys.modules["rlflow.search.greedy"]
     measured: list[set[str]] = []

@@ -19,17 +19,18 @@ from rlflow.measure import timing
 from rlflow.measure.session import SessionSettings
 from rlflow.measure.timing import Pace, compare
 from rlflow.rewrites import apply
-from rlflow.search.candidates import expand, measure_against, select_measured
+from rlflow.search.candidates import expand
 from rlflow.search.greedy import GreedyConfig, greedy
 from rlflow.search.random_walk import RandomConfig, random_walk
+from rlflow.search.selection import measure_against, select_measured
 from rlflow.search.taso import TasoConfig, taso
 
 SESSION, BESIDE, RUN_PER_NODE, EXPORT, ESTIMATE = 5.0, 1.4, 0.002, 0.5, 0.5
 """Fake seconds: a session build (BESIDE times longer while another session lives, as measured on BERT-base), a run
 per node of the model, an export, a cost-model estimate."""
 
-MODULES = ("rlflow.measure.timing", "rlflow.search.candidates", "rlflow.search.taso", "rlflow.search.greedy",
-           "rlflow.search.random_walk")
+MODULES = ("rlflow.measure.timing", "rlflow.search.candidates", "rlflow.search.selection", "rlflow.search.taso",
+           "rlflow.search.greedy", "rlflow.search.random_walk")
 
 
 class Clock:
@@ -177,10 +178,10 @@ def test_compare_with_a_pace_starts_no_round_that_would_end_late(fake, graph):
 
 @pytest.mark.parametrize("search", ["taso", "random"])
 def test_search_ends_within_its_time_limit_with_a_valid_result(fake, graph, search, monkeypatch):
-    import rlflow.search.candidates as candidates
+    import rlflow.search.selection as selection
 
     calls = {}
-    real_select, real_reserve = candidates.select_measured, candidates.measurement_reserve
+    real_select, real_reserve = selection.select_measured, selection.measurement_reserve
 
     def reserve(*args, **kwargs):
         calls["reserve"] = real_reserve(*args, **kwargs)
