@@ -29,7 +29,7 @@ from rlflow.graph.copy_and_sort import copy_graph, toposort
 from rlflow.graph.editing import Editing
 from rlflow.graph.external_data import any_mapped, external_array, external_reference, resolve_external_data
 from rlflow.graph.fingerprint import fingerprint as _fingerprint
-from rlflow.graph.input_repairs import REPAIRS_KEY, convert_opset, repair
+from rlflow.graph.input_repairs import REPAIRS_KEY, convert_opset, parse_repairs, repair
 from rlflow.graph.input_shapes import deployed_shapes, fix_input_dims
 from rlflow.graph.model_file import check_model, max_ir_version, read_model, save_model
 
@@ -205,8 +205,7 @@ class Graph(Editing):
     @property
     def input_repairs(self) -> list[str]:
         """What rlflow repaired or converted on the way from the model to this graph (`rlflow.graph.input_repairs`)."""
-        text = dict(self.model_info["metadata_props"]).get(REPAIRS_KEY, "")
-        return [r for r in text.split("; ") if r]
+        return parse_repairs(dict(self.model_info["metadata_props"]).get(REPAIRS_KEY, ""))
 
     @property
     def opset(self) -> int:

@@ -42,20 +42,20 @@ _MAPPED: dict[int, tuple[weakref.ref, str, int, tuple]] = {}
 _file_maps: "weakref.WeakValueDictionary[tuple, np.memmap]" = weakref.WeakValueDictionary()
 
 
-def _graphs(graph: onnx.GraphProto) -> Iterable[onnx.GraphProto]:
+def graphs_within(graph: onnx.GraphProto) -> Iterable[onnx.GraphProto]:
     """A graph and every subgraph (If, Loop and Scan bodies) inside it."""
     yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
+                yield from graphs_within(attr.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    yield from _graphs(sub)
+                    yield from graphs_within(sub)
 
 
 def _initializers(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
-    return [t for g in _graphs(graph) for t in g.initializer]
+    return [t for g in graphs_within(graph) for t in g.initializer]
 
 
 def external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:

@@ -19,6 +19,8 @@ import logging
 import onnx
 from onnx import helper
 
+from rlflow.graph.external_data import graphs_within
+
 log = logging.getLogger("rlflow")
 
 REPAIRS_KEY = "rlflow.input_repairs"
@@ -40,7 +42,11 @@ def default_opset(model: onnx.ModelProto) -> int | None:
 
 def repairs(model: onnx.ModelProto) -> list[str]:
     """The repairs recorded in `model`'s metadata."""
-    text = next((p.value for p in model.metadata_props if p.key == REPAIRS_KEY), "")
+    return parse_repairs(next((p.value for p in model.metadata_props if p.key == REPAIRS_KEY), ""))
+
+
+def parse_repairs(text: str) -> list[str]:
+    """The repairs a `REPAIRS_KEY` value lists."""
     return [r for r in text.split("; ") if r]
 
 
@@ -63,7 +69,8 @@ def repair(model: onnx.ModelProto) -> list[str]:
 
 def record(model: onnx.ModelProto, done: list[str]) -> None:
     """Adds `done` to the repairs `model`'s metadata lists."""
-    listed = repairs(model) + [r for r in done if r not in repairs(model)]
+    listed = repairs(model)
+    listed += [r for r in done if r not in listed]
     kept = [p for p in model.metadata_props if p.key != REPAIRS_KEY]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)
@@ -152,11 +159,7 @@ def _ranks(model: onnx.ModelProto) -> dict[str, int]:
 
 def _nodes(graph: onnx.GraphProto):
     """Every node of `graph` and of its subgraphs."""
-    for node in graph.node:
-        yield node
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
-                yield from _nodes(sub)
+    return (node for g in graphs_within(graph) for node in g.node)
 
 
 def _used_domains(model: onnx.ModelProto) -> set[str]:
