@@ -25,13 +25,14 @@ from rlflow.rewrites.queries import (
 )
 
 
-def _mean(t: Pattern) -> Pattern:
-    return op.ReduceMean(t) | op.ReduceMean(t, ANY)  # axes as an attribute (below opset 18) or an input
+def mean_of(t: Pattern) -> Pattern:
+    """`ReduceMean(t)`, its axes an attribute (below opset 18) or an input (the RMSNorm's mean square too)."""
+    return op.ReduceMean(t) | op.ReduceMean(t, ANY)
 
 
 X, CENTRED, MEAN = var("x"), var("centred"), var("mean")
-_CENTRED = op.Sub(X, _mean(X).bind("mean")).bind("centred")
-_VARIANCE = _mean(op.Pow(CENTRED | op.Sub(X, MEAN), const(2.0)) | op.Mul(CENTRED, CENTRED)).bind("variance")
+_CENTRED = op.Sub(X, mean_of(X).bind("mean")).bind("centred")
+_VARIANCE = mean_of(op.Pow(CENTRED | op.Sub(X, MEAN), const(2.0)) | op.Mul(CENTRED, CENTRED)).bind("variance")
 _STD = op.Sqrt(op.Add(_VARIANCE, constant("eps")))
 _NORMALISED = op.Div(_CENTRED, _STD) | op.Mul(_CENTRED, op.Reciprocal(_STD))
 

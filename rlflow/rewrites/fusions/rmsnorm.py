@@ -17,7 +17,8 @@ from rlflow.graph.core import Graph
 from rlflow.graph.dynamic_axes import dynamic_axes
 from rlflow.rewrites.base import Match, NoMatch, Rule
 from rlflow.rewrites.edits import emit, replace_typed, replace_with_skip_norm
-from rlflow.rewrites.pattern import ANY, Found, Pattern, PatternRule, const, constant, op, var
+from rlflow.rewrites.fusions.layernorm import mean_of
+from rlflow.rewrites.pattern import Found, PatternRule, const, constant, op, var
 from rlflow.rewrites.queries import (
     broadcast_shape,
     has_input,
@@ -38,12 +39,8 @@ _SKIP_TYPES = _TYPES[:2]
 """Element types of onnxruntime's SkipSimplifiedLayerNormalization kernels (CPU and CUDA)."""
 
 
-def _mean(t: Pattern) -> Pattern:
-    return op.ReduceMean(t) | op.ReduceMean(t, ANY)  # axes as an attribute (below opset 18) or an input
-
-
 X = var("x")
-_SUM = op.Add(_mean((op.Pow(X, const(2.0)) | op.Mul(X, X)).otherwise("the mean is not of the normalised input squared"))
+_SUM = op.Add(mean_of((op.Pow(X, const(2.0)) | op.Mul(X, X)).otherwise("the mean is not of the normalised input squared"))
               .bind("mean"), constant("eps").otherwise("the epsilon is not a constant scalar"))
 _SQRT = op.Sqrt(_SUM)
 _NORMED = op.Div(X, _SQRT) | op.Mul(X, op.Reciprocal(_SQRT) | op.Div(const(1.0), _SQRT) | op.Pow(_SUM, const(-0.5)))
