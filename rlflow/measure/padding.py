@@ -18,7 +18,7 @@ import onnx
 from rlflow.errors import InputError
 from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, create_session, run_session
-from rlflow.measure.verify import OutputCheck, Verification, compare_arrays
+from rlflow.measure.verify import OutputCheck, Verification, compare_arrays, worse
 
 PAST, PRESENT, POSITIONS = "past", "present", "position_ids"
 
@@ -76,7 +76,7 @@ def verify_padded(reference: onnx.ModelProto, candidate: onnx.ModelProto, mask: 
                 if name.startswith(PRESENT):
                     got = got[..., :n, :]
                 check = compare_arrays(name, np.asarray(expected[name]), np.asarray(got), tolerance)
-                if name not in worst or (not check.ok and worst[name].ok) or check.rel_norm > worst[name].rel_norm:
+                if name not in worst or worse(check, worst[name]):
                     worst[name] = check
     checks = [worst[n] for n in outputs]
     bad = [c for c in checks if not c.ok]

@@ -109,7 +109,7 @@ def verify(reference: onnx.ModelProto, candidate: onnx.ModelProto, *, seeds: Seq
                                     f"candidate fails to run: {str(exc).strip().splitlines()[0][:300]}")
             for name, a, b in zip(ref_names, expected, actual):
                 check = compare_arrays(name, np.asarray(a), np.asarray(b), tolerance)
-                if name not in worst or _worse(check, worst[name]):
+                if name not in worst or worse(check, worst[name]):
                     worst[name] = check
     checks = [worst[n] for n in ref_names]
     bad = [c for c in checks if not c.ok]
@@ -161,5 +161,6 @@ def compare_arrays(name: str, expected: np.ndarray, actual: np.ndarray, toleranc
     return OutputCheck(name, max_abs, max_rel, rel_norm, tol, rel_norm <= tol)
 
 
-def _worse(a: OutputCheck, b: OutputCheck) -> bool:
+def worse(a: OutputCheck, b: OutputCheck) -> bool:
+    """Whether check `a` of an output is the one to report over `b`: failing where `b` holds, or further off."""
     return (not a.ok and b.ok) or a.rel_norm > b.rel_norm
