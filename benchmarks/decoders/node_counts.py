@@ -20,9 +20,8 @@ import onnxruntime
 from rlflow.bench.builder_reference import fused_and_packed, optimized_ops
 from rlflow.graph.core import Graph, load
 from rlflow.graph.input_values import fix_values
-from rlflow.rewrites import RULES, rule
-from rlflow.rewrites.base import apply_everywhere
-from rlflow.rewrites.padding import GqaPaddingLengths
+from rlflow.optimize.padding import contract_rewrite
+from rlflow.rewrites import RULES, apply_everywhere, rule
 
 here = Path(__file__).resolve().parents[2] / "docs" / "results" / "decoders"
 STEPS = {"smollm2-135m-decode-p128-dynamo": "smollm2-135m-decode-p128-dynamo",
@@ -41,9 +40,9 @@ that exporter writes before the first layer's cache."""
 
 def under_contract(model):
     """`model` (the fused and packed step) as `--padding attention_mask=right` leaves it, Reshape chains cleaned."""
-    graph = Graph.from_model(model)
-    for step in (GqaPaddingLengths("attention_mask"), rule("attention-nan-guard-elim"), *map(rule, CLEANUP)):
-        graph, _ = apply_everywhere(graph, step, step.find(graph), [step])
+    graph, _, _ = contract_rewrite(Graph.from_model(model), "attention_mask")
+    for step in map(rule, CLEANUP):
+        graph, _ = apply_everywhere(graph, step, step.find(graph))
     return graph.to_model(static=True)
 
 

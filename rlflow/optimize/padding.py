@@ -84,14 +84,11 @@ def apply_padding(graph: Graph, given: onnx.ModelProto, search: SearchResult, ex
     (`exact`, the exact graph's own, where nothing changed), and what happened."""
     exact_kept = exact is not None and exact.ok
     base = search.graph if exact_kept else graph
-    contract = GqaPaddingLengths(mask)
-    rewritten, applied = apply_everywhere(base, contract, contract.find(base), [contract])
+    rewritten, applied, dropped = contract_rewrite(base, mask)
     if not applied:
-        reasons = sorted({r.reason for r in contract.reasons(base)})
+        reasons = sorted({r.reason for r in GqaPaddingLengths(mask).reasons(base)})
         why = reasons[0] if reasons else "the graph has no GroupQueryAttention (no attention was fused)"
         return search, exact, PaddingOutcome(mask, 0, why)  # as the exact search left it, its check included
-    guard = rule("attention-nan-guard-elim")
-    rewritten, dropped = apply_everywhere(rewritten, guard, guard.find(rewritten), [guard])
     shapes = [dict(graph.input_shapes), _longer_past(graph.input_shapes, mask)]
     check = verify_padded(given, rewritten.to_model(static=False), mask, shapes, seed=seed)
     if not check.ok:  # the exact search's result stands, as if nothing had been declared
@@ -100,6 +97,18 @@ def apply_padding(graph: Graph, given: onnx.ModelProto, search: SearchResult, ex
     result = replace(search, graph=rewritten, applied=[*(search.applied if exact_kept else []), *applied, *dropped],
                      stop_reason=f"{search.stop_reason}; padding contract: {len(applied)} attention(s) read lengths")
     return result, check, outcome
+
+
+def contract_rewrite(graph: Graph, mask: str) -> tuple[Graph, list, list]:
+    """`graph` as the contract leaves it: every attention whose bias comes of `mask` reading the rows' lengths, then
+    the NaN guards after them dropped, now dead; and the two rules' rewrites."""
+    contract = GqaPaddingLengths(mask)
+    rewritten, applied = apply_everywhere(graph, contract, contract.find(graph), [contract])
+    if not applied:
+        return graph, [], []
+    guard = rule("attention-nan-guard-elim")
+    rewritten, dropped = apply_everywhere(rewritten, guard, guard.find(rewritten), [guard])
+    return rewritten, applied, dropped
 
 
 def _longer_past(shapes: Mapping[str, tuple[int, ...]], mask: str) -> dict[str, list[int]]:
