@@ -53,12 +53,13 @@ from rlflow.errors import RlflowError
               help="CUDA only: measure every model as onnxruntime's captured CUDA graph (enable_cuda_graph, inputs "
                    "and outputs bound on the device), the way to run the output; needs fixed shapes and every node "
                    "on CUDA.")
-@click.option("--precision", type=str, default=None, metavar="int4|int8",
-              help="After the exact rewrites, store the weights of the layers where it pays in fewer bits, within "
-                   "--max-error: int4 (int4 or int8 per layer) or int8 [default: exact].")
+@click.option("--precision", type=str, default=None, metavar="int4|int8|fp16|bf16",
+              help="After the exact rewrites, lower precision where it pays, within --max-error: int4 or int8 (the "
+                   "weights of the layers chosen in fewer bits), fp16 or bf16 (the nodes chosen computed in half, "
+                   "bf16 on CUDA only) [default: exact].")
 @click.option("--max-error", type=float, default=None, metavar="X",
               help="With --precision: the relative error norm ||out - ref|| / ||ref|| each output may reach against "
-                   "MODEL [default: 0.10 for int4, 0.02 for int8].")
+                   "MODEL [default: 0.10 for int4, 0.02 for int8, 0.01 for fp16, 0.05 for bf16].")
 @click.option("--data", type=click.Path(path_type=Path), default=None, metavar="FILE.npz",
               help="With --precision: arrays named after MODEL's inputs, first axis = samples, to measure the error "
                    "on [default: random inputs, which the report says].")

@@ -68,6 +68,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     predicted_peak = check_fits(graph)
     resolved = resolve_provider(provider)
     rules = exact_rules(rules_for(rules, ops, resolved), options.precision)
+    lowering = precision_rules(options.precision, resolved) if options.precision else []
     check_capture(resolved, cuda_graph)
     method, method_reason = (method, None) if method is not None else _default_for(resolved, agent, finetune, graph, rules)
     if method == "agent" and agent is None:
@@ -108,7 +109,7 @@ def optimize(model: str | os.PathLike | Graph, options: Options | None = None, *
     if options.precision:
         search, checked, lowered = lower_precision(
             graph, given, search, checked, settings, precision=options.precision, max_error=options.max_error,
-            samples=samples, rules=precision_rules(options.precision, resolved), seed=seed, progress=progress)
+            samples=samples, rules=lowering, seed=seed, progress=progress)
         if lowered.search.applied:
             candidate = search.graph.to_model(static=False)
     recorded = {**settings.as_dict(), "method": method, "method_reason": method_reason, "time_limit": time_limit,

@@ -21,24 +21,24 @@ from rlflow.measure.verify import Verification
 from rlflow.rewrites import PRECISION_RULES, Rule
 from rlflow.rewrites.precision import PrecisionRule
 from rlflow.search.candidates import SearchResult
+from rlflow.search.half import half_search
 from rlflow.search.precision import PrecisionSearch, precision_search
 
-PRECISIONS = ("int4", "int8")
-"""What `--precision` offers: int4 (int4 and int8 layers, each where it pays) and int8 (int8 layers only)."""
+PRECISIONS = ("int4", "int8", "fp16", "bf16")
+"""What `--precision` offers: int4 (int4 and int8 layers, each where it pays), int8 (int8 layers only), and fp16 or
+bf16 (nodes computed in half precision, the rest float32)."""
+
+HALF = ("fp16", "bf16")
 
 QUANTIZED_OPS = frozenset({"MatMulNBits", "DynamicQuantizeMatMul", "MatMulInteger", "MatMulIntegerToFloat",
                            "QLinearMatMul", "QLinearConv", "ConvInteger", "DequantizeLinear", "GatherBlockQuantized",
                            "QAttention", "QGemm"})
 """Operators of a graph already in low precision: the report names them, and the search leaves them as they are."""
 
-NOT_YET = ("fp16", "bf16")
-"""Half precisions, refused in one line: onnxruntime's CPU provider lacks half kernels for most operators, and the
-GPU's conversion (Casts at the boundaries, norms and softmax kept in float32) is not built yet."""
-
-DEFAULT_MAX_ERROR = {"int8": 0.02, "int4": 0.10}
+DEFAULT_MAX_ERROR = {"int8": 0.02, "int4": 0.10, "fp16": 0.01, "bf16": 0.05}
 """The relative error norm of each output allowed when `--max-error` is not given."""
 
-_OFFERED = {"int4": ("int4", "int8"), "int8": ("int8",)}
+_OFFERED = {"int4": ("int4", "int8"), "int8": ("int8",), "fp16": ("fp16",), "bf16": ("bf16",)}
 
 LOCKS_WEIGHTS = frozenset({"attention-pack-qkv", "gemm-activation-fusion"})
 """Exact rules left out of the search before a precision step: they move a weight into an operator no precision
@@ -46,8 +46,8 @@ rule lowers (the packed `Attention`, `FusedGemm`), so on an encoder they kept ha
 
 
 def exact_rules(rules: Sequence[Rule], precision: str | None) -> list[Rule]:
-    """The exact search's rules: all of `rules`, less LOCKS_WEIGHTS before a precision step."""
-    return [r for r in rules if precision is None or r.name not in LOCKS_WEIGHTS]
+    """The exact search's rules: all of `rules`, less LOCKS_WEIGHTS before an integer precision step."""
+    return [r for r in rules if precision in (None, *HALF) or r.name not in LOCKS_WEIGHTS]
 
 
 def check_precision(precision: str | None, max_error: float | None, data, ops: str = "all") -> None:
@@ -56,8 +56,6 @@ def check_precision(precision: str | None, max_error: float | None, data, ops: s
         if max_error is not None or data is not None:
             raise InputError("--max-error and --data bound a reduced precision: give --precision too")
         return
-    if precision in NOT_YET:
-        raise InputError(f"--precision {precision} is not made yet: choose from {', '.join(PRECISIONS)}")
     if precision not in PRECISIONS:
         raise InputError(f"unknown precision '{precision}': choose from {', '.join(PRECISIONS)}")
     if max_error is not None and not max_error > 0:
@@ -67,7 +65,13 @@ def check_precision(precision: str | None, max_error: float | None, data, ops: s
 
 
 def precision_rules(precision: str, provider: str) -> list[PrecisionRule]:
-    """The rules `--precision` offers on `provider`: its own and the higher precisions below float32."""
+    """The rules `--precision` offers on `provider`: its own and the higher precisions below float32.
+
+    Raises InputError for bf16 on the CPU provider, which has no bfloat16 kernel for MatMul or Add (onnxruntime
+    1.31); fp16 there runs, and its gate measures whether it pays."""
+    if precision == "bf16" and provider != PROVIDERS["cuda"]:
+        raise InputError("--precision bf16 needs the CUDA provider: onnxruntime's CPU provider has no bfloat16 "
+                         "kernels for MatMul or Add (use fp16, int8 or int4 on the CPU)")
     return [r for r in PRECISION_RULES if r.precision in _OFFERED[precision]
             and (provider != PROVIDERS["cuda"] or r.cuda)]
 
@@ -120,7 +124,8 @@ def lower_precision(graph: Graph, given: onnx.ModelProto, search: SearchResult, 
     note = ("" if exact is None or exact_kept else
             f"the exact rewrites were dropped: they do not verify ({exact.message})")
     evaluator = Evaluator(given, samples, settings, budget)
-    found = precision_search(base, evaluator, settings, rules, budget, progress=progress)
+    found = (half_search(base, evaluator, settings, rules, budget, progress=progress) if precision in HALF else
+             precision_search(base, evaluator, settings, rules, budget, progress=progress))
     outcome = PrecisionOutcome(precision, budget, max_error is not None, samples.source, samples.random, found,
                                weight_bytes(graph), weight_bytes(found.graph), exact_kept, note,
                                {op: n for op, n in graph.op_counts().items() if op in QUANTIZED_OPS})

@@ -12,7 +12,7 @@ in: the cleanup rules fold (nothing is computed), and a rule that undoes a merge
 """
 from __future__ import annotations
 
-from rlflow.rewrites import precision
+from rlflow.rewrites import half, precision
 from rlflow.rewrites.base import GROUP_NAMES, Rule, registry_version
 from rlflow.rewrites.fusions import activations, embedding, layernorm, linear, rmsnorm, unfuse
 from rlflow.rewrites.fusions.attention import decoder, encoder, gqa_absorb, gqa_causal, nan_guard, packed_qkv, rotary
@@ -141,6 +141,8 @@ PRECISION_RULES: tuple[precision.PrecisionRule, ...] = (
     precision.MatMulInt4Block128(group="precision"),              #  1 matmul-int4-block128
     precision.MatMulInt8Block32(group="precision"),               #  2 matmul-int8-block32
     precision.MatMulDynamicInt8(group="precision"),               #  3 matmul-dynamic-int8
+    half.NodeFloat16(group="precision"),                          #  4 node-fp16
+    half.NodeBfloat16(group="precision"),                         #  5 node-bf16
 )
 """The reduced-precision rules, append only like `RULES` but a table of their own: they change what a model computes,
 so no default search sees them (`rlflow optimize --precision` offers them), and the exact rules' action ids, and the

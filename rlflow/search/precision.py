@@ -56,13 +56,13 @@ class Layer:
     """(rows per run, K, N)."""
     weight_bytes: int
     variants: dict[str, dict] = field(default_factory=dict)
-    """rule name -> {match, error (local), gain_ms, bytes}."""
+    """rule name -> {match, error (local; None where not measured alone), gain_ms, bytes, faster}."""
     chosen: str | None = None
 
     def pick(self, threshold: float) -> str | None:
         """The fastest variant whose local error is within `threshold`, among those faster alone."""
-        fits = [(v["gain_ms"], -v["bytes"], name) for name, v in self.variants.items()
-                if v["error"] <= threshold and v["faster"]]
+        fits = [(v["gain_ms"] or 0.0, -v["bytes"], name) for name, v in self.variants.items()
+                if (v["error"] or 0.0) <= threshold and v["faster"]]
         return max(fits)[2] if fits else None
 
 
@@ -95,31 +95,55 @@ def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettin
     `budget` (relative error norm of every output), fastest first; `graph` itself is untouched."""
     start = time.monotonic()
     layers = _measure_layers(graph, evaluator, settings, rules, progress)
-    usable = sorted({v["error"] for layer in layers for v in layer.variants.values() if v["faster"]})
-    evaluations: list[dict] = []
-    seen: dict[tuple, tuple[Graph, list[Match], ErrorReport]] = {}
+    if not layers:
+        return PrecisionSearch(graph, [], [], None, None, [], "no layer the precision rules take (a MatMul or Gemm "
+                               f"with a float32 constant weight of at least {MIN_WEIGHT_ELEMENTS} values)",
+                               time.monotonic() - start)
+    return choose(graph, layers, Choices(graph, evaluator, rules), budget, start)
 
-    def evaluate(threshold: float) -> tuple[Graph, list[Match], ErrorReport]:
-        chosen = [layer.variants[name]["match"] for layer in layers if (name := layer.pick(threshold))]
+
+class Choices:
+    """Evaluates a choice of layers (every rewrite a threshold picks) once: the graph with it, and its error."""
+
+    def __init__(self, graph: Graph, evaluator: Evaluator, rules: Sequence[PrecisionRule]):
+        self.graph, self.evaluator, self.rules = graph, evaluator, rules
+        self.evaluations: list[dict] = []
+        self.seen: dict[tuple, tuple[Graph, list[Match], ErrorReport]] = {}
+
+    def evaluate(self, chosen: Sequence[Match], label: float | None = None) -> tuple[Graph, list[Match], ErrorReport]:
+        """`graph` with `chosen` applied, the rewrites applied, and the error on the samples (infinite, and said,
+        where onnxruntime cannot run it)."""
         key = tuple(chosen)
-        if key in seen:  # thresholds between two measured errors choose alike
-            return seen[key]
-        candidate, applied = apply_all(graph, chosen, rules)
+        if key in self.seen:  # thresholds between two measured errors choose alike
+            return self.seen[key]
+        candidate, applied = apply_all(self.graph, chosen, self.rules)
         try:
-            report = evaluator.error(candidate.to_model(static=False))
+            report = self.evaluator.error(candidate.to_model(static=False))
         except RlflowError as exc:  # onnxruntime cannot run it: as if over any budget, and said
             inf = float("inf")
-            report = ErrorReport([OutputCheck(f"(fails to run: {exc})", inf, inf, inf, evaluator.budget, False)],
-                                 evaluator.samples.source)
-        evaluations.append({"threshold": threshold, "layers": len(applied), "max_error": report.max_error})
-        log.info("precision: local error <= %.3g: %d layers, error %.3g", threshold, len(applied), report.max_error)
-        seen[key] = candidate, applied, report
-        return seen[key]
+            report = ErrorReport([OutputCheck(f"(fails to run: {exc})", inf, inf, inf, self.evaluator.budget, False)],
+                                 self.evaluator.samples.source)
+        self.evaluations.append({"threshold": label, "layers": len(applied), "max_error": report.max_error})
+        log.info("precision: %s%d layers, error %.3g", "" if label is None else f"local error <= {label:.3g}: ",
+                 len(applied), report.max_error)
+        self.seen[key] = candidate, applied, report
+        return self.seen[key]
+
+
+def choose(graph: Graph, layers: list[Layer], choices: Choices, budget: float, start: float) -> PrecisionSearch:
+    """The largest threshold on the layers' measured errors at which the whole model stays within `budget`, by
+    bisection (a model's error grows with the layers it loses), everything tried first: where that fits, which is
+    the usual case, one evaluation decides."""
+    usable = sorted({v["error"] or 0.0 for layer in layers for v in layer.variants.values() if v["faster"]})
+
+    def evaluate(threshold: float) -> tuple[Graph, list[Match], ErrorReport]:
+        return choices.evaluate([layer.variants[name]["match"] for layer in layers
+                                 if (name := layer.pick(threshold))], threshold)
 
     best, least = None, None
     low, high = 0, len(usable) - 1
-    probe = high  # everything first: where it fits (int8, most often), one evaluation decides
-    while low <= high:  # the largest threshold within budget; a model's error grows with the layers it loses
+    probe = high
+    while low <= high:
         candidate, applied, report = evaluate(usable[probe])
         least = report.max_error if least is None else min(least, report.max_error)
         if report.max_error <= budget:
@@ -130,18 +154,16 @@ def precision_search(graph: Graph, evaluator: Evaluator, settings: SessionSettin
         probe = (low + high + 1) // 2
     seconds = time.monotonic() - start
     if not usable:
-        why = ("no layer is faster in a lower precision" if layers else
-               "no layer the precision rules take (a MatMul or Gemm with a float32 constant weight of at least "
-               f"{MIN_WEIGHT_ELEMENTS} values)")
-        return PrecisionSearch(graph, [], layers, None, None, evaluations, why, seconds)
+        return PrecisionSearch(graph, [], layers, None, None, choices.evaluations,
+                               "no layer is faster in a lower precision", seconds)
     if best is None:
-        return PrecisionSearch(graph, [], layers, None, None, evaluations,
+        return PrecisionSearch(graph, [], layers, None, None, choices.evaluations,
                                f"no choice is within the error budget {budget:.3g} (least error reached "
                                f"{least:.3g})", seconds, least_error=least)
     threshold, candidate, applied, report = best
     for layer in layers:
         layer.chosen = layer.pick(threshold)
-    return PrecisionSearch(candidate, applied, layers, report, threshold, evaluations,
+    return PrecisionSearch(candidate, applied, layers, report, threshold, choices.evaluations,
                            f"{len(applied)} of {len(layers)} layers in lower precision", seconds)
 
 
