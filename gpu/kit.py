@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -57,21 +58,20 @@ CALL_LIMIT = 64 * 2**20
 MARGIN = 3 * 2**20
 """Room left in every call for files that change between preparing the kit and the calls."""
 
-LEASE_PLAN = ('GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy GPU_TIME_LIMIT=30 GPU_ROUNDS=5 '
-              'GPU_BENCH_ARGS="--fix-dim batch=1 --fix-value attention_mask=1" '
-              'GPU_ZOO="qwen3-0.6b-l8-decode-p128-dynamo smollm2-135m-decode-p128-dynamo"')
-"""The measurement the last call starts: what fits a 15-minute lease (docs/gpu.md).  Issue #50's GPU part, next in
-its order: the float32 decode steps at past 128, captured, at batch 1 without padding (`--fix-dim`, `--fix-value`), the
-CUDA agent and greedy measured together, the peers and the builder's graph beside (the float16 ones measured so in
-docs/results/gpu/h200-1130/: kit a minute, zoo build 1.8 minutes, bench 8.1).  Then issue #49's part with what is
-left, one model a call (1-1.5 minutes each there): `GPU_STEPS="bench" GPU_CUDA_GRAPH=1 GPU_METHODS=agent,greedy
-GPU_TIME_LIMIT=default GPU_ROUNDS=5 GPU_ZOO=bert-l4-h256-s16-ts` (the third held-out model, last measured with the
-agent shipped before), then `electra-small-s16-dynamo` again (onnxscript-ort's output, without the exporter's NaN
-guards, measured 1.731x there against 1.588x for both of rlflow's: `attention-nan-guard-elim` drops them since), then
-`GPU_METHODS=taso` on the three.  Later: the decode steps plain (not captured), the prefills."""
-
 ROOT = Path(__file__).resolve().parent.parent
 KIT_DIR = ROOT / ".gpukit"
+
+
+def _plan():
+    """gpu/plan.py, the lease plan (loaded by path: gpu/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_plan", Path(__file__).resolve().parent / "plan.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+plan = _plan()
 
 
 def download(dest: Path) -> list[Path]:
@@ -144,11 +144,15 @@ def reassemble(parts: list[Path], joined: Path, digest: str) -> None:
         raise SystemExit("gpu kit: reassembled archive does not match its SHA-256")
 
 
-def commands(parts: list[Path], root: Path = ROOT) -> str:
-    """The device calls, in order, as markdown: each carries one part; the last also installs and starts measuring.
+def commands(parts: list[Path], root: Path = ROOT, steps: list | None = None) -> str:
+    """The device calls, in order, as markdown: each carries one part; the last also installs and starts measuring
+    the first of `steps` (the plan's pending steps, `plan.pending()`, where None); the rest follow it, in order.
 
     Part paths are written relative to `root`, the repository root the calls run in.
     """
+    steps = plan.pending() if steps is None else steps
+    if not steps:
+        raise SystemExit("gpu kit: every step of gpu/plan.py has its results; add the next measurement there first")
     lines = ["# GPU kit: the device calls, in order", "",
              "Each call must follow the last within 30 s (the machine is given back when idle longer, and the parts",
              "already sent are lost with it). `carry` names the part the call takes along.", ""]
@@ -158,11 +162,19 @@ def commands(parts: list[Path], root: Path = ROOT) -> str:
         command = f"bash gpu/remote.sh receive {rel}"
         if i == len(parts):
             carry.append(".gpukit/SHA256")
-            command += f" && bash gpu/remote.sh install && {LEASE_PLAN} bash gpu/remote.sh measure --wait 540"
+            command += (f" && bash gpu/remote.sh install && {steps[0].environment()} bash gpu/remote.sh measure"
+                        " --wait 540")
         lines += [f"{i}. carry `{json.dumps(carry)}`, command: `{command}`"]
-    lines += ["", "Then, until it reports `measurement finished`, each within 30 s of the last:",
-              "`bash gpu/remote.sh collect --wait 540` (no carry). Every call leaves the results so far in $OUT.",
-              "Change the settings before `bash gpu/remote.sh measure` to measure something else (gpu/measure.sh).", ""]
+    lines += ["", f"That measures `{steps[0].name}` ({steps[0].issue}, about {steps[0].minutes:g} device-minutes).",
+              "Then, until it reports `measurement finished`, each within 30 s of the last:",
+              "`bash gpu/remote.sh collect --wait 540` (no carry). Every call leaves the results so far in $OUT;",
+              f"commit them as docs/results/gpu/plan/{steps[0].name}/ with the device and versions.", ""]
+    if steps[1:]:
+        lines += ["Where the lease has time left, the plan's next steps, in order (gpu/plan.py), each started when the",
+                  "last has finished:", ""]
+        lines += [f"- `{s.name}` ({s.issue}, about {s.minutes:g} minutes): `{s.environment()} bash gpu/remote.sh "
+                  "measure --wait 540`" for s in steps[1:]]
+        lines.append("")
     return "\n".join(lines)
 
 

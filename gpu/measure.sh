@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurement, started detached by `gpu/remote.sh measure`; each step writes its results as it goes, and
 # `gpu/remote.sh collect` bundles whatever is there.  Order: what the acceptance needs first.
-# Settings (environment): GPU_STEPS (which steps, in order: bench cuda-graph costcheck [default], optimize),
+# Settings (environment): GPU_STEPS (which steps, in order: bench cuda-graph costcheck [default], optimize, precision),
 # GPU_PROVIDER (cuda; with another, e.g. cpu, the CUDA graph steps are skipped, so that the script can be rehearsed
 # without a GPU), GPU_ZOO (the models, zoo names), GPU_METHODS, GPU_TIME_LIMIT (seconds, or `default`: each method's
-# own default, as a user runs it), GPU_ROUNDS, GPU_SEQUENCES, GPU_BENCH_ARGS (more bench options, e.g. "--fix-dim batch=1").
+# own default, as a user runs it), GPU_ROUNDS, GPU_SEQUENCES, GPU_BENCH_ARGS (more bench options, e.g. "--fix-dim batch=1"),
+# GPU_OPTIMIZE_ARGS (more optimize options, e.g. "--padding attention_mask=right"), GPU_PRECISION (the precision
+# step's --precision: fp16, int4, ...).  The lease plan, in order: gpu/plan.py.
 # The optimize step runs `rlflow optimize --method greedy` on each model in turn and times its output beside the input,
 # plain and with CUDA graph capture (gpu/cuda_graph_peer.py --rewritten), one model at a time so that a run cut short
 # has whole rows.  The bench's peers include, for the zoo's decoders, onnxruntime-genai's model builder's graph (-p fp16
@@ -71,15 +73,21 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
       for m in $ZOO; do
         step "optimize $m: greedy, time limit $LIMIT$binding ${capture[*]}"
         "$PY" -m rlflow.cli optimize "$KIT/models/$m.onnx" --method greedy --provider "$PROVIDER" --threads 1 \
-          "${limit[@]}" "${capture[@]}" -o "$KIT/models/$m.rlflow$cg.onnx" \
+          "${limit[@]}" "${capture[@]}" ${GPU_OPTIMIZE_ARGS:-} -o "$KIT/models/$m.rlflow$cg.onnx" \
           --json "$R/optimize/$m$cg.json"
-        if [[ $PROVIDER == cuda ]]; then
+        # a padding contract's output is timed by its gate (masks of ones); the peer script's random masks break it
+        if [[ $PROVIDER == cuda && ${GPU_OPTIMIZE_ARGS:-} != *--padding* ]]; then
           step "$m and its rewrite, plain and captured"
           "$PY" gpu/cuda_graph_peer.py "$KIT/models/$m.onnx" --rewritten ".rlflow$cg.onnx" \
             --out "$R/optimize/$m$cg.captured.json"
         fi
       done ;;
-    *) echo "unknown step $STEP (steps: bench cuda-graph costcheck optimize)" >&2 ;;
+    precision)
+      P=${GPU_PRECISION:-fp16}
+      step "bench-precision $P: rlflow --precision $P beside the quantizers and converters$binding"
+      "$PY" -m rlflow.cli bench-precision $MODELS --precision "$P" --provider "$PROVIDER" --threads 1 \
+        --rounds ${GPU_ROUNDS:-10} --out "$R/precision-$P" ;;
+    *) echo "unknown step $STEP (steps: bench cuda-graph costcheck optimize precision)" >&2 ;;
   esac
 done
 

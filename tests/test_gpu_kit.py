@@ -64,9 +64,43 @@ def test_commands_carry_every_part_in_order_and_the_checksum_last(tmp_path):
         assert (".gpukit/SHA256" in carry) == (i == 4)
         assert ("install" in command) == (i == 4) and ("measure" in command) == (i == 4)
     last = calls[-1][1].split(" && ")
+    first = kit.plan.PLAN[0]
     assert last == ["bash gpu/remote.sh receive .gpukit/part-04", "bash gpu/remote.sh install",
-                    f"{kit.LEASE_PLAN} bash gpu/remote.sh measure --wait 540"]
-    assert "GPU_STEPS=" in kit.LEASE_PLAN and "GPU_ZOO=" in kit.LEASE_PLAN
+                    f"{first.environment()} bash gpu/remote.sh measure --wait 540"]
+    assert "GPU_STEPS=" in first.environment() and "GPU_ZOO=" in first.environment()
+
+
+def test_the_plan_picks_up_at_its_first_step_without_results(tmp_path):
+    plan = kit.plan
+    assert [s.name for s in plan.pending(tmp_path)] == [s.name for s in plan.PLAN]
+    (tmp_path / plan.PLAN[0].name).mkdir()
+    rest = plan.pending(tmp_path)
+    assert rest == list(plan.PLAN[1:])
+    text = kit.commands([tmp_path / ".gpukit" / "part-01"], root=tmp_path, steps=rest)
+    assert f"{rest[0].environment()} bash gpu/remote.sh measure" in _calls(text)[0][1]
+    assert all(f"`{s.name}`" in text for s in rest)
+    with pytest.raises(SystemExit, match="every step"):
+        kit.commands([tmp_path / ".gpukit" / "part-01"], root=tmp_path, steps=[])
+
+
+def test_every_plan_step_fits_a_lease_and_names_only_what_measure_sh_knows():
+    plan = kit.plan
+    script = (ROOT / "gpu" / "measure.sh").read_text()
+    for step in plan.PLAN:
+        assert step.minutes <= plan.LEASE_MINUTES - plan.START_MINUTES, step.name
+        assert set(step.settings) <= set(re.findall(r"\b(GPU_[A-Z_]+)", script)), step.name
+        assert all(f"    {s})" in script for s in step.settings["GPU_STEPS"].split()), step.name
+        assert all(_in_zoo(m) for m in step.settings["GPU_ZOO"].split() + step.stand_ins.split()), step.name
+    assert len({s.name for s in plan.PLAN}) == len(plan.PLAN)
+
+
+def _in_zoo(name: str) -> bool:
+    from rlflow import zoo
+
+    try:
+        return zoo.get(name) is not None
+    except ValueError:
+        return False
 
 
 def test_one_part_is_one_call_that_does_everything(tmp_path):

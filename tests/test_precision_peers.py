@@ -1,5 +1,6 @@
 """rlflow.bench.precision_peers: every peer quantizes a small fp32 model into what it is meant to write, the output
-runs in onnxruntime on the CPU within its precision's error, and the input is left as it was."""
+runs in onnxruntime on the CPU within its precision's error, and the input is left as it was; the fp16 peers' own
+settings (the optimizer's fusions, the mixed converter's budget) hold."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,6 +49,21 @@ def gemm_layer(width: int = WIDTH) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def residual_norm(width: int = WIDTH) -> onnx.ModelProto:
+    """x -> MatMul W -> Add x -> LayerNormalization -> y: the residual a transformer's layer ends with, which
+    onnxruntime's transformers optimizer fuses into SkipLayerNormalization."""
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((width, width)) / 16).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "x"], ["r"]),
+         helper.make_node("LayerNormalization", ["r", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)], "residual",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4, width])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(width, np.float32), "gamma"),
+         numpy_helper.from_array(np.zeros(width, np.float32), "beta")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def session(model: onnx.ModelProto, optimized: str | None = None) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -88,6 +104,9 @@ LAYERS_WRITTEN = {
     "onnxsim-int8": lambda m: len(ops(m, "MatMulInteger")),
     "onnxsim-int8-weight-only": lambda m: int_weights(m, TensorProto.INT8),
     "onnxsim-fp16": lambda m: int_weights(m, TensorProto.FLOAT16),
+    "ort-fp16": lambda m: int_weights(m, TensorProto.FLOAT16),
+    "ort-fp16-optimized": lambda m: int_weights(m, TensorProto.FLOAT16),
+    "onnxconverter-fp16-mixed": lambda m: int_weights(m, TensorProto.FLOAT16),
 }
 """Peer -> how many layers of its output are in the form it is meant to write (the test model has two)."""
 
@@ -109,7 +128,8 @@ def test_a_peer_quantizes_both_layers_within_its_precision_error(name, tmp_path)
     assert model.SerializeToString() == before  # the input is untouched
     assert quantized.ir_version <= max_ir_version()
     assert LAYERS_WRITTEN[name](quantized) == 2
-    assert not ops(quantized, "MatMul") or name.startswith("onnxsim-")  # onnxsim's forms keep a MatMul
+    # onnxsim's forms keep a MatMul, and so does half precision
+    assert not ops(quantized, "MatMul") or name.startswith("onnxsim-") or PRECISION_PEERS[name] == "fp16"
     used = {i for n in quantized.graph.node for i in n.input}
     assert all(t.name in used for t in quantized.graph.initializer)  # the replaced float32 weights are gone
     optimized = str(tmp_path / "optimized.onnx")
@@ -166,6 +186,82 @@ def test_a_model_without_weights_is_not_applicable(name):
     with pytest.raises(NotApplicable) as caught:
         run_precision_peer(name, model)
     assert "\n" not in str(caught.value)
+
+
+def test_onnxruntimes_optimizer_fuses_before_its_fp16_conversion():
+    """`ort-fp16-optimized` is the transformers optimizer's graph in float16: the residual's Add and LayerNormalization
+    are one SkipLayerNormalization, its weights float16, and onnxruntime's CPU provider runs it within fp16's error."""
+    model = residual_norm()
+    feed = {"x": np.random.default_rng(6).standard_normal((2, 4, WIDTH)).astype(np.float32)}
+    fused = run_precision_peer("ort-fp16-optimized", model)
+    assert ops(fused, "SkipLayerNormalization") and not ops(fused, "LayerNormalization")
+    assert int_weights(fused, TensorProto.FLOAT16) == 3  # the weight, the scale and the bias
+    out = session(fused).run(None, feed)[0]
+    assert out.dtype == np.float32 and relative_error(out, outputs(model, feed)) < MAX_ERROR["fp16"]
+    assert not ops(run_precision_peer("ort-fp16", model), "SkipLayerNormalization")  # the plain converter fuses none
+
+
+def scaled_layer(width: int = WIDTH) -> onnx.ModelProto:
+    """x -> MatMul W -> Mul by 1e5 -> Mul by 1e-5 -> y: a constant beyond float16's range (65504), which a converter
+    clamps, undone by the next."""
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((width, width)) / 16).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Mul", ["h", "up"], ["s"]),
+         helper.make_node("Mul", ["s", "down"], ["y"])], "scaled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4, width])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(1e5, np.float32), "up"),
+         numpy_helper.from_array(np.array(1e-5, np.float32), "down")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_mixed_converter_keeps_float32_what_the_budget_needs_on_the_feed_it_is_given():
+    """onnxconverter-fp16-mixed bisects for the nodes whose float16 form breaks rlflow's budget on the given feed: the
+    Mul by an out-of-range constant stays float32 and the MatMul's weight goes float16, within the budget; a budget
+    nothing in float16 meets leaves it nothing it can write."""
+    model = scaled_layer()
+    feed = {"x": np.random.default_rng(8).standard_normal((2, 4, WIDTH)).astype(np.float32)}
+    mixed = run_precision_peer("onnxconverter-fp16-mixed", model, feed, max_error=0.01)
+    types = {t.name: t.data_type for t in mixed.graph.initializer}
+    assert types["w"] == TensorProto.FLOAT16 and types["up"] == TensorProto.FLOAT
+    assert relative_error(session(mixed).run(None, feed)[0], outputs(model, feed)) < 0.01
+    with pytest.raises(NotApplicable, match="onnxconverter-fp16-mixed failed"):
+        run_precision_peer("onnxconverter-fp16-mixed", two_layers(), feed, max_error=1e-7)
+
+
+def test_the_mixed_converter_on_a_graph_output_another_node_reads_is_not_applicable_and_says_why():
+    """onnxconverter-common's converter (1.16) mistypes a graph output that another node also reads when it keeps the
+    float32 interface (a BERT's last_hidden_state that its pooler reads); onnxruntime's converter handles it."""
+    model = two_layers()
+    model.graph.output.append(helper.make_tensor_value_info("h", TensorProto.FLOAT, ["b", 4, WIDTH]))
+    with pytest.raises(NotApplicable, match="mistypes graph output h, which another node reads"):
+        run_precision_peer("onnxconverter-fp16-mixed", model)
+    feed = {"x": np.random.default_rng(9).standard_normal((1, 4, WIDTH)).astype(np.float32)}
+    assert [o.dtype for o in session(run_precision_peer("ort-fp16", model)).run(None, feed)] == [np.float32] * 2
+
+
+def test_a_peer_model_onnxruntime_cannot_run_is_its_rows_reason_not_the_benchs_end(tmp_path, monkeypatch):
+    """A peer's model that onnxruntime refuses (as onnxsim's fp16 pass writes on a Llama-style decoder: a rotary Mul
+    of a float32 and a float16 operand, here a MatMul's) is that peer's row in `bench-precision`, which says why and
+    measures the rest."""
+    import rlflow.bench.precision_peers as peers
+    from rlflow.bench.precision import PrecisionBench, run
+
+    def mistyped(name, model, feed=None, max_error=None):
+        broken = run_precision_peer("ort-fp16", model)
+        broken.graph.node[0].input[0] = "x"  # a float32 input into a float16 MatMul
+        return broken
+
+    model = two_layers()
+    model.ir_version = max_ir_version()
+    onnx.save(model, str(tmp_path / "two.onnx"))
+    monkeypatch.setattr(peers, "run_precision_peer", mistyped)
+    config = PrecisionBench("fp16", peers=("ort-fp16",), rounds=3, method="greedy", time_limit=1)
+    rows = {r["method"]: r for r in run([tmp_path / "two.onnx"], config, tmp_path / "out")["rows"]}
+    assert rows["ort-fp16"]["status"] == "not applicable"
+    assert rows["ort-fp16"]["reason"].startswith("ort-fp16 wrote a model that does not run: ")
+    assert rows["rlflow"]["status"] == rows["rlflow-exact"]["status"] == "ok"
 
 
 def test_an_unknown_peer_is_refused():

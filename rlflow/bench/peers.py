@@ -175,7 +175,7 @@ def ort_transformers(model: onnx.ModelProto, *, hints: Mapping | None = None, fa
     options.enable_embed_layer_norm = False
     if settings["model_type"] not in ("vit", "swin"):  # those run without a mask
         options.use_raw_attention_mask(True)
-    with tempfile.TemporaryDirectory(prefix="rlflow-ort-transformers-") as tmp, _working_directory(tmp):
+    with tempfile.TemporaryDirectory(prefix="rlflow-ort-transformers-") as tmp, working_directory(tmp):
         # A path, not the proto: the optimizer then handles external data, and its own temporary files, as well as
         # the `sym_shape_infer_temp.onnx` its shape inference writes into the working directory when it cannot
         # finish, land in this folder.
@@ -363,7 +363,7 @@ def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
-def _working_directory(path: str) -> Iterator[None]:
+def working_directory(path: str) -> Iterator[None]:
     """contextlib.chdir, which Python 3.10 lacks."""
     previous = os.getcwd()
     os.chdir(path)

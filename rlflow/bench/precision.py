@@ -4,8 +4,9 @@ Per model: rlflow's output (`optimize` with `--precision`, every other setting i
 (without `--precision`: what the precision step adds is the difference) and each peer's
 (`rlflow.bench.precision_peers`) are measured interleaved against the input in one comparison, and each one's error
 is taken on the same samples: the model's held-out npz beside it (`<name>.heldout.npz`, as the zoo's trained decoders
-have), the given `--data`, or random inputs, which the row says.  A peer that cannot quantize a model is a row that
-says why; the run goes on.
+have), the given `--data`, or random inputs, which the row says.  A peer that tunes on data
+(onnxconverter-fp16-mixed) tunes on the first of those samples, within rlflow's budget.  A peer that cannot quantize a
+model, or writes one onnxruntime cannot run, is a row that says why; the run goes on.
 """
 from __future__ import annotations
 
@@ -21,14 +22,14 @@ import onnx
 
 from rlflow.bench.machine import environment, measure_bandwidth
 from rlflow.bench.peers import NotApplicable
-from rlflow.errors import InputError
+from rlflow.errors import InputError, ProviderError
 from rlflow.files import write_text_atomic
 from rlflow.graph.core import Graph
 from rlflow.graph.external_data import tensor_bytes
 from rlflow.graph.flops import count_bytes_read
 from rlflow.graph.model_file import read_model
 from rlflow.measure.accuracy import Evaluator, load_data, random_samples
-from rlflow.measure.session import SessionSettings
+from rlflow.measure.session import SessionSettings, create_session, resolve_provider
 from rlflow.measure.timing import compare
 from rlflow.optimize.pipeline import optimize
 
@@ -48,6 +49,8 @@ class PrecisionBench:
     method: str | None = None
     time_limit: float | None = None
     data: str | None = None
+    provider: str = "auto"
+    """`auto`, `cpu` or `cuda`: where rlflow searches and every model is timed and its error taken."""
 
 
 def peer_names(spec: str, precision: str) -> tuple[str, ...]:
@@ -78,14 +81,14 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
     graph = Graph.from_model(given, None, source=str(path), checked=True)
     data = data_file(path, config.data)
     samples = load_data(data, given) if data else random_samples(given, graph.input_shapes, config.seed)
-    settings = SessionSettings(threads=config.threads)
+    settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     candidates = {}
     for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what the precision step adds
         start = time.monotonic()
         result = optimize(path, precision=precision, max_error=config.max_error if precision else None,
                           data=data if precision else None,
                           method=config.method, time_limit=config.time_limit, threads=config.threads,
-                          seed=config.seed)
+                          seed=config.seed, provider=config.provider)
         candidates[name] = (result.output_model, time.monotonic() - start,
                             {"outcome": result.outcome, "reason": result.reason,
                              "layers": (result.precision or {}).get("layers")})
@@ -93,9 +96,13 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
     for name in config.peers:
         start = time.monotonic()
         try:
-            candidates[name] = (run_precision_peer(name, str(path)), time.monotonic() - start, {})
-        except NotApplicable as exc:
-            rows.append({"model": path.stem, "method": name, "status": "not applicable", "reason": str(exc)})
+            model = run_precision_peer(name, str(path), samples.feeds[0], config.max_error)
+            seconds = time.monotonic() - start
+            create_session(model, settings)  # a model onnxruntime refuses is the peer's row, not the run's end
+            candidates[name] = (model, seconds, {})
+        except (NotApplicable, ProviderError) as exc:
+            reason = str(exc) if isinstance(exc, NotApplicable) else f"{name} wrote a model that does not run: {exc}"
+            rows.append({"model": path.stem, "method": name, "status": "not applicable", "reason": reason})
     evaluator = Evaluator(given, samples, settings, budget=math.inf)
     bandwidth = measure_bandwidth(settings)["gbs"] * 1e9
     names = list(candidates)
@@ -116,7 +123,7 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
 
 def bytes_read(model: onnx.ModelProto, shapes) -> int:
     """`count_bytes_read` of `model` at the measured input `shapes` (its dynamic dimensions set there, then put back):
-    what one run reads as stored, an int4 weight half a byte a value."""
+    what one run reads as stored, an int4 weight half a byte a value, a float16 one two."""
     inputs = {vi.name: vi for vi in model.graph.input}
     saved = {name: [_copied(dim) for dim in vi.type.tensor_type.shape.dim] for name, vi in inputs.items()
              if name in shapes}
@@ -149,7 +156,8 @@ def run(models: Sequence[Path], config: PrecisionBench, out: Path) -> dict:
     for path in models:
         log.info("bench-precision: %s", path)
         rows += bench_model(Path(path), config)
-    results = {"config": config.__dict__, "environment": environment(SessionSettings(threads=config.threads)),
+    results = {"config": config.__dict__, "environment": environment(SessionSettings(provider=resolve_provider(config.provider),
+                                                                            threads=config.threads)),
                "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str) + "\n")

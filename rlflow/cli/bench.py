@@ -85,7 +85,8 @@ def bench(models, methods, peers, peer_names, provider, threads, time_limit, rou
 
 @click.command("bench-precision")
 @click.argument("models", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--precision", type=click.Choice(["int4", "int8"]), default="int4", show_default=True)
+@click.option("--precision", type=click.Choice(["int4", "int8", "fp16", "bf16"]), default="int4", show_default=True,
+              help="bf16 needs --provider cuda (onnxruntime's CPU provider has no bfloat16 kernels).")
 @click.option("--max-error", type=float, default=None, help="rlflow's error budget [default: the precision's].")
 @click.option("--peers", default="all", show_default=True,
               help="Comma-separated peer quantizers (rlflow.bench.precision_peers), 'all' or 'none'.")
@@ -94,17 +95,20 @@ def bench(models, methods, peers, peer_names, provider, threads, time_limit, rou
 @click.option("--method", type=click.Choice(["agent", "greedy", "taso", "random"]), default=None,
               help="rlflow's exact search before the precision step [default: optimize's].")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None)
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where rlflow searches and every model is timed and its error taken.")
 @click.option("--threads", type=click.IntRange(min=0), default=1, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=3), default=12, show_default=True,
               help="Interleaved rounds of the comparison of every output with the input.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for results.json and results.md.")
-def bench_precision(models, precision, max_error, peers, data, method, time_limit, threads, rounds, seed, out) -> None:
+def bench_precision(models, precision, max_error, peers, data, method, time_limit, provider, threads, rounds, seed,
+                    out) -> None:
     """rlflow's --precision beside the quantizers a user would pick instead: speed and error on the same data."""
     from rlflow.bench.precision import PrecisionBench, peer_names, run
 
     config = PrecisionBench(precision, max_error, peer_names(peers, precision), threads, rounds, seed, method,
-                            time_limit, data)
+                            time_limit, data, provider)
     run(models, config, out)
     click.echo((out / "results.md").read_text() + f"written {out}/results.json, results.md")
 
