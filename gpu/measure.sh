@@ -31,6 +31,8 @@ export RLFLOW_GENAI_BUILDER=${RLFLOW_GENAI_BUILDER:-$KIT/site/onnxruntime_genai/
 mkdir -p "$R"
 cd "$KIT/src"
 step() { echo "== $(date -u +%FT%TZ) $*"; }
+# a command that fails is named in $R/FAILED and the script goes on (the next step may still measure); it exits 1
+fail() { echo "$*" >> "$R/FAILED"; echo "== $(date -u +%FT%TZ) FAILED: $*"; }
 # smallest models first, so that a run cut short still covers most of the zoo
 ZOO=${GPU_ZOO:-"squeezenet-1.1 mobilenet-v2 resnet-18 nasrnn resnet-50 resnext-50-32x4d inception-v3 densenet-121 nasnet-a-mobile gpt2-small vit-b-16 bert-base"}
 MODELS=$(for m in $ZOO; do echo "$KIT/models/$m.onnx"; done)
@@ -39,7 +41,7 @@ step environment
 "$PY" gpu/environment.py > "$R/environment.json"; cat "$R/environment.json"
 
 step "zoo build with the machine's own torch"
-"$PY" -m rlflow.cli zoo build $ZOO --out "$KIT/models" 2>&1 | tee "$R/zoo-build.txt"
+"$PY" -m rlflow.cli zoo build $ZOO --out "$KIT/models" 2>&1 | tee "$R/zoo-build.txt" || fail "zoo build"
 
 if [[ $PROVIDER == cuda ]]; then binding=", CUDA with IOBinding"; else binding=", provider $PROVIDER"; fi
 LIMIT=${GPU_TIME_LIMIT:-10}; limit=(--time-limit "$LIMIT")
@@ -52,44 +54,45 @@ for STEP in ${GPU_STEPS:-bench cuda-graph costcheck}; do
       step "bench: ${GPU_METHODS:-greedy,taso}, time limit $LIMIT, and the peers$binding"
       "$PY" -m rlflow.cli bench $MODELS --methods ${GPU_METHODS:-greedy,taso} --peers --provider "$PROVIDER" \
         --threads 1 "${limit[@]}" --rounds ${GPU_ROUNDS:-10} "${capture[@]}" \
-        ${GPU_BENCH_ARGS:-} --out "$R/bench$cg" ;;
+        ${GPU_BENCH_ARGS:-} --out "$R/bench$cg" || fail "bench" ;;
     cuda-graph)
       if [[ $PROVIDER == cuda ]]; then
         step "CUDA graph capture as a peer configuration"
-        "$PY" gpu/cuda_graph_peer.py $MODELS --out "$R/cuda-graph.json"
+        "$PY" gpu/cuda_graph_peer.py $MODELS --out "$R/cuda-graph.json" || fail "cuda-graph"
       else
         step "CUDA graph capture skipped (provider $PROVIDER)"
       fi ;;
     costcheck)
       COSTZOO=${GPU_COSTCHECK_ZOO:-$ZOO}
       if [[ -n ${GPU_COSTCHECK_ZOO:-} ]]; then
-        "$PY" -m rlflow.cli zoo build $COSTZOO --out "$KIT/models" 2>&1 | tee -a "$R/zoo-build.txt"
+        "$PY" -m rlflow.cli zoo build $COSTZOO --out "$KIT/models" 2>&1 | tee -a "$R/zoo-build.txt" || fail "zoo build"
       fi
       step "cost table: random rewrite sequences, estimates against end-to-end measurement"
       "$PY" -m rlflow.cli costmodel check $(for m in $COSTZOO; do echo "$KIT/models/$m.onnx"; done) --provider "$PROVIDER" --sequences ${GPU_SEQUENCES:-6} \
-        --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" ;;
+        --length 4 --rounds 10 --repeats 2 --out "$R/costmodel-check.json" || fail "costcheck" ;;
     optimize)
       mkdir -p "$R/optimize"
       for m in $ZOO; do
         step "optimize $m: greedy, time limit $LIMIT$binding ${capture[*]}"
         "$PY" -m rlflow.cli optimize "$KIT/models/$m.onnx" --method greedy --provider "$PROVIDER" --threads 1 \
           "${limit[@]}" "${capture[@]}" ${GPU_OPTIMIZE_ARGS:-} -o "$KIT/models/$m.rlflow$cg.onnx" \
-          --json "$R/optimize/$m$cg.json"
+          --json "$R/optimize/$m$cg.json" || fail "optimize $m"
         # a padding contract's output is timed by its gate (masks of ones); the peer script's random masks break it
         if [[ $PROVIDER == cuda && ${GPU_OPTIMIZE_ARGS:-} != *--padding* ]]; then
           step "$m and its rewrite, plain and captured"
           "$PY" gpu/cuda_graph_peer.py "$KIT/models/$m.onnx" --rewritten ".rlflow$cg.onnx" \
-            --out "$R/optimize/$m$cg.captured.json"
+            --out "$R/optimize/$m$cg.captured.json" || fail "optimize $m, captured comparison"
         fi
       done ;;
     precision)
       P=${GPU_PRECISION:-fp16}
       step "bench-precision $P: rlflow --precision $P beside the quantizers and converters$binding"
       "$PY" -m rlflow.cli bench-precision $MODELS --precision "$P" --provider "$PROVIDER" --threads 1 \
-        --rounds ${GPU_ROUNDS:-10} --out "$R/precision-$P" ;;
-    *) echo "unknown step $STEP (steps: bench cuda-graph costcheck optimize precision)" >&2 ;;
+        --rounds ${GPU_ROUNDS:-10} --out "$R/precision-$P" || fail "precision $P" ;;
+    *) fail "unknown step $STEP (steps: bench cuda-graph costcheck optimize precision)" ;;
   esac
 done
 
 step done
 touch "$R/DONE"
+[[ ! -s $R/FAILED ]]

@@ -18,6 +18,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,9 +98,10 @@ def pending(results: Path = RESULTS) -> list[Step]:
     return [step for step in PLAN if not step.done(results)]
 
 
-def rehearse(out: Path, python: str = sys.executable) -> list[tuple[str, int]]:
+def rehearse(out: Path, python: str = sys.executable) -> list[tuple[str, int, float]]:
     """Runs every step of the plan with GPU_PROVIDER=cpu on its stand-ins, each into `out/STEP`; returns each step's
-    exit status. The kit's copy of the tree is made as `gpu/remote.sh install` makes it."""
+    exit status and seconds, and writes them to `out/README.md`. The kit's copy of the tree is made as
+    `gpu/remote.sh install` makes it."""
     src = out / "src"
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "rlflow", "gpu",
                              "models"], cwd=ROOT, check=True, capture_output=True).stdout.split(b"\0")
@@ -109,6 +111,7 @@ def rehearse(out: Path, python: str = sys.executable) -> list[tuple[str, int]]:
         target.write_bytes((ROOT / name.decode()).read_bytes())
     statuses = []
     for step in PLAN:
+        start = time.monotonic()
         kit = out / step.name
         (kit / "site").mkdir(parents=True, exist_ok=True)
         (kit / "src").unlink(missing_ok=True)
@@ -119,9 +122,24 @@ def rehearse(out: Path, python: str = sys.executable) -> list[tuple[str, int]]:
         with open(out / f"{step.name}.log", "w") as log:
             run = subprocess.run(["bash", str(ROOT / "gpu" / "measure.sh")], env=env, stdout=log,
                                  stderr=subprocess.STDOUT)
-        statuses.append((step.name, run.returncode if (kit / "results" / "DONE").exists() else 1))
+        statuses.append((step.name, run.returncode if (kit / "results" / "DONE").exists() else 1,
+                         time.monotonic() - start))
         print(f"{step.name}: exit {statuses[-1][1]}, log {out / (step.name + '.log')}", flush=True)
+    (out / "README.md").write_text(summary(out, statuses))
     return statuses
+
+
+def summary(out: Path, statuses: list[tuple[str, int, float]]) -> str:
+    """The rehearsal as markdown: each step's exit status, minutes, failures and the results files it wrote."""
+    lines = ["| step | issue | exit | minutes | failed | results written |", "| --- | --- | --- | --- | --- | --- |"]
+    issues = {step.name: step.issue for step in PLAN}
+    for name, code, seconds in statuses:
+        results = out / name / "results"
+        failed = (results / "FAILED").read_text().strip().replace("\n", "; ") if (results / "FAILED").exists() else ""
+        written = sorted(str(p.relative_to(results)) for p in results.rglob("*") if p.is_file()
+                         and p.name not in ("DONE", "FAILED", "environment.json", "zoo-build.txt"))
+        lines.append(f"| {name} | {issues[name]} | {code} | {seconds / 60:.1f} | {failed} | {', '.join(written)} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rehearse", type=Path, metavar="OUT", help="run every step on the CPU with stand-ins")
     args = parser.parse_args(argv)
     if args.rehearse:
-        return int(any(code for _, code in rehearse(args.rehearse)))
+        return int(any(code for _, code, _ in rehearse(args.rehearse)))
     for step in pending():
         print(f"{step.name} ({step.issue}, about {step.minutes:g} device-minutes): {step.environment()}")
     return 0

@@ -225,9 +225,10 @@ def count_bytes_read(model: onnx.ModelProto) -> int:
 
 
 _LOOKUPS = {("", "Gather"): {0: 1}, ("com.microsoft", "RotaryEmbedding"): {2: 1, 3: 1},
-            ("", "RotaryEmbedding"): {1: 3, 2: 3}}
+            ("", "RotaryEmbedding"): {1: 3, 2: 3}, ("com.microsoft", "EmbedLayerNormalization"): {2: 0, 3: 0, 4: 1}}
 """(domain, operator) -> {table input: the input indexing its rows}: reads of a table's rows by index (Gather along
-axis 0; a rotary embedding's cos/sin caches by position_ids)."""
+axis 0; a rotary embedding's cos/sin caches by position_ids; an embedding norm's word, position and segment tables
+by the token ids, as many positions as tokens, and the segment ids)."""
 
 
 def _looked_up(model: onnx.ModelProto) -> dict[str, list[str]]:

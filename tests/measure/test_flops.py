@@ -160,3 +160,19 @@ def test_bytes_read_counts_a_looked_up_table_by_the_rows_read():
     tied = model([helper.make_node("MatMul", ["r", "table_t"], ["logits"]),
                   helper.make_node("Transpose", ["table"], ["table_t"])])
     assert count_bytes_read(tied) == inputs + 100 * 8 * 4 + 2 * 3 * 2 * 4 + 4 * 8
+
+
+def test_bytes_read_counts_an_embedding_norms_tables_by_the_rows_read():
+    """EmbedLayerNormalization looks its word and position tables up by the tokens (as many positions as tokens), as
+    the Gathers it replaces did: fusing them must not make a model read its whole vocabulary."""
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT32, [1, 4])
+    words, positions = (numpy_helper.from_array(np.zeros((n, 8), np.float32), name)
+                        for n, name in ((1000, "words"), (512, "positions")))
+    gamma, beta = (numpy_helper.from_array(np.ones(8, np.float32), name) for name in ("gamma", "beta"))
+    node = helper.make_node("EmbedLayerNormalization", ["ids", "", "words", "positions", "", "gamma", "beta"],
+                            ["out", "mask_index"], domain="com.microsoft", epsilon=1e-12)
+    graph = helper.make_graph([node], "g", [ids], [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                              initializer=[words, positions, gamma, beta])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+    assert count_bytes_read(model) == 4 * 4 + 2 * 4 * 8 * 4 + 2 * 8 * 4
