@@ -19,14 +19,13 @@ import onnx_graphsurgeon as gs
 from rlflow.graph.core import Graph
 from rlflow.measure.accuracy import Evaluator
 from rlflow.measure.bootstrap import Ratio
+from rlflow.measure.profile_comparison import compare_profiled
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.timing import compare
 from rlflow.rewrites import find_matches
 from rlflow.rewrites.half import HalfPrecisionRule
 from rlflow.search.precision import Choices, Layer, PrecisionSearch, choose
 
 COMPARE_ROUNDS = 12
-COMPARE_BLOCKS = 3
 
 
 def half_search(graph: Graph, evaluator: Evaluator, settings: SessionSettings, rules: Sequence[HalfPrecisionRule],
@@ -70,13 +69,11 @@ def half_search(graph: Graph, evaluator: Evaluator, settings: SessionSettings, r
 
 
 def against_float32(graph: Graph, half: Graph, settings: SessionSettings) -> Ratio:
-    """The speedup of `half` over `graph`, interleaved on the target (COMPARE_ROUNDS rounds in COMPARE_BLOCKS
-    blocks of fresh sessions): per node a half kernel's speed depends on its neighbours, so the whole model decides,
-    against the float32 graph it came from, where the gate compares with the input."""
-    shapes = {k: list(v) for k, v in graph.input_shapes.items()}
-    comparison = compare([graph.to_model(static=False), half.to_model(static=False)], settings,
-                         rounds=COMPARE_ROUNDS, blocks=COMPARE_BLOCKS, shapes=shapes, labels=["float32", "half"])
-    return comparison.ratios[1]
+    """The speedup of `half` over `graph`, interleaved on the target at the graph's shapes and profiles, as the gate
+    measures: per node a half kernel's speed depends on its neighbours, so the whole model decides, against the
+    float32 graph it came from, where the gate compares with the input."""
+    return compare_profiled([graph, half], settings, rounds=COMPARE_ROUNDS, seed=0,
+                            labels=["float32", "half"]).ratios[1]
 
 
 def _float_bytes(node: gs.Node) -> int:
