@@ -74,6 +74,9 @@ PLAN: tuple[Step, ...] = (
     Step("precision-int4", "#77 GPU", {"GPU_STEPS": "precision", "GPU_PRECISION": "int4", "GPU_ROUNDS": "10",
                                        "GPU_ZOO": "smollm2-135m-decode-p128-dynamo qwen3-0.6b-l8-decode-p128-dynamo"},
          8, "bert-l2-h128-s16-ts"),
+    *(Step(f"classic-plain-{i}", "#79 2", {"GPU_STEPS": "bench", "GPU_METHODS": "agent,taso",
+                                           "GPU_TIME_LIMIT": "default", "GPU_ROUNDS": "5", "GPU_ZOO": zoo}, 11,
+           "resnet-18-tiny") for i, zoo in enumerate((" ".join(CLASSIC[:2]), " ".join(CLASSIC[2:])), 1)),
     Step("held-out-encoders", "#79 4", {**CAPTURED, "GPU_BENCH_ARGS": "",
                                         "GPU_ZOO": "bert-l4-h256-s16-ts electra-small-s16-dynamo"}, 9,
          "bert-l2-h128-s16-ts"),
@@ -83,8 +86,9 @@ PLAN: tuple[Step, ...] = (
           "GPU_ZOO": "smollm2-135m-decode-p128-dynamo qwen3-0.6b-l8-prefill-s128-dynamo"}, 11,
          "qwen3-tiny-decode-p16-ts"),
 )
-"""Issue #79's order: padded decode steps, the classic architectures captured, precision (#77), the held-out encoders,
-then fp32, plain and prefill steps; the classic models plain and the full-depth models come after these. A step's
+"""Issue #79's order: padded decode steps, the classic architectures captured, precision (#77), the classic
+architectures plain (what docs/results/gpu/classic-estimate/ predicts: the estimate prices uncaptured launches), the
+held-out encoders, then fp32, plain and prefill steps; the full-depth models come after these. A step's
 minutes are a guess where no run of its kind was timed; the padded steps' come from docs/results/gpu/h200-1130/ (its
 two decode steps: kit a minute, zoo build 1.8 minutes, bench 8.1), the held-out encoders' from the same run."""
 
