@@ -138,13 +138,19 @@ def logits_difference(export, builder, export_feeds: Mapping, reference_feeds: M
     return {"logits_max_abs_diff": difference, "logits_max_rel_diff": difference / max(largest, 1e-30)}
 
 
-def with_fixed_inputs(path: Path, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
-    """The builder's graph with its inputs fixed at the shapes of `feeds`, as the bench measures every model; its
-    weights stay in their file (absolute locations)."""
+def builder_graph(path: str | os.PathLike) -> onnx.ModelProto:
+    """The builder's graph as built, its weights left in their file (absolute locations)."""
     from rlflow.graph.external_data import resolve_external_data
 
     model = onnx.load(str(path), load_external_data=False)
-    resolve_external_data(model, path.parent)
+    resolve_external_data(model, Path(path).parent)
+    return model
+
+
+def with_fixed_inputs(path: Path, feeds: Mapping[str, np.ndarray]) -> onnx.ModelProto:
+    """The builder's graph with its inputs fixed at the shapes of `feeds`, as the bench measures every model; its
+    weights stay in their file (absolute locations)."""
+    model = builder_graph(path)
     for vi in model.graph.input:
         for dim, size in zip(vi.type.tensor_type.shape.dim, feeds[vi.name].shape):
             dim.Clear()
@@ -221,12 +227,17 @@ def bench_references(model: onnx.ModelProto, path: str | os.PathLike | None) -> 
     return (REFERENCE,) if builder_command() is not None and decoder_of(model, path) is not None else ()
 
 
+def export_precision(dec: Decoder) -> str:
+    """The builder's -p for the export's own precision (the reference); `rlflow bench-precision` asks for int4."""
+    return "fp16" if dec.dtype == "float16" else "fp32"
+
+
 def bench_row(graph, source: onnx.ModelProto, settings: SessionSettings, config) -> Row:
     """The bench's reference row for `graph` (an `rlflow.graph.core.Graph` of a zoo decoder; `source` its static
     model, the bench's input) at its shapes, built in the export's precision for the bench's provider."""
     dec = decoder_of(source, graph.source)
     return reference_row(source, dict(graph.input_shapes), dec, settings, rounds=config.rounds, seed=config.seed,
-                         precision="fp16" if dec.dtype == "float16" else "fp32", export_file=graph.source,
+                         precision=export_precision(dec), export_file=graph.source,
                          model_name=Path(graph.source or dec.name).stem)
 
 

@@ -8,8 +8,9 @@ Python (it needs torch, transformers and onnx-ir, not onnxruntime-genai's own li
 transformers model (`rlflow.zoo.decoders`: the entry's configuration and the zoo's seed, so the weights are the
 export's) is saved as a Hugging Face folder with a tokenizer made here: a word-level vocabulary of ``<i>`` tokens as long
 as the model's, with bos/eos at the configuration's ids (the builder loads a tokenizer for its special tokens and
-copies it; nothing is downloaded).  The builder's graph (``-p fp32 -e cpu``; ``fp16``/``cuda`` for the GPU) is kept in
-rlflow's cache (``genai-builder/``) under a hash of the weights file, precision, provider and the venv's versions.
+copies it; nothing is downloaded).  The builder's graph (``-p fp32 -e cpu``; ``fp16``/``cuda`` for the GPU; ``int4``
+for `rlflow bench-precision`'s ``genai-int4`` peer, `rlflow.bench.builder_precision`) is kept in rlflow's cache
+(``genai-builder/``) under a hash of the weights file, precision, provider and the venv's versions.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ GENAI_VENV = Path(__file__).resolve().parents[2] / ".venv-genai"
 """Where `make genai-builder` puts the builder's venv (RLFLOW_GENAI_VENV names another)."""
 
 BUILDER_SECONDS = 3600
+PRECISIONS = ("fp32", "fp16", "int4")
+"""The builder's -p values rlflow asks for: the export's own precision (the reference), int4 (a quantizer's peer)."""
 _VERSIONS = """import importlib.metadata as m, json
 versions = {}
 for p in %r:
@@ -155,9 +158,12 @@ def run_builder(hf_folder: Path, out: Path, *, precision: str = "fp32", provider
     """The builder on a Hugging Face folder, offline; returns its model.onnx (its log is ``builder.log`` beside it).
 
     Raises:
-        RlflowError: no builder venv, or the builder failed (the log's last lines say why).
+        RlflowError: no builder venv, a precision not in PRECISIONS, or the builder failed (the log's last lines say
+            why).
     """
     builder = _required(python)
+    if precision not in PRECISIONS:
+        raise RlflowError(f"the genai builder's precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     with tempfile.TemporaryDirectory(prefix="rlflow-genai-cache-") as cache:

@@ -5,19 +5,24 @@ Per model: rlflow's output (`optimize` with `--precision`, every other setting i
 (`rlflow.bench.precision_peers`) are measured interleaved against the input in one comparison, and each one's error
 is taken on the same samples: the model's held-out npz beside it (`<name>.heldout.npz`, as the zoo's trained decoders
 have), the given `--data`, or random inputs, which the row says.  A peer that tunes on data
-(onnxconverter-fp16-mixed) tunes on the first of those samples, within rlflow's budget.  A peer that cannot quantize a
-model, or writes one onnxruntime cannot run, is a row that says why; the run goes on.
+(onnxconverter-fp16-mixed) tunes on the first of those samples, within rlflow's budget.  A peer that builds its own
+graph of a zoo decoder (genai-int4, `rlflow.bench.builder_precision`) is fed each feed translated into its inputs, in
+the timing and in the error; a zoo decoder's random samples and timing feed are decoder steps for that (an all-ones
+mask, positions after the cache), for every row.  A peer that cannot quantize a model, or writes one onnxruntime
+cannot run, is a row that says why; the run goes on.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import onnx
 
 from rlflow.bench.machine import environment, measure_bandwidth
@@ -29,6 +34,7 @@ from rlflow.graph.external_data import tensor_bytes
 from rlflow.graph.flops import count_bytes_read
 from rlflow.graph.model_file import read_model
 from rlflow.measure.accuracy import Evaluator, load_data, random_samples
+from rlflow.measure.inputs import random_inputs
 from rlflow.measure.session import SessionSettings, create_session, resolve_provider
 from rlflow.measure.timing import compare
 from rlflow.optimize.pipeline import optimize
@@ -75,49 +81,64 @@ def data_file(path: Path, data: str | None) -> str | None:
 
 def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
     """One row per method and peer on the model at `path`."""
-    from rlflow.bench.precision_peers import run_precision_peer
+    from rlflow.bench.builder_precision import as_step, as_steps, builder_peer
+    from rlflow.bench.genai_builder import decoder_of
+    from rlflow.bench.precision_peers import BUILT_PEERS, PRECISION_PEERS, run_precision_peer
 
     given = read_model(path)
     graph = Graph.from_model(given, None, source=str(path), checked=True)
     data = data_file(path, config.data)
     samples = load_data(data, given) if data else random_samples(given, graph.input_shapes, config.seed)
+    feed = random_inputs(given, config.seed, graph.input_shapes)  # what `compare` feeds every model by default
+    if decoder_of(given, path) is not None and samples.random:  # a random mask and positions are no decoder step,
+        samples, feed = as_steps(samples), as_step(feed)  # and the builder's peer can take steps only
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
     candidates = {}
-    for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what the precision step adds
-        start = time.monotonic()
-        result = optimize(path, precision=precision, max_error=config.max_error if precision else None,
-                          data=data if precision else None,
-                          method=config.method, time_limit=config.time_limit, threads=config.threads,
-                          seed=config.seed, provider=config.provider)
-        candidates[name] = (result.output_model, time.monotonic() - start,
-                            {"outcome": result.outcome, "reason": result.reason,
-                             "layers": (result.precision or {}).get("layers")})
-    rows = []
+    with tempfile.TemporaryDirectory(prefix="rlflow-bench-precision-") as tmp:
+        if samples.random:  # rlflow's budget holds on the rows' own samples (steps, for a zoo decoder)
+            data = str(Path(tmp) / "samples.npz")
+            np.savez(data, **{k: np.stack([f[k] for f in samples.feeds]) for k in samples.feeds[0]})
+        for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what precision adds
+            start = time.monotonic()
+            result = optimize(path, precision=precision, max_error=config.max_error if precision else None,
+                              data=data if precision else None,
+                              method=config.method, time_limit=config.time_limit, threads=config.threads,
+                              seed=config.seed, provider=config.provider)
+            candidates[name] = (result.output_model, time.monotonic() - start,
+                                {"outcome": result.outcome, "reason": result.reason,
+                                 "layers": (result.precision or {}).get("layers"),
+                                 "precision_stop": (result.precision or {}).get("stop_reason")})
+    rows, built = [], {}
     for name in config.peers:
         start = time.monotonic()
         try:
-            model = run_precision_peer(name, str(path), samples.feeds[0], config.max_error)
+            if name in BUILT_PEERS:  # its own graph, fed its own inputs
+                built[name] = builder_peer(name, PRECISION_PEERS[name], given, path, settings)
+                model, extra = built[name].model, {"settings": built[name].settings}
+            else:
+                model, extra = run_precision_peer(name, str(path), samples.feeds[0], config.max_error), {}
             seconds = time.monotonic() - start
             create_session(model, settings)  # a model onnxruntime refuses is the peer's row, not the run's end
-            candidates[name] = (model, seconds, {})
+            candidates[name] = (model, seconds, extra)
         except (NotApplicable, ProviderError) as exc:
             reason = str(exc) if isinstance(exc, NotApplicable) else f"{name} wrote a model that does not run: {exc}"
             rows.append({"model": path.stem, "method": name, "status": "not applicable", "reason": reason})
     evaluator = Evaluator(given, samples, settings, budget=math.inf)
     bandwidth = measure_bandwidth(settings)["gbs"] * 1e9
     names = list(candidates)
+    feeds = [feed, *(built[n].feeds(feed) if n in built else feed for n in names)]
     comparison = compare([given, *(candidates[n][0] for n in names)], settings, rounds=config.rounds,
-                         seed=config.seed, shapes=graph.input_shapes, labels=["input", *names])
+                         seed=config.seed, feeds=feeds, labels=["input", *names])
     for i, name in enumerate(names, start=1):
         model, seconds, extra = candidates[name]
-        error = evaluator.error(model)
-        read = bytes_read(model, graph.input_shapes)
+        error, said = built[name].error(given, samples, settings) if name in built else (evaluator.error(model), {})
+        read = bytes_read(model, {k: v.shape for k, v in feeds[i].items()})
         rows.append({"model": path.stem, "method": name, "status": "ok", "speedup": comparison.ratios[i].as_dict(),
                      "latency_ms": comparison.timings[i].median_ms, "input_ms": comparison.timings[0].median_ms,
                      "bytes_read": read, "memory_fraction": read / (comparison.timings[i].median_ms * 1e-3) / bandwidth,
-                     "max_error": error.max_error, "logits": error.logits, "samples": samples.source,
+                     "max_error": error.max_error, "logits": error.logits, "samples": error.source,
                      "weight_bytes": _weight_bytes(model), "input_weight_bytes": _weight_bytes(given),
-                     "seconds": seconds, **extra})
+                     "seconds": seconds, **extra, **said})
     return rows
 
 

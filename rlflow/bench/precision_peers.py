@@ -38,6 +38,13 @@ on the same fp32 model, so that `rlflow bench-precision` measures their speed an
   error on, else random inputs made as rlflow makes them.  It blocks nodes by name, so unnamed ones are named first;
   its progress and warnings are swallowed.  Its converter (1.16) mistypes a graph output that another node also
   reads when it keeps the float32 interface, which onnxruntime refuses: not applicable, and its row says so.
+- `genai-int4`: onnxruntime-genai's model builder at `-p int4 -e cpu` (`-e cuda` where the bench measures on CUDA)
+  with its defaults (in 0.18: onnxruntime's `MatMulNBitsQuantizer`, round to nearest, blocks of 32, symmetric,
+  `accuracy_level` 4 on the CPU; the embedding shares the LM head's int4 weight where the model ties them), the
+  graph a user of onnxruntime-genai deploys.  Not a quantizer of the input: it builds its own graph from a zoo
+  decoder's weights (`rlflow.bench.builder_precision`, its venv made by `make genai-builder`), so it applies to zoo
+  decoders only, takes its own inputs (each of the bench's feeds translated into them) and its error is taken over
+  the outputs both graphs share (the logits; the present cache where its layout is the export's).
 
 onnxruntime's CPU provider has no float16 kernel for most operators (MatMul among them on x86): it computes those in
 float32 between Casts, widening their constant weights as it loads the model, so there the fp16 peers halve the
@@ -82,8 +89,13 @@ PRECISION_PEERS: dict[str, str] = {
     "onnxsim-int8-weight-only": "int8",
     "onnxsim-fp16": "fp16",
     "onnxconverter-fp16-mixed": "fp16",
+    "genai-int4": "int4",
 }
 """Peer name -> the precision it writes, in the order a bench runs them."""
+
+BUILT_PEERS = frozenset({"genai-int4"})
+"""Peers that build their own graph from a zoo decoder's weights (`rlflow.bench.builder_precision`) rather than
+quantize the model given: their inputs are their own."""
 
 INT4_BLOCK = 32
 """onnxruntime-genai's builder's block size for the CPU (`int4_block_size`), and onnxsim's only one."""
@@ -103,11 +115,19 @@ def run_precision_peer(name: str, model: onnx.ModelProto | str | os.PathLike,
     `feed` and `max_error` are for the peers that tune on data (`_TUNED`): the inputs they tune on [default: random
     inputs as rlflow makes them] and the relative error norm they keep within [default: rlflow's fp16 default].
 
+    A BUILT_PEERS peer's model is its own graph of the zoo decoder `model` is, its inputs its own.
+
     Raises:
         KeyError: `name` is not in PRECISION_PEERS.
         NotApplicable: the peer's package is missing, the tool failed on the model, or it quantized nothing (a model
             without a layer it handles); the message is one line saying which.
     """
+    if name in BUILT_PEERS:
+        from rlflow.bench.builder_precision import builder_peer
+
+        path = model if isinstance(model, (str, os.PathLike)) else None
+        proto = onnx.load(os.fspath(model), load_external_data=False) if path is not None else model
+        return builder_peer(name, PRECISION_PEERS[name], proto, path).model
     tool = _TOOLS[name]
     source = onnx.load(os.fspath(model)) if isinstance(model, (str, os.PathLike)) else copy.deepcopy(model)
     source.ir_version = min(source.ir_version, max_ir_version())  # the tools that run the model run it in onnxruntime
