@@ -352,3 +352,17 @@ def test_dynamic_int8_quantizes_a_weight_once():
     first, again = rule.replacement(weight), rule.replacement(weight.copy())
     assert again is first and not first.constants[0].flags.writeable
     assert rule.replacement(weight * 2) is not first
+
+
+def test_bench_precision_at_the_peers_error_gives_rlflow_the_least_error_a_peer_reached(tmp_path, every_form_faster):
+    from rlflow.bench.precision import PrecisionBench, run
+
+    path = Path(_two_layer(tmp_path))
+    config = PrecisionBench("int8", peers=("ort-int8-dynamic",), rounds=3, method="greedy", time_limit=1,
+                            at_peers_error=True)
+    rows = {r["method"]: r for r in run([path], config, tmp_path / "out")["rows"]}
+    peer = rows["ort-int8-dynamic"]["max_error"]
+    assert rows["rlflow"]["max_error_given"] == pytest.approx(peer)
+    assert rows["rlflow"]["max_error"] <= peer
+    assert main(["bench-precision", str(path), "--at-peers-error", "--max-error", "0.1", "--out",
+                 str(tmp_path / "x")]) == 2

@@ -57,6 +57,9 @@ class PrecisionBench:
     data: str | None = None
     provider: str = "auto"
     """`auto`, `cpu` or `cuda`: where rlflow searches and every model is timed and its error taken."""
+    at_peers_error: bool = False
+    """rlflow's budget on each model is the least error any peer reached there (in place of `max_error`): rlflow
+    beside the peers at no more error than any of them."""
 
 
 def peer_names(spec: str, precision: str) -> tuple[str, ...]:
@@ -93,23 +96,9 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
     if decoder_of(given, path) is not None and samples.random:  # a random mask and positions are no decoder step,
         samples, feed = as_steps(samples), as_step(feed)  # and the builder's peer can take steps only
     settings = SessionSettings(provider=resolve_provider(config.provider), threads=config.threads)
-    candidates = {}
-    with tempfile.TemporaryDirectory(prefix="rlflow-bench-precision-") as tmp:
-        if samples.random:  # rlflow's budget holds on the rows' own samples (steps, for a zoo decoder)
-            data = str(Path(tmp) / "samples.npz")
-            np.savez(data, **{k: np.stack([f[k] for f in samples.feeds]) for k in samples.feeds[0]})
-        for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what precision adds
-            start = time.monotonic()
-            result = optimize(path, precision=precision, max_error=config.max_error if precision else None,
-                              data=data if precision else None,
-                              method=config.method, time_limit=config.time_limit, threads=config.threads,
-                              seed=config.seed, provider=config.provider)
-            candidates[name] = (result.output_model, time.monotonic() - start,
-                                {"outcome": result.outcome, "reason": result.reason,
-                                 "layers": (result.precision or {}).get("layers"),
-                                 "precision_stop": (result.precision or {}).get("stop_reason")})
-    rows, built = [], {}
-    for name in config.peers:
+    evaluator = Evaluator(given, samples, settings, budget=math.inf)
+    rows, built, candidates, errors = [], {}, {}, {}
+    for name in config.peers:  # first: with `at_peers_error`, their least error is rlflow's budget
         start = time.monotonic()
         try:
             if name in BUILT_PEERS:  # its own graph, fed its own inputs
@@ -120,10 +109,31 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
             seconds = time.monotonic() - start
             create_session(model, settings)  # a model onnxruntime refuses is the peer's row, not the run's end
             candidates[name] = (model, seconds, extra)
+            errors[name] = built[name].error(given, samples, settings) if name in built else (evaluator.error(model),
+                                                                                                {})
         except (NotApplicable, ProviderError) as exc:
             reason = str(exc) if isinstance(exc, NotApplicable) else f"{name} wrote a model that does not run: {exc}"
             rows.append({"model": path.stem, "method": name, "status": "not applicable", "reason": reason})
-    evaluator = Evaluator(given, samples, settings, budget=math.inf)
+    budget = config.max_error
+    if config.at_peers_error:
+        reached = [e.max_error for e, _ in errors.values() if math.isfinite(e.max_error)]
+        budget = min(reached) if reached else None
+    with tempfile.TemporaryDirectory(prefix="rlflow-bench-precision-") as tmp:
+        if samples.random:  # rlflow's budget holds on the rows' own samples (steps, for a zoo decoder)
+            data = str(Path(tmp) / "samples.npz")
+            np.savez(data, **{k: np.stack([f[k] for f in samples.feeds]) for k in samples.feeds[0]})
+        for name, precision in (("rlflow-exact", None), ("rlflow", config.precision)):  # what precision adds
+            start = time.monotonic()
+            result = optimize(path, precision=precision, max_error=budget if precision else None,
+                              data=data if precision else None,
+                              method=config.method, time_limit=config.time_limit, threads=config.threads,
+                              seed=config.seed, provider=config.provider)
+            candidates[name] = (result.output_model, time.monotonic() - start,
+                                {"outcome": result.outcome, "reason": result.reason,
+                                 "layers": (result.precision or {}).get("layers"),
+                                 "max_error_given": (result.precision or {}).get("max_error"),
+                                 "precision_stop": (result.precision or {}).get("stop_reason")})
+            errors[name] = evaluator.error(result.output_model), {}
     bandwidth = measure_bandwidth(settings)["gbs"] * 1e9
     names = list(candidates)
     feeds = [feed, *(built[n].feeds(feed) if n in built else feed for n in names)]
@@ -131,7 +141,7 @@ def bench_model(path: Path, config: PrecisionBench) -> list[dict]:
                          seed=config.seed, feeds=feeds, labels=["input", *names])
     for i, name in enumerate(names, start=1):
         model, seconds, extra = candidates[name]
-        error, said = built[name].error(given, samples, settings) if name in built else (evaluator.error(model), {})
+        error, said = errors[name]
         read = bytes_read(model, {k: v.shape for k, v in feeds[i].items()})
         rows.append({"model": path.stem, "method": name, "status": "ok", "speedup": comparison.ratios[i].as_dict(),
                      "latency_ms": comparison.timings[i].median_ms, "input_ms": comparison.timings[0].median_ms,

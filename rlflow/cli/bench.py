@@ -88,6 +88,9 @@ def bench(models, methods, peers, peer_names, provider, threads, time_limit, rou
 @click.option("--precision", type=click.Choice(["int4", "int8", "fp16", "bf16"]), default="int4", show_default=True,
               help="bf16 needs --provider cuda (onnxruntime's CPU provider has no bfloat16 kernels).")
 @click.option("--max-error", type=float, default=None, help="rlflow's error budget [default: the precision's].")
+@click.option("--at-peers-error", is_flag=True,
+              help="rlflow's budget on each model is the least error any peer reached there (instead of --max-error): "
+                   "rlflow at no more error than any peer.")
 @click.option("--peers", default="all", show_default=True,
               help="Comma-separated peer quantizers (rlflow.bench.precision_peers), 'all' or 'none'.")
 @click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -102,13 +105,15 @@ def bench(models, methods, peers, peer_names, provider, threads, time_limit, rou
               help="Interleaved rounds of the comparison of every output with the input.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for results.json and results.md.")
-def bench_precision(models, precision, max_error, peers, data, method, time_limit, provider, threads, rounds, seed,
-                    out) -> None:
+def bench_precision(models, precision, max_error, at_peers_error, peers, data, method, time_limit, provider, threads,
+                    rounds, seed, out) -> None:
     """rlflow's --precision beside the quantizers a user would pick instead: speed and error on the same data."""
     from rlflow.bench.precision import PrecisionBench, peer_names, run
 
+    if at_peers_error and max_error is not None:
+        raise click.UsageError("--at-peers-error sets rlflow's budget from the peers: give it or --max-error, not both")
     config = PrecisionBench(precision, max_error, peer_names(peers, precision), threads, rounds, seed, method,
-                            time_limit, data, provider)
+                            time_limit, data, provider, at_peers_error)
     run(models, config, out)
     click.echo((out / "results.md").read_text() + f"written {out}/results.json, results.md")
 
