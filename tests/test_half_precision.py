@@ -78,6 +78,16 @@ def test_half_rule_within_its_tolerance_casts_only_at_float32_edges(half_rule, r
         assert 0 < error <= half_rule.tolerance, (half_rule.name, error)
 
 
+def test_a_norms_unread_statistics_are_dropped_not_made_half():
+    model = _block()
+    model.graph.node[2].output.extend(["mean_stat", "inv_std"])  # named, read by nothing
+    lowered, _ = _lowered(model, FP16)
+    (norm,) = [n for n in lowered.graph.node if n.op_type == "LayerNormalization"]
+    assert list(norm.output[1:]) in ([], ["", ""])
+    x = np.random.default_rng(0).standard_normal((2, 8, 64)).astype(np.float32)
+    assert _error(model, lowered, x) <= FP16.tolerance
+
+
 def test_a_weight_two_half_nodes_read_is_converted_once():
     model = _block()
     model.graph.node[4].input[1] = "W1"  # both MatMuls read W1

@@ -77,13 +77,14 @@ class HalfPrecisionRule(PrecisionRule):
         known = graph.gs.tensors()
         inputs = [self._half_input(graph, t, known) if t.name and np.dtype(t.dtype) == np.float32 else t
                   for t in node.inputs]
-        outputs = [gs.Variable.empty() if not t.name else
+        statistics = FLOAT32_OUTPUTS.get(node.op, ())  # unread (`check`): dropped, as they cannot be half
+        outputs = [gs.Variable.empty() if not t.name or k in statistics else
                    gs.Variable(graph.fresh_name(f"{t.name}_{self.precision}"),
                                self._dtype() if np.dtype(t.dtype) == np.float32 else t.dtype, t.shape)
-                   for t in node.outputs]
+                   for k, t in enumerate(node.outputs)]
         clone_node(graph, node, inputs, outputs)
         for old, new in zip(node.outputs, outputs):
-            if not old.name:
+            if not old.name or not new.name:
                 continue
             if np.dtype(old.dtype) != np.float32:
                 replace_typed(graph, old, new)
