@@ -12,13 +12,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rlflow.cli import main
 from rlflow.graph.core import Graph
-from rlflow.measure.accuracy import Evaluator, load_data, random_samples
+from rlflow.measure.accuracy import ErrorReport, Evaluator, load_data, random_samples
 from rlflow.measure.session import SessionSettings
-from rlflow.measure.verify import verify
+from rlflow.measure.verify import OutputCheck, verify
 from rlflow.optimize.options import Options, rules_for
 from rlflow.optimize.pipeline import optimize
 from rlflow.optimize.report import format_report
-from rlflow.rewrites import PRECISION_RULES, RULES, apply, apply_all, find_matches
+from rlflow.rewrites import PRECISION_RULES, RULES, Match, apply, apply_all, find_matches
 from tests.conftest import save, tiny_model
 
 INTEGER_RULES = [r for r in PRECISION_RULES if r.precision in ("int4", "int8")]
@@ -366,3 +366,24 @@ def test_bench_precision_at_the_peers_error_gives_rlflow_the_least_error_a_peer_
     assert rows["rlflow"]["max_error"] <= peer
     assert main(["bench-precision", str(path), "--at-peers-error", "--max-error", "0.1", "--out",
                  str(tmp_path / "x")]) == 2
+
+
+def test_a_layer_that_pays_most_goes_first_where_the_threshold_would_move_all_alike():
+    """Four layers whose int4 errs alike (0.1 each, the model's error their sum): the threshold can take all or none,
+    and all (0.4) is over the budget 0.25; the second bisection takes the two that save most time, largest first."""
+    from rlflow.search.precision import Layer, choose
+
+    class Summing:  # the model's error: the sum of its layers' local errors
+        evaluations: list = []
+
+        def evaluate(self, chosen, label):
+            error = sum(m.param("error") for m in chosen)
+            return None, list(chosen), ErrorReport([OutputCheck("y", 0, 0, error, 1, True)], "test")
+
+    gains = [1.0, 8.0, 2.0, 5.0]
+    layers = [Layer(f"l{i}", (1, 64, 64), 4096, {"int4": {"match": Match("int4", (f"l{i}",), (("error", 0.1),)),
+                                                          "error": 0.1, "gain_ms": g, "bytes": 1, "faster": True}})
+              for i, g in enumerate(gains)]
+    found = choose(None, layers, Summing(), budget=0.25, start=0.0)
+    assert [layer.chosen for layer in layers] == [None, "int4", None, "int4"]
+    assert found.error.max_error == pytest.approx(0.2)
