@@ -387,3 +387,18 @@ def test_a_layer_that_pays_most_goes_first_where_the_threshold_would_move_all_al
     found = choose(None, layers, Summing(), budget=0.25, start=0.0)
     assert [layer.chosen for layer in layers] == [None, "int4", None, "int4"]
     assert found.error.max_error == pytest.approx(0.2)
+
+
+def test_a_layer_is_timed_with_its_weights_pre_packed_whatever_the_models_sessions_do(monkeypatch):
+    """A large model's sessions share weights in place, without pre-packing; MatMulNBits's fast CPU path needs its
+    packed weight, so a layer timed so looks no faster in int4 than in float32."""
+    import rlflow.search.precision as search
+    from rlflow.rewrites import rule
+
+    made = []
+    real = search.create_session
+    monkeypatch.setattr(search, "create_session", lambda model, settings: made.append(settings) or real(model, settings))
+    weight = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    search._gain_ms(1, weight, rule("matmul-int8-block32").replacement(weight),
+                    SessionSettings(threads=1, share_weights=True), copies=2)
+    assert made and not any(s.share_weights for s in made)
