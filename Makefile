@@ -4,6 +4,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+GENAI_VENV := .venv-genai
+GENAI_STAMP := $(GENAI_VENV)/.installed
 DEMO_DIR := build/demo
 
 .PHONY: install demo test lint results-index fuzz bench bench-precision agent agent-wide agent-cuda agent-decoders ppo-agent ppo-agent-cuda ppo-agent-decoders genai-builder clean
@@ -55,12 +57,20 @@ bench: $(STAMP)
 # CPU, 1 thread, 12 interleaved rounds (about 40 minutes on 2 cores, most of it the decode step).
 TRAINED_DECODERS := models/stdlib-llama-s128-ts.onnx models/stdlib-llama-outliers-s128-ts.onnx
 PRECISION_RESULTS := docs/results/precision
-bench-precision: $(STAMP)
+bench-precision: $(STAMP) $(GENAI_STAMP)
 	$(BIN)/rlflow zoo build stdlib-llama-s128-ts stdlib-llama-outliers-s128-ts smollm2-135m-decode-p128-dynamo --out models
 	$(BIN)/rlflow bench-precision $(TRAINED_DECODERS) --precision int4 --rounds 12 --out $(PRECISION_RESULTS)/trained-int4
 	$(BIN)/rlflow bench-precision $(TRAINED_DECODERS) --precision int8 --rounds 12 --out $(PRECISION_RESULTS)/trained-int8
 	$(BIN)/rlflow bench-precision models/smollm2-135m-decode-p128-dynamo.onnx --precision int4 --rounds 12 \
 		--out $(PRECISION_RESULTS)/decode-int4
+	$(BIN)/rlflow zoo build qwen3-0.6b-l8-decode-p128-dynamo smollm2-135m-decode-p128-ts bert-l4-h256-s128-dynamo \
+		--out models
+	$(BIN)/rlflow bench-precision models/smollm2-135m-decode-p128-dynamo.onnx \
+		models/qwen3-0.6b-l8-decode-p128-dynamo.onnx models/smollm2-135m-decode-p128-ts.onnx --precision int4 \
+		--at-peers-error --peers ort-int4-rtn,onnxsim-int4,genai-int4 --provider cpu --rounds 12 \
+		--out $(PRECISION_RESULTS)/decode-int4-peers
+	$(BIN)/rlflow bench-precision models/bert-l4-h256-s128-dynamo.onnx models/stdlib-llama-s128-ts.onnx --precision fp16 \
+		--provider cpu --rounds 12 --out $(PRECISION_RESULTS)/fp16-cpu
 
 # The shipped agents are trained on the deployment section (issue #28): DistilBERT, Whisper-tiny's encoder, DeiT-small
 # and DeiT-tiny (a 192-wide model, so that attention fusion on small hidden sizes is seen in training), each from both
@@ -159,8 +169,6 @@ ppo-agent-decoders: $(STAMP)
 # onnxruntime (1.32 on), which rlflow pins below.  torch first, pinned, for the CPU wheel; then what the builder
 # imports (onnx-ir, transformers, safetensors).  `rlflow bench --peers` adds the `genai-builder` row to decoder
 # entries when $(GENAI_VENV) exists.
-GENAI_VENV := .venv-genai
-GENAI_STAMP := $(GENAI_VENV)/.installed
 genai-builder: $(GENAI_STAMP)
 
 $(GENAI_STAMP):

@@ -64,10 +64,10 @@ class HalfPrecisionRule(PrecisionRule):
                 continue
             if tensor.dtype is None:
                 return self.no(node, f"the element type of {tensor.name} is unknown")
-            if np.dtype(tensor.dtype) == np.float32:
+            if _type_name(tensor) == "float32":
                 floats += 1
             elif _type_name(tensor) in ("float16", "bfloat16", "float64"):
-                return self.no(node, f"{tensor.name} is already {_type_name(tensor)}")
+                return self.no(node, f"{tensor.name} is {_type_name(tensor)}, not float32")
         if not floats:
             return self.no(node, "it has no float32 tensor")
         return self.match([node])
@@ -75,18 +75,18 @@ class HalfPrecisionRule(PrecisionRule):
     def rewrite(self, graph: Graph, match: Match, nodes: dict[str, gs.Node]) -> None:
         node = nodes[match.root]
         known = graph.gs.tensors()
-        inputs = [self._half_input(graph, t, known) if t.name and np.dtype(t.dtype) == np.float32 else t
+        inputs = [self._half_input(graph, t, known) if t.name and _type_name(t) == "float32" else t
                   for t in node.inputs]
         statistics = FLOAT32_OUTPUTS.get(node.op, ())  # unread (`check`): dropped, as they cannot be half
         outputs = [gs.Variable.empty() if not t.name or k in statistics else
                    gs.Variable(graph.fresh_name(f"{t.name}_{self.precision}"),
-                               self._dtype() if np.dtype(t.dtype) == np.float32 else t.dtype, t.shape)
+                               self._dtype() if _type_name(t) == "float32" else t.dtype, t.shape)
                    for k, t in enumerate(node.outputs)]
         clone_node(graph, node, inputs, outputs)
         for old, new in zip(node.outputs, outputs):
             if not old.name or not new.name:
                 continue
-            if np.dtype(old.dtype) != np.float32:
+            if _type_name(old) != "float32":
                 replace_typed(graph, old, new)
                 continue
             back = emit(graph, "Cast", [new], {"to": TensorProto.FLOAT}, hint=f"{old.name}_float")
