@@ -402,3 +402,16 @@ def test_a_layer_is_timed_with_its_weights_pre_packed_whatever_the_models_sessio
     search._gain_ms(1, weight, rule("matmul-int8-block32").replacement(weight),
                     SessionSettings(threads=1, share_weights=True), copies=2)
     assert made and not any(s.share_weights for s in made)
+
+
+def test_the_gate_pre_packs_an_output_that_holds_matmulnbits(tmp_path):
+    """Shared in place, a large model's sessions skip pre-packing, and MatMulNBits then runs its slow path: the gate
+    times an int4 output as a deployed session runs it."""
+    from rlflow.optimize.pipeline import _gate_settings
+
+    graph = Graph.from_model(_linear("MatMul"), {"x": (2, 8, 256)})
+    (match,) = find_matches(graph, [PRECISION_RULES[0]])
+    lowered = apply(graph, match, [PRECISION_RULES[0]])
+    shared = SessionSettings(threads=1, share_weights=True)
+    assert not _gate_settings(shared, lowered).share_weights
+    assert _gate_settings(shared, graph).share_weights  # float32 weights: as the search measured them
