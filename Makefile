@@ -63,10 +63,11 @@ bench-precision: $(STAMP) $(GENAI_STAMP)
 	$(BIN)/rlflow bench-precision $(TRAINED_DECODERS) --precision int8 --rounds 12 --out $(PRECISION_RESULTS)/trained-int8
 	$(BIN)/rlflow bench-precision models/smollm2-135m-decode-p128-dynamo.onnx --precision int4 --rounds 12 \
 		--out $(PRECISION_RESULTS)/decode-int4
-	$(BIN)/rlflow zoo build qwen3-0.6b-l8-decode-p128-dynamo smollm2-135m-decode-p128-ts bert-l4-h256-s128-dynamo \
-		--out models
+	$(BIN)/rlflow zoo build qwen3-0.6b-l8-decode-p128-dynamo qwen3-0.6b-l8-decode-p128-ts smollm2-135m-decode-p128-ts \
+		bert-l4-h256-s128-dynamo --out models
 	$(BIN)/rlflow bench-precision models/smollm2-135m-decode-p128-dynamo.onnx \
-		models/qwen3-0.6b-l8-decode-p128-dynamo.onnx models/smollm2-135m-decode-p128-ts.onnx --precision int4 \
+		models/qwen3-0.6b-l8-decode-p128-dynamo.onnx models/smollm2-135m-decode-p128-ts.onnx \
+		models/qwen3-0.6b-l8-decode-p128-ts.onnx --precision int4 \
 		--at-peers-error --peers ort-int4-rtn,onnxsim-int4,genai-int4 --provider cpu --rounds 12 \
 		--out $(PRECISION_RESULTS)/decode-int4-peers
 	$(BIN)/rlflow bench-precision models/bert-l4-h256-s128-dynamo.onnx models/stdlib-llama-s128-ts.onnx --precision fp16 \
