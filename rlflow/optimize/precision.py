@@ -29,6 +29,7 @@ PRECISIONS = ("int4", "int8", "fp16", "bf16")
 bf16 (nodes computed in half precision, the rest float32)."""
 
 HALF = ("fp16", "bf16")
+"""The precisions whose nodes compute in half (`rlflow.search.half`), not weights stored in fewer bits."""
 
 QUANTIZED_OPS = frozenset({"MatMulNBits", "DynamicQuantizeMatMul", "MatMulInteger", "MatMulIntegerToFloat",
                            "QLinearMatMul", "QLinearConv", "ConvInteger", "DequantizeLinear", "GatherBlockQuantized",

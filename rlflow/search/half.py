@@ -39,9 +39,13 @@ def half_search(graph: Graph, evaluator: Evaluator, settings: SessionSettings, r
         return PrecisionSearch(graph, [], [], None, None, [], "no node the half-precision rules take (float32 "
                                "operators whose float tensors all share one type)", time.monotonic() - start)
     nodes = graph.node_map()
-    layers = [Layer(m.root, tuple(graph.shape(nodes[m.root].outputs[0]) or ()), _float_bytes(nodes[m.root]),
-                    {m.rule: {"match": m, "error": None, "gain_ms": None, "bytes": _float_bytes(nodes[m.root]) // 2,
-                              "faster": True}}) for m in matches]
+    layers = []
+    for m in matches:
+        node = nodes[m.root]
+        weights = _float_bytes(node)
+        layers.append(Layer(m.root, tuple(graph.shape(node.outputs[0]) or ()), weights,
+                            {m.rule: {"match": m, "error": None, "gain_ms": None, "bytes": weights // 2,
+                                      "faster": True}}))
     choices = Choices(graph, evaluator, rules)
     everything = choices.evaluate(matches, None)
     if everything[2].max_error > budget:  # some nodes must stay float32: which, by their error alone
